@@ -1,0 +1,373 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class SLO(_message.Message):
+    __slots__ = ("ttft_ms", "tbt_ms")
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TBT_MS_FIELD_NUMBER: _ClassVar[int]
+    ttft_ms: float
+    tbt_ms: float
+    def __init__(self, ttft_ms: _Optional[float] = ..., tbt_ms: _Optional[float] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("model", "prompt", "token_ids", "max_tokens", "sampling", "cache_salt", "slo", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    sampling: SamplingParams
+    cache_salt: str
+    slo: SLO
+    request_id: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "computed_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+
+class Route(_message.Message):
+    __slots__ = ("prefill_node", "decode_node", "estimated_ttft_ms")
+    PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NODE_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    prefill_node: str
+    decode_node: str
+    estimated_ttft_ms: float
+    def __init__(self, prefill_node: _Optional[str] = ..., decode_node: _Optional[str] = ..., estimated_ttft_ms: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "route")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    usage: Usage
+    route: Route
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., route: _Optional[_Union[Route, _Mapping]] = ...) -> None: ...
+
+class ClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node_id", "role", "grpc_address", "data_address", "model", "fingerprint", "kv_blocks_total", "kv_blocks_free", "queue_depth", "running", "computed_tokens_total", "cached_tokens_total", "fetched_tokens_total", "generated_tokens_total", "reachable")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    role: str
+    grpc_address: str
+    data_address: str
+    model: str
+    fingerprint: str
+    kv_blocks_total: int
+    kv_blocks_free: int
+    queue_depth: int
+    running: int
+    computed_tokens_total: int
+    cached_tokens_total: int
+    fetched_tokens_total: int
+    generated_tokens_total: int
+    reachable: bool
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., data_address: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., computed_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., fetched_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., reachable: _Optional[bool] = ...) -> None: ...
+
+class ClusterStatusResponse(_message.Message):
+    __slots__ = ("cluster", "nodes", "store_blocks", "store_bytes_used", "store_bytes_total")
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    cluster: str
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    store_blocks: int
+    store_bytes_used: int
+    store_bytes_total: int
+    def __init__(self, cluster: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., store_blocks: _Optional[int] = ..., store_bytes_used: _Optional[int] = ..., store_bytes_total: _Optional[int] = ...) -> None: ...
+
+class MountSegmentRequest(_message.Message):
+    __slots__ = ("node_id", "data_address", "region_id", "size")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    data_address: str
+    region_id: int
+    size: int
+    def __init__(self, node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., region_id: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class MountSegmentResponse(_message.Message):
+    __slots__ = ("segment_id",)
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    def __init__(self, segment_id: _Optional[str] = ...) -> None: ...
+
+class UnmountSegmentRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class UnmountSegmentResponse(_message.Message):
+    __slots__ = ("segments", "blocks_dropped")
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    segments: int
+    blocks_dropped: int
+    def __init__(self, segments: _Optional[int] = ..., blocks_dropped: _Optional[int] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("hash", "data_address", "region_id", "offset", "size", "node_id")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    data_address: str
+    region_id: int
+    offset: int
+    size: int
+    node_id: str
+    def __init__(self, hash: _Optional[bytes] = ..., data_address: _Optional[str] = ..., region_id: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class PutStartRequest(_message.Message):
+    __slots__ = ("node_id", "hashes", "size")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    size: int
+    def __init__(self, node_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., size: _Optional[int] = ...) -> None: ...
+
+class PutStartResponse(_message.Message):
+    __slots__ = ("placements", "already_present")
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    placements: _containers.RepeatedCompositeFieldContainer[Placement]
+    already_present: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., already_present: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PutEndRequest(_message.Message):
+    __slots__ = ("hashes", "abort")
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    abort: bool
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., abort: _Optional[bool] = ...) -> None: ...
+
+class PutEndResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+
+class GetReplicasRequest(_message.Message):
+    __slots__ = ("hashes",)
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class GetReplicasResponse(_message.Message):
+    __slots__ = ("replicas", "lease_expires_unix_ms")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[Placement]
+    lease_expires_unix_ms: int
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ExistsRequest(_message.Message):
+    __slots__ = ("hashes",)
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ExistsResponse(_message.Message):
+    __slots__ = ("prefix_blocks",)
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    prefix_blocks: int
+    def __init__(self, prefix_blocks: _Optional[int] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("hashes",)
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RemoveResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class StoreStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StoreStatsResponse(_message.Message):
+    __slots__ = ("blocks", "bytes_used", "bytes_total", "segments", "evictions")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes_used: int
+    bytes_total: int
+    segments: int
+    evictions: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_total: _Optional[int] = ..., segments: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class NodeStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVTarget(_message.Message):
+    __slots__ = ("node_id", "data_address", "region_id", "block_ids", "block_nbytes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    data_address: str
+    region_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_nbytes: int
+    def __init__(self, node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., region_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "block_hashes", "target", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    target: KVTarget
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "computed_tokens", "cached_tokens", "fetched_tokens", "prefill_ms", "queue_ms")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    computed_tokens: int
+    cached_tokens: int
+    fetched_tokens: int
+    prefill_ms: float
+    queue_ms: float
+    def __init__(self, first_token: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., fetched_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("target",)
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    target: KVTarget
+    def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "first_token", "max_tokens", "sampling", "stop_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token: int
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token_ids", "finish_reason")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,141 @@
+"""Wire-level helpers for the TCP transport: frame structs, socket tuning,
+exact send/receive loops and the mutual HMAC handshake.
+
+Handshake (all fields fixed size; the server reveals nothing derived from the
+secret until the client has proven it knows the secret)::
+
+    S -> C : b"KVM1" | nonce_s (32)
+    C -> S : HMAC(secret, "client" | nonce_s | nonce_c) (32) | nonce_c (32)
+    S -> C : HMAC(secret, "server" | nonce_c | nonce_s) (32)   (or close)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+__all__ = ["AuthError", "REQ", "REP", "client_handshake", "server_handshake",
+           "configure_socket", "recv_exact", "sendmsg_all", "split_address"]
+
+REQ = struct.Struct("!BBHIIQQQ")  # op flags rsv crc region req_id offset length
+REP = struct.Struct("!BBHIQQ")    # kind status rsv crc req_id length
+
+MAGIC = b"KVM1"
+NONCE_BYTES = 32
+MAC_BYTES = 32
+
+
+class AuthError(Exception):
+    """The peer failed (or refused) mutual authentication."""
+
+
+def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(secret, role + a + b, hashlib.sha256).digest()
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> int:
+    """``recv_into`` until ``view`` is full; ConnectionError on EOF."""
+    n = len(view)
+    pos = 0
+    while pos < n:
+        got = sock.recv_into(view[pos:] if pos else view)
+        if not got:
+            raise ConnectionError("connection closed by peer")
+        pos += got
+    return n
+
+
+def _recv_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def sendmsg_all(sock: socket.socket, bufs: list) -> None:
+    """Send every buffer in order with as few syscalls as possible.
+
+    Buffers must be bytes-like with ``len() == nbytes`` (bytes, bytearray or
+    ``"B"``-format memoryviews).  Nothing is copied; partial sends advance a
+    memoryview into the buffer that was cut.
+    """
+    if len(bufs) == 1:
+        sock.sendall(bufs[0])
+        return
+    bufs = list(bufs)
+    i, n_bufs = 0, len(bufs)
+    while i < n_bufs:
+        sent = sock.sendmsg(bufs[i:i + 512])
+        while sent:
+            size = len(bufs[i])
+            if sent >= size:
+                sent -= size
+                i += 1
+            else:
+                bufs[i] = memoryview(bufs[i])[sent:]
+                sent = 0
+        while i < n_bufs and not len(bufs[i]):
+            i += 1
+
+
+def configure_socket(sock: socket.socket, buf_bytes: int) -> None:
+    """Low latency + big buffers + dead-peer detection."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buf_bytes:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, buf_bytes)
+            except OSError:
+                pass
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5),
+                        ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 20_000)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+            except OSError:
+                pass
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"bad peer address {address!r}; expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def server_handshake(sock: socket.socket, secret: bytes) -> None:
+    """Authenticate a connecting client; raises AuthError (caller closes)."""
+    nonce_s = os.urandom(NONCE_BYTES)
+    sock.sendall(MAGIC + nonce_s)
+    try:
+        msg = _recv_bytes(sock, MAC_BYTES + NONCE_BYTES)
+    except ConnectionError as e:
+        raise AuthError("client closed during handshake") from e
+    mac_c, nonce_c = msg[:MAC_BYTES], msg[MAC_BYTES:]
+    if not hmac.compare_digest(mac_c, _mac(secret, b"client", nonce_s, nonce_c)):
+        raise AuthError("client failed authentication")
+    sock.sendall(_mac(secret, b"server", nonce_c, nonce_s))
+
+
+def client_handshake(sock: socket.socket, secret: bytes) -> None:
+    """Authenticate to a server and verify it knows the secret too."""
+    try:
+        hello = _recv_bytes(sock, len(MAGIC) + NONCE_BYTES)
+    except ConnectionError as e:
+        raise AuthError("server closed before handshake") from e
+    if hello[:len(MAGIC)] != MAGIC:
+        raise AuthError("peer is not a kvmesh transfer engine")
+    nonce_s = hello[len(MAGIC):]
+    nonce_c = os.urandom(NONCE_BYTES)
+    sock.sendall(_mac(secret, b"client", nonce_s, nonce_c) + nonce_c)
+    try:
+        mac_s = _recv_bytes(sock, MAC_BYTES)
+    except ConnectionError as e:
+        raise AuthError("peer rejected our credentials (wrong cluster secret?)") from e
+    if not hmac.compare_digest(mac_s, _mac(secret, b"server", nonce_c, nonce_s)):
+        raise AuthError("peer failed authentication (wrong cluster secret?)")

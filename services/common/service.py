@@ -1,0 +1,127 @@
+"""The life of a kvmesh service process: start the gRPC server, register in etcd under a
+lease, serve, and on SIGINT/SIGTERM shut down once, gracefully:
+deregister from etcd -> grace period -> drain (transfers, streams) -> stop server -> free.
+A second signal during shutdown is logged and ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from typing import Any, Callable
+
+import grpc
+
+from services.common.etcd import EtcdClient
+from services.common.registry import Registration, node_key
+from services.common.settings import ServiceConfig
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(level: str, role: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("grpc").setLevel(logging.WARNING)
+
+
+class Service:
+    """Base of the four services. Subclasses set ``role``, add their servicers in
+    ``setup()`` and may extend ``node_info()``, ``drain()`` and ``teardown()``."""
+
+    role = "service"
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.node_id = cfg.default_node_id(self.role)
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                               ("grpc.max_send_message_length", 64 << 20)])
+        self.etcd = EtcdClient(cfg.etcd_endpoints, user=cfg.etcd_user or None,
+                               password=cfg.etcd_password or None)
+        self.grpc_address = ""
+        self.registration: Registration | None = None
+        self._stop = asyncio.Event()
+        self._shutting_down = False
+
+    # -- hooks -----------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Adds servicers to ``self.server`` and prepares state (before the port opens)."""
+
+    async def after_start(self) -> None:
+        """Runs once the server listens and the node is registered."""
+
+    def node_info(self) -> dict[str, Any]:
+        """What peers learn about this node from etcd."""
+        return {"id": self.node_id, "role": self.role, "grpc": self.grpc_address}
+
+    async def drain(self) -> None:
+        """Finishes in-flight work after deregistering (transfers, streams)."""
+
+    async def teardown(self) -> None:
+        """Frees what ``setup`` took."""
+
+    # -- life --------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.setup()
+        port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if port == 0:
+            raise RuntimeError(f"cannot bind gRPC port {self.cfg.host}:{self.cfg.port}")
+        self.grpc_address = f"{self.cfg.host}:{port}"
+        await self.server.start()
+        key = node_key(self.cfg.cluster, self.role, self.node_id)
+        self.registration = Registration(self.etcd, key, self._info_bytes(), ttl=self.cfg.lease_ttl)
+        await self.registration.start()
+        await self.after_start()
+        log.info("%s %s serving on %s", self.role, self.node_id, self.grpc_address)
+
+    def _info_bytes(self) -> bytes:
+        return json.dumps(self.node_info(), sort_keys=True).encode()
+
+    async def update_registration(self) -> None:
+        if self.registration is not None:
+            await self.registration.update(self._info_bytes())
+
+    def request_stop(self) -> None:
+        if self._stop.is_set():
+            log.warning("%s already shutting down; ignoring the repeated signal", self.role)
+            return
+        self._stop.set()
+
+    async def shutdown(self) -> None:
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        log.info("%s %s shutting down", self.role, self.node_id)
+        if self.registration is not None:
+            try:
+                await asyncio.wait_for(self.registration.stop(), 3)
+            except Exception as e:  # etcd may be gone; the lease then expires by itself
+                log.warning("deregistering failed (%s); the lease will expire", e)
+        await asyncio.sleep(self.cfg.grace_s)
+        try:
+            await asyncio.wait_for(self.drain(), 30)
+        except Exception as e:
+            log.warning("drain did not finish cleanly: %s", e)
+        await self.server.stop(grace=2)
+        await self.teardown()
+        await self.etcd.close()
+
+    async def run_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self.start()
+        await self._stop.wait()
+        await self.shutdown()
+
+
+def run(factory: Callable[[], Service]) -> None:
+    """The one place a service enters asyncio (on uvloop); the service is built inside
+    the loop so its gRPC server and events bind to it."""
+    import uvloop
+
+    async def main() -> None:
+        await factory().run_forever()
+
+    uvloop.run(main())

@@ -1,0 +1,87 @@
+"""Config dataclasses shared by the services: what every service and every model node takes."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from services.common.config import ConfigError, option, parse_size
+
+DEV_SECRET = "kvmesh-dev-secret"
+
+
+@dataclass
+class ServiceConfig:
+    """Options every kvmesh service takes."""
+
+    cluster: str = option("default", "cluster name; etcd keys live under /kvmesh/<cluster>/")
+    etcd: str = option("127.0.0.1:2379", "etcd endpoints, comma-separated host:port")
+    etcd_user: str = option("", "etcd user name (empty = no auth)")
+    etcd_password: str = option("", "etcd password")
+    host: str = option("127.0.0.1", "address to bind and to advertise to peers")
+    port: int = option(0, "gRPC port (0 = any free port)")
+    node_id: str = option("", "unique id of this process in the cluster (default: <role>-<host>-<pid>)")
+    lease_ttl: int = option(10, "etcd lease TTL in seconds; a dead node leaves the cluster within it")
+    grace_s: float = option(1.0, "seconds between deregistering and stopping on shutdown")
+    log_level: str = option("INFO", "log level: DEBUG, INFO, WARNING, ERROR")
+
+    def validate(self) -> None:
+        if not self.cluster or "/" in self.cluster:
+            raise ConfigError(f"cluster: {self.cluster!r} must be a non-empty name without '/'")
+        if not self.etcd_endpoints:
+            raise ConfigError("etcd: give at least one host:port")
+        for ep in self.etcd_endpoints:
+            if ":" not in ep:
+                raise ConfigError(f"etcd: endpoint {ep!r} must be host:port")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port: {self.port} is not a TCP port (0-65535)")
+        if self.lease_ttl < 2:
+            raise ConfigError(f"lease_ttl: {self.lease_ttl}s is too short; use 2 or more")
+        if self.grace_s < 0:
+            raise ConfigError("grace_s: must be >= 0")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level: {self.log_level!r} is not DEBUG, INFO, WARNING or ERROR")
+
+    @property
+    def etcd_endpoints(self) -> list[str]:
+        return [e.strip() for e in self.etcd.split(",") if e.strip()]
+
+    def default_node_id(self, role: str) -> str:
+        return self.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class NodeConfig(ServiceConfig):
+    """Options of a model node (prefill or decode)."""
+
+    model: str = option("tiny", "model to serve: a random preset (tiny, small)")
+    dtype: str = option("float32", "compute dtype: float32 or bfloat16 (never float16 on CPU)")
+    seed: int = option(0, "seed of a random preset's weights; all nodes must agree")
+    block_size: int = option(256, "tokens per KV block (engine block = store block)")
+    kv_memory: str = option("256MiB", "memory for this node's KV pool")
+    segment_memory: str = option("256MiB", "DRAM this node lends to the cluster KV store (0 = none)")
+    data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
+    secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
+    threads: int = option(0, "torch intra-op threads (0 = torch's default)")
+
+    def validate(self) -> None:
+        super().validate()
+        from services.engine.config import PRESETS, resolve_dtype
+
+        if self.model not in PRESETS:
+            raise ConfigError(f"model: {self.model!r} is not a known preset; choose one of "
+                              f"{sorted(PRESETS)}")
+        try:
+            resolve_dtype(self.dtype)
+        except ValueError as e:
+            raise ConfigError(f"dtype: {e}") from None
+        if not 1 <= self.block_size <= 4096:
+            raise ConfigError(f"block_size: {self.block_size} must be between 1 and 4096")
+        if parse_size(self.kv_memory) <= 0:
+            raise ConfigError("kv_memory: must be > 0")
+        parse_size(self.segment_memory)
+        if not self.secret:
+            raise ConfigError("secret: the cluster secret must not be empty")
+        if not 0 <= self.data_port < 65536:
+            raise ConfigError(f"data_port: {self.data_port} is not a TCP port")

@@ -1,0 +1,265 @@
+"""Local clusters: ``kvmesh up`` and the integration tests start etcd and the four services
+as real processes on this machine with :class:`LocalCluster`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Etcd:
+    """A single-member etcd on loopback with its own data dir (kept across restarts)."""
+
+    def __init__(self, data_dir: str, client_port: int = 0, peer_port: int = 0,
+                 log_path: str | None = None) -> None:
+        self.data_dir = data_dir
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 20) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError("etcd is not on PATH: install it (Debian: apt-get install etcd-server)")
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [binary, "--name", "kvmesh", "--data-dir", self.data_dir,
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"kvmesh={peer}", "--log-level", "error"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode} (log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
+                    if b"true" in r.read():
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"etcd did not become healthy in {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+class LocalCluster:
+    """etcd (unless ``etcd_endpoint`` is given) + store-master + conductor + nodes, each a
+    ``python -m services.cli <role>`` process with its log in ``workdir``."""
+
+    def __init__(self, workdir: str | None = None, *, cluster: str = "default",
+                 prefill: int = 1, decode: int = 1, conductor_port: int = 0,
+                 etcd_endpoint: str | None = None, lease_ttl: int = 10,
+                 node_args: list[str] | None = None, conductor_args: list[str] | None = None,
+                 store_args: list[str] | None = None, log_level: str = "INFO") -> None:
+        self._own_dir = workdir is None
+        self.workdir = workdir or tempfile.mkdtemp(prefix="kvmesh-")
+        Path(self.workdir).mkdir(parents=True, exist_ok=True)
+        self.cluster = cluster
+        self.n_prefill, self.n_decode = prefill, decode
+        self.conductor_port = conductor_port or free_port()
+        self.lease_ttl = lease_ttl
+        self.node_args = node_args or []
+        self.conductor_args = conductor_args or []
+        self.store_args = store_args or []
+        self.log_level = log_level
+        self.etcd = None if etcd_endpoint else Etcd(os.path.join(self.workdir, "etcd"),
+                                                    log_path=os.path.join(self.workdir, "etcd.log"))
+        self.etcd_endpoint = etcd_endpoint or self.etcd.endpoint
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._stopped: set[str] = set()
+
+    @property
+    def conductor(self) -> str:
+        return f"127.0.0.1:{self.conductor_port}"
+
+    def _common(self, name: str) -> list[str]:
+        return ["--cluster", self.cluster, "--etcd", self.etcd_endpoint, "--node-id", name,
+                "--lease-ttl", str(self.lease_ttl), "--log-level", self.log_level]
+
+    def spawn(self, name: str, role: str, extra: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
+        p = subprocess.Popen([sys.executable, "-m", "services.cli", role, *self._common(name),
+                              *extra], stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.procs[name] = p
+        return p
+
+    def start(self, timeout: float = 90) -> "LocalCluster":
+        if self.etcd:
+            self.etcd.start()
+        self.spawn("store-master-0", "store-master", self.store_args)
+        self.spawn("conductor-0", "conductor",
+                   ["--port", str(self.conductor_port), *self.conductor_args])
+        for i in range(self.n_prefill):
+            self.spawn(f"prefill-{i}", "prefill", self.node_args)
+        for i in range(self.n_decode):
+            self.spawn(f"decode-{i}", "decode", self.node_args)
+        self.wait_ready(timeout)
+        return self
+
+    def status(self, timeout: float = 2):
+        from services.cli import cluster_status
+
+        return asyncio.run(cluster_status(self.conductor, timeout))
+
+    def wait_ready(self, timeout: float = 90, prefill: int | None = None,
+                   decode: int | None = None) -> None:
+        want_p = self.n_prefill if prefill is None else prefill
+        want_d = self.n_decode if decode is None else decode
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() is not None and name not in self._stopped:
+                    raise RuntimeError(f"{name} exited with {p.returncode}; see "
+                                       f"{os.path.join(self.workdir, name + '.log')}")
+            try:
+                s = self.status()
+                roles = [n.role for n in s.nodes if n.reachable]
+                last = f"{roles}"
+                if (roles.count("prefill") == want_p and roles.count("decode") == want_d
+                        and "store-master" in roles and s.store_bytes_total > 0):
+                    return
+            except Exception as e:  # not up yet
+                last = str(e)[:200]
+            time.sleep(0.25)
+        raise RuntimeError(f"cluster not ready in {timeout}s (last: {last}); logs in {self.workdir}")
+
+    def stop_process(self, name: str, sig: int = signal.SIGTERM, wait: float = 30) -> int:
+        p = self.procs[name]
+        self._stopped.add(name)
+        if p.poll() is None:
+            p.send_signal(sig)
+            try:
+                p.wait(wait)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return p.returncode
+
+    def stop(self) -> None:
+        order = [n for n in self.procs if n.startswith(("prefill", "decode"))] + \
+                [n for n in self.procs if n.startswith("conductor")] + \
+                [n for n in self.procs if n.startswith("store-master")]
+        for name in order:
+            p = self.procs[name]
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for name in order:
+            p = self.procs[name]
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.etcd:
+            self.etcd.stop()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def add_up_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=50051, help="conductor gRPC port")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
+    p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
+    p.add_argument("--model", default="tiny", help="model preset for every node")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    p.add_argument("--workdir", default=None, help="where logs and etcd data go (default: a temp dir)")
+    p.add_argument("--demo", default=None, metavar="PROMPT",
+                   help="serve this one prompt, print the completion, and stop")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens for --demo")
+
+
+def up(args: argparse.Namespace) -> int:
+    cluster = LocalCluster(args.workdir, prefill=args.prefill, decode=args.decode,
+                           conductor_port=args.port,
+                           node_args=["--model", args.model, "--block-size", str(args.block_size)])
+    stop = {"now": False}
+
+    def on_signal(signum, frame):
+        if stop["now"]:
+            return
+        stop["now"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print(f"starting etcd, store-master, conductor, {args.prefill} prefill and "
+              f"{args.decode} decode node(s); logs in {cluster.workdir}", flush=True)
+        t0 = time.monotonic()
+        cluster.start()
+        print(f"cluster ready in {time.monotonic() - t0:.1f}s: conductor at {cluster.conductor}, "
+              f"etcd at {cluster.etcd_endpoint}", flush=True)
+        from services.cli import format_status
+
+        print(format_status(cluster.status()), flush=True)
+        if args.demo is not None:
+            from services.cli import main as cli_main
+
+            print(f"\n>>> {args.demo}", flush=True)
+            try:
+                cli_main(["generate", args.demo, "--conductor", cluster.conductor,
+                          "--max-tokens", str(args.max_tokens), "-v"])
+            except SystemExit as e:
+                return int(e.code or 0)
+            return 0
+        print(f"try: kvmesh generate --conductor {cluster.conductor} \"Hello\"\n"
+              f"     kvmesh status --conductor {cluster.conductor}\nCtrl-C stops the cluster.",
+              flush=True)
+        while True:
+            time.sleep(1)
+            for name, p in cluster.procs.items():
+                if p.poll() is not None:
+                    print(f"{name} exited with {p.returncode}; stopping", file=sys.stderr)
+                    return 1
+    except KeyboardInterrupt:
+        print("\nstopping the cluster", flush=True)
+        return 0
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
