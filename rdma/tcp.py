@@ -42,7 +42,8 @@ CONNECT_TIMEOUT = 3.0       # default seconds for TCP connect + handshake
 MAX_ATTEMPTS = 2            # one retry on a fresh connection
 MAX_BATCH_REQS = 128        # requests coalesced into one sendmsg
 MAX_BATCH_BYTES = 8 << 20
-MAX_PENDING_ACKS = 64       # server flushes acks at least this often
+MAX_PENDING_ACKS = 64       # server flushes replies at least this often...
+MAX_PENDING_REPLY_BYTES = 1 << 20  # ...or once this much READ data is queued
 MAX_NOTIFY_BYTES = 64 << 20
 SCRATCH_BYTES = 64 << 10
 
@@ -536,7 +537,8 @@ class TcpTransport(Transport):
         hdr = bytearray(REQ.size)
         hmv = memoryview(hdr)
         scratch = memoryview(bytearray(SCRATCH_BYTES))
-        acks: list = []
+        acks: list = []  # coalesced replies (acks, errors, READ data views)
+        pending_out = 0  # READ bytes referenced by ``acks``
         counters = self.counters
 
         def error(rid: int, status: int, msg: str) -> None:
@@ -560,6 +562,7 @@ class TcpTransport(Transport):
                 if got < REQ.size:
                     sendmsg_all(sock, acks)
                     acks.clear()
+                    pending_out = 0
             if got < REQ.size:
                 recv_exact(sock, hmv[got:])
             op, flags, _, crc, region, rid, offset, length = REQ.unpack_from(hdr)
@@ -595,9 +598,12 @@ class TcpTransport(Transport):
                     data = bytearray(src)
                     data[0] ^= 0xFF
                 acks.append(REP.pack(REPLY, ST_OK, 0, rcrc, rid, length))
-                acks.append(data)
-                sendmsg_all(sock, acks)  # zero-copy: the region view itself
-                acks.clear()
+                acks.append(data)  # zero-copy: the region view itself
+                pending_out += length
+                if pending_out >= MAX_PENDING_REPLY_BYTES:
+                    sendmsg_all(sock, acks)
+                    acks.clear()
+                    pending_out = 0
                 counters.add("bytes_served_out", length)
             elif op == Op.NOTIFY:
                 if length > MAX_NOTIFY_BYTES:
