@@ -170,8 +170,9 @@ async def test_registration_recovers_lost_lease(client, cluster):
     old = reg.lease_id
     await client.lease_revoke(old)
     assert await client.get(reg.key) is None
-    await eventually(lambda: client.get(reg.key), timeout=TTL)
-    assert reg.lease_id != old and reg.registered
+    await eventually(lambda: _async(reg.registered and reg.lease_id != old), timeout=TTL)
+    assert await client.get(reg.key) == b"v"
+    assert await client.lease_ttl(reg.lease_id) > 0
     await reg.stop()
     assert await client.get(reg.key) is None
 
