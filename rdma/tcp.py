@@ -29,8 +29,9 @@ from typing import Callable
 
 from .transport import (Op, RegionTable, RemoteAccessError, TransferError,
                         Transport, WorkRequest)
-from .wire import (AuthError, REP, REQ, client_handshake, configure_socket,
-                   recv_exact, sendmsg_all, server_handshake, split_address)
+from .wire import (REP, REQ, AuthError, Counters, Reader, client_handshake,
+                   configure_socket, recv_exact, sendmsg_all, server_handshake,
+                   split_address)
 
 log = logging.getLogger(__name__)
 
@@ -46,65 +47,6 @@ MAX_PENDING_ACKS = 64       # server flushes replies at least this often...
 MAX_PENDING_REPLY_BYTES = 1 << 20  # ...or once this much READ data is queued
 MAX_NOTIFY_BYTES = 64 << 20
 SCRATCH_BYTES = 64 << 10
-
-
-class _Counters:
-    """Thread-safe integer counters."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.values: collections.Counter[str] = collections.Counter()
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.values[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self.values)
-
-
-class _Reader:
-    """Buffered reader for reply streams: small headers are parsed from a
-    read-ahead buffer; bulk data goes straight into the destination view
-    (only a read-ahead fragment, at most the buffer size, is memcpy'd)."""
-
-    def __init__(self, sock: socket.socket, size: int = 64 << 10) -> None:
-        self.sock = sock
-        self.buf = bytearray(size)
-        self.mv = memoryview(self.buf)
-        self.start = self.end = 0
-
-    def _fill(self, n: int) -> None:
-        if self.start + n > len(self.buf):  # compact
-            k = self.end - self.start
-            self.mv[:k] = self.mv[self.start:self.end]
-            self.start, self.end = 0, k
-        while self.end - self.start < n:
-            got = self.sock.recv_into(self.mv[self.end:])
-            if not got:
-                raise ConnectionError("connection closed by peer")
-            self.end += got
-
-    def read_struct(self, st):
-        self._fill(st.size)
-        out = st.unpack_from(self.buf, self.start)
-        self.start += st.size
-        return out
-
-    def read_bytes(self, n: int) -> bytes:
-        out = bytearray(n)
-        self.read_into(memoryview(out))
-        return bytes(out)
-
-    def read_into(self, dst: memoryview) -> None:
-        n = len(dst)
-        k = min(n, self.end - self.start)
-        if k:
-            dst[:k] = self.mv[self.start:self.start + k]
-            self.start += k
-        if k < n:
-            recv_exact(self.sock, dst[k:])
 
 
 class _Conn:
@@ -158,7 +100,7 @@ class _Conn:
 
     def _recv_loop(self) -> None:
         tr = self.channel.transport
-        reader = _Reader(self.sock)
+        reader = Reader(self.sock)
         current: WorkRequest | None = None
         try:
             while True:
@@ -376,7 +318,7 @@ class TcpTransport(Transport):
         self.sock_buf_bytes = sock_buf_bytes
         self.connect_timeout = connect_timeout
         self.corrupt_next = False
-        self.counters = _Counters()
+        self.counters = Counters()
         self.closed = False
         self._lock = threading.Lock()
         self._channels: dict[str, list[_Channel]] = {}

@@ -1,5 +1,6 @@
 """Wire-level helpers for the TCP transport: frame structs, socket tuning,
-exact send/receive loops and the mutual HMAC handshake.
+exact send/receive loops, a buffered reply reader, thread-safe counters and
+the mutual HMAC handshake.
 
 Handshake (all fields fixed size; the server reveals nothing derived from the
 secret until the client has proven it knows the secret)::
@@ -11,13 +12,15 @@ secret until the client has proven it knows the secret)::
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import os
 import socket
 import struct
+import threading
 
-__all__ = ["AuthError", "REQ", "REP", "client_handshake", "server_handshake",
+__all__ = ["AuthError", "Counters", "REQ", "REP", "Reader", "client_handshake", "server_handshake",
            "configure_socket", "recv_exact", "sendmsg_all", "split_address"]
 
 REQ = struct.Struct("!BBHIIQQQ")  # op flags rsv crc region req_id offset length
@@ -139,3 +142,62 @@ def client_handshake(sock: socket.socket, secret: bytes) -> None:
         raise AuthError("peer rejected our credentials (wrong cluster secret?)") from e
     if not hmac.compare_digest(mac_s, _mac(secret, b"server", nonce_c, nonce_s)):
         raise AuthError("peer failed authentication (wrong cluster secret?)")
+
+
+class Counters:
+    """Thread-safe integer counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: collections.Counter[str] = collections.Counter()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.values[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.values)
+
+
+class Reader:
+    """Buffered reader for reply streams: small headers are parsed from a
+    read-ahead buffer; bulk data goes straight into the destination view
+    (only a read-ahead fragment, at most the small buffer size, is memcpy'd)."""
+
+    def __init__(self, sock: socket.socket, size: int = 8 << 10) -> None:
+        self.sock = sock
+        self.buf = bytearray(size)
+        self.mv = memoryview(self.buf)
+        self.start = self.end = 0
+
+    def _fill(self, n: int) -> None:
+        if self.start + n > len(self.buf):  # compact
+            k = self.end - self.start
+            self.mv[:k] = self.mv[self.start:self.end]
+            self.start, self.end = 0, k
+        while self.end - self.start < n:
+            got = self.sock.recv_into(self.mv[self.end:])
+            if not got:
+                raise ConnectionError("connection closed by peer")
+            self.end += got
+
+    def read_struct(self, st):
+        self._fill(st.size)
+        out = st.unpack_from(self.buf, self.start)
+        self.start += st.size
+        return out
+
+    def read_bytes(self, n: int) -> bytes:
+        out = bytearray(n)
+        self.read_into(memoryview(out))
+        return bytes(out)
+
+    def read_into(self, dst: memoryview) -> None:
+        n = len(dst)
+        k = min(n, self.end - self.start)
+        if k:
+            dst[:k] = self.mv[self.start:self.start + k]
+            self.start += k
+        if k < n:
+            recv_exact(self.sock, dst[k:])
