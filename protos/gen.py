@@ -25,8 +25,8 @@ def proto_files() -> list[Path]:
     return sorted(p.relative_to(ROOT) for p in PROTO_DIR.rglob("*.proto"))
 
 
-def generated_files(out_dir: Path) -> list[Path]:
-    """The stub files (relative to ``out_dir``) that ``generate`` produces."""
+def generated_files() -> list[Path]:
+    """The stub files ``generate`` produces, relative to its output directory."""
     out: list[Path] = []
     for proto in proto_files():
         stem = proto.with_suffix("")
@@ -57,7 +57,7 @@ def generate(out_dir: Path) -> None:
 
 def main() -> int:
     generate(ROOT)
-    for f in generated_files(ROOT):
+    for f in generated_files():
         print(f)
     return 0
 

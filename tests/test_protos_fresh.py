@@ -19,7 +19,7 @@ def test_protos_found():
     assert {"protos/etcd/rpc.proto", "protos/etcd/kv.proto", "protos/etcd/auth.proto"} <= protos
 
 
-@pytest.mark.parametrize("rel", gen.generated_files(gen.ROOT), ids=lambda p: p.as_posix())
+@pytest.mark.parametrize("rel", gen.generated_files(), ids=lambda p: p.as_posix())
 def test_stub_is_fresh(fresh: Path, rel: Path):
     committed = gen.ROOT / rel
     assert committed.exists(), f"{rel} missing: run `python -m protos.gen`"
@@ -28,4 +28,4 @@ def test_stub_is_fresh(fresh: Path, rel: Path):
 
 def test_no_unexpected_stubs(fresh: Path):
     produced = {p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file()}
-    assert produced == set(gen.generated_files(gen.ROOT))
+    assert produced == set(gen.generated_files())
