@@ -1,0 +1,81 @@
+"""`kvmesh up` runs a whole cluster as real processes and stops all of it on SIGTERM;
+`kvmesh generate` and `kvmesh status` talk to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from services.engine.model import LlamaModel
+from services.engine.tokenizer import ByteTokenizer
+from services.launcher import free_port
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_up_generate_status_and_clean_stop(tmp_path):
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port),
+                           "--block-size", "16", "--workdir", str(tmp_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line, "kvmesh up exited early:\n" + "".join(lines)
+            lines.append(line)
+            if "Ctrl-C stops the cluster" in line:
+                break
+        text = "".join(lines)
+        assert f"conductor at 127.0.0.1:{port}" in text
+        children = _children(up.pid)
+        assert len(children) == 5  # etcd + four services
+
+        conductor = f"127.0.0.1:{port}"
+        gen = _cli("generate", "Hello from the CLI", "--conductor", conductor,
+                   "--max-tokens", "6", "-v")
+        assert gen.returncode == 0, gen.stderr
+        assert "completion=6" in gen.stderr
+        st = _cli("status", "--conductor", conductor, "--json")
+        assert st.returncode == 0, st.stderr
+        roles = sorted(n["role"] for n in json.loads(st.stdout)["nodes"])
+        assert roles == ["conductor", "decode", "prefill", "store-master"]
+        bad = _cli("generate", "", "--conductor", conductor)
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+        for pid in children:
+            assert not os.path.exists(f"/proc/{pid}") or \
+                open(f"/proc/{pid}/stat").read().split()[2] == "Z", f"child {pid} still runs"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_generate_output_is_the_reference_text(tmp_path):
+    """`kvmesh up --demo` serves one prompt and stops; its tokens are the reference's."""
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", str(port),
+                          "--block-size", "16", "--demo", "Hi", "--max-tokens", "5",
+                          "--workdir", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    tok = ByteTokenizer()
+    ref = LlamaModel.from_preset("tiny").reference_generate(tok.encode("Hi"), 5, tok.eos_id)
+    assert tok.decode(ref) in out.stdout
+    assert f"completion={len(ref)}" in out.stderr
