@@ -339,26 +339,34 @@ class ReserveResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token", "max_tokens", "sampling", "stop_token_ids")
+    __slots__ = ("request_id", "first_token", "max_tokens", "sampling", "stop_token_ids", "prefill_here", "prompt_token_ids", "block_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     max_tokens: int
     sampling: SamplingParams
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefill_here: bool
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_here: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason")
+    __slots__ = ("token_ids", "finish_reason", "prefill")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    prefill: PrefillResponse
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -371,3 +379,68 @@ class ReleaseResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: float
+    def __init__(self, interval_ms: _Optional[float] = ...) -> None: ...
+
+class PrefillSample(_message.Message):
+    __slots__ = ("new_tokens", "cached_tokens", "ms")
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    new_tokens: int
+    cached_tokens: int
+    ms: float
+    def __init__(self, new_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+
+class DecodeSample(_message.Message):
+    __slots__ = ("batch", "kv_tokens", "ms")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    batch: int
+    kv_tokens: int
+    ms: float
+    def __init__(self, batch: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+
+class NodeLoad(_message.Message):
+    __slots__ = ("queue_depth", "running", "kv_blocks_free", "kv_blocks_total", "prefill_samples", "decode_samples", "bandwidth_bytes_per_s")
+    class BandwidthBytesPerSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    queue_depth: int
+    running: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    prefill_samples: _containers.RepeatedCompositeFieldContainer[PrefillSample]
+    decode_samples: _containers.RepeatedCompositeFieldContainer[DecodeSample]
+    bandwidth_bytes_per_s: _containers.ScalarMap[str, float]
+    def __init__(self, queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefill_samples: _Optional[_Iterable[_Union[PrefillSample, _Mapping]]] = ..., decode_samples: _Optional[_Iterable[_Union[DecodeSample, _Mapping]]] = ..., bandwidth_bytes_per_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class NodeEvent(_message.Message):
+    __slots__ = ("seq", "reset", "stored", "removed", "load")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    reset: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    load: NodeLoad
+    def __init__(self, seq: _Optional[int] = ..., reset: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...

@@ -551,6 +551,11 @@ class PrefillNodeStub:
                 request_serializer=protos_dot_kvmesh__pb2.NodeStatusRequest.SerializeToString,
                 response_deserializer=protos_dot_kvmesh__pb2.NodeStatus.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvmesh.v1.PrefillNode/WatchEvents',
+                request_serializer=protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh__pb2.NodeEvent.FromString,
+                _registered_method=True)
 
 
 class PrefillNodeServicer:
@@ -570,6 +575,13 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """Cache events and load reports for the conductor's index and estimates.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -582,6 +594,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_kvmesh__pb2.NodeStatusRequest.FromString,
                     response_serializer=protos_dot_kvmesh__pb2.NodeStatus.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=protos_dot_kvmesh__pb2.WatchEventsRequest.FromString,
+                    response_serializer=protos_dot_kvmesh__pb2.NodeEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -648,6 +665,33 @@ class PrefillNode:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.PrefillNode/WatchEvents',
+            protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
+            protos_dot_kvmesh__pb2.NodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeNodeStub:
     """Missing associated documentation comment in .proto file."""
@@ -677,6 +721,11 @@ class DecodeNodeStub:
                 '/kvmesh.v1.DecodeNode/Status',
                 request_serializer=protos_dot_kvmesh__pb2.NodeStatusRequest.SerializeToString,
                 response_deserializer=protos_dot_kvmesh__pb2.NodeStatus.FromString,
+                _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvmesh.v1.DecodeNode/WatchEvents',
+                request_serializer=protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh__pb2.NodeEvent.FromString,
                 _registered_method=True)
 
 
@@ -709,6 +758,12 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -731,6 +786,11 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_kvmesh__pb2.NodeStatusRequest.FromString,
                     response_serializer=protos_dot_kvmesh__pb2.NodeStatus.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=protos_dot_kvmesh__pb2.WatchEventsRequest.FromString,
+                    response_serializer=protos_dot_kvmesh__pb2.NodeEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -841,6 +901,33 @@ class DecodeNode:
             '/kvmesh.v1.DecodeNode/Status',
             protos_dot_kvmesh__pb2.NodeStatusRequest.SerializeToString,
             protos_dot_kvmesh__pb2.NodeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.DecodeNode/WatchEvents',
+            protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
+            protos_dot_kvmesh__pb2.NodeEvent.FromString,
             options,
             channel_credentials,
             insecure,
