@@ -1,21 +1,32 @@
 """Throughput benchmark for the rdma/ transfer engine over loopback.
 
-Two engines in separate processes (this one issues batched WRITE/READ; a
-child process owns the remote region), block sizes 64 KiB .. 64 MiB, about
-``--total-mib`` moved per point, median of ``--reps``.  A plain Python socket
-stream (``sendall`` / ``recv_into`` with 4 MiB buffers) between the same two
-processes is measured in the same run as the baseline.  GB/s = 1e9 bytes/s.
+Two engines in separate processes (this one issues WRITE/READ; a child
+process owns the remote region), block sizes 64 KiB .. 64 MiB, about
+``--total-mib`` moved per point (fewer if a point exceeds ``--max-point-s``),
+median of ``--reps``.  Two modes: *batched* (all blocks in one call) and
+*single* (one block per call, each awaited before the next).  A plain Python
+socket stream (``sendall`` / ``recv_into`` with 4 MiB buffers) between the
+same two processes is measured in the same run as the baseline.
 
-    python -m loadtest.bench_transfer [--total-mib 256] [--reps 3]
+When the optional ``mooncake-transfer-engine-non-cuda`` wheel is installed,
+Mooncake's TransferEngine (TCP transport, P2P handshake) runs the same points
+side by side in two more processes (a client and its peer); otherwise its
+rows fall back to the reference figures below (batched only).  The wheel is
+never a kvmesh dependency and is imported only in those child processes.
+GB/s = 1e9 bytes/s; RSS is the measuring process's peak (ru_maxrss).
+
+    python -m loadtest.bench_transfer [--total-mib 256] [--reps 3] [--no-mooncake]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
+import resource
 import socket
 import statistics
 import struct
@@ -32,12 +43,20 @@ from rdma import Slice, TransferEngine  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCKS = [64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
+OPS = ("write", "read")
+MODES = ("batched", "single")
 STREAM_BUF = 4 * MiB
-# Mooncake transfer engine, TCP transport, batched (GB/s)
+# Reference: Mooncake transfer engine, TCP transport, batched (GB/s), used
+# when the wheel is not installed.
 MOONCAKE = {"write": {64 * KiB: 1.1, MiB: 1.7, 16 * MiB: 1.8, 64 * MiB: 1.8},
             "read": {64 * KiB: 1.2, MiB: 2.0, 16 * MiB: 1.8, 64 * MiB: 1.8}}
+MOONCAKE_MAX_BATCH = 1024  # entries per Mooncake batch call (see _mooncake_client_main)
 SECRET = b"bench-secret"
 RESULTS = Path(__file__).resolve().parent / "results" / "transfer.json"
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 # -- peer process ---------------------------------------------------------------
@@ -76,6 +95,111 @@ async def _peer_main(total: int, conns: int, chunk: int) -> None:
     await asyncio.to_thread(sys.stdin.read)  # until the parent closes stdin
     ls.close()
     await eng.close()
+    print(json.dumps({"peak_rss_mib": _peak_rss_mib()}), flush=True)
+
+
+# -- Mooncake (optional wheel; child processes only) ---------------------------------
+def _mooncake_engine():
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    from mooncake.engine import TransferEngine as MooncakeEngine
+    te = MooncakeEngine()
+    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise RuntimeError(f"mooncake initialize failed: rc={rc}")
+    return te
+
+
+def _mooncake_peer_main(total: int) -> None:
+    te = _mooncake_engine()
+    region = np.zeros(total, dtype=np.uint8)
+    if te.register_memory(region.ctypes.data, total) != 0:
+        raise RuntimeError("mooncake register_memory failed")
+    print(json.dumps({"port": te.get_rpc_port(), "addr": region.ctypes.data}), flush=True)
+    sys.stdin.read()
+    print(json.dumps({"peak_rss_mib": _peak_rss_mib()}), flush=True)
+
+
+def _mooncake_client_main(total: int, reps: int, max_point_s: float) -> None:
+    """Spawn a Mooncake peer, measure every point, print one JSON line."""
+    peer_proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--mooncake-peer",
+         "--total-mib", str(total // MiB)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True)
+    try:
+        peer = json.loads(peer_proc.stdout.readline())
+        te = _mooncake_engine()
+        local = np.random.default_rng(0).integers(0, 256, size=total, dtype=np.uint8)
+        base, rbase = local.ctypes.data, peer["addr"]
+        if te.register_memory(base, total) != 0:
+            raise RuntimeError("mooncake register_memory failed")
+        target = f"127.0.0.1:{peer['port']}"
+        if te.batch_transfer_sync_write(target, [base], [rbase], [total]) != 0:
+            raise RuntimeError("mooncake warm-up write failed")
+        out: dict = {op: {m: {} for m in MODES} for op in OPS}
+        for bs in BLOCKS:
+            n = max(1, total // bs)
+            offs = [i * bs for i in range(n)]
+            for op in OPS:
+                batch = te.batch_transfer_sync_write if op == "write" else te.batch_transfer_sync_read
+                one = te.transfer_sync_write if op == "write" else te.transfer_sync_read
+
+                def batched():
+                    # Mooncake's TCP lane rejects very large batches ("queue-full"),
+                    # so submit at most MOONCAKE_MAX_BATCH entries per call.
+                    for i in range(0, n, MOONCAKE_MAX_BATCH):
+                        part = offs[i:i + MOONCAKE_MAX_BATCH]
+                        if batch(target, [base + o for o in part],
+                                 [rbase + o for o in part], [bs] * len(part)) != 0:
+                            raise RuntimeError(f"mooncake batched {op} failed")
+                    return n * bs
+
+                def single():
+                    t0, done = time.perf_counter(), 0
+                    for o in offs:
+                        if one(target, base + o, rbase + o, bs) != 0:
+                            raise RuntimeError(f"mooncake {op} failed")
+                        done += bs
+                        if time.perf_counter() - t0 > max_point_s:
+                            break
+                    return done
+
+                for mode, fn in (("batched", batched), ("single", single)):
+                    rates = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        nbytes = fn()
+                        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+                    out[op][mode][bs] = statistics.median(rates)
+        res = {"rates": out, "peak_rss_mib": _peak_rss_mib()}
+    finally:
+        peer_proc.stdin.close()
+        try:
+            tail = peer_proc.stdout.read().strip().splitlines()
+            peer_proc.wait(10)
+        except subprocess.TimeoutExpired:
+            peer_proc.kill()
+            tail = []
+    res["peer_peak_rss_mib"] = json.loads(tail[-1])["peak_rss_mib"] if tail else None
+    print(json.dumps(res), flush=True)
+
+
+def _run_mooncake(total: int, reps: int, max_point_s: float) -> tuple[dict | None, str]:
+    """Mooncake results, or (None, reason) when the wheel is missing/broken."""
+    if importlib.util.find_spec("mooncake") is None:
+        return None, ("mooncake-transfer-engine-non-cuda is not installed; using the "
+                      "hard-coded reference figures (batched only)")
+    try:
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--mooncake-client",
+             "--total-mib", str(total // MiB), "--reps", str(reps),
+             "--max-point-s", str(max_point_s)],
+            capture_output=True, text=True, timeout=600)
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        return None, f"Mooncake run failed ({e!r}); using the reference figures"
+    res["rates"] = {op: {m: {int(k): v for k, v in d.items()} for m, d in md.items()}
+                    for op, md in res["rates"].items()}
+    return res, "Mooncake TransferEngine (tcp, P2PHANDSHAKE) measured in this run"
 
 
 # -- measuring side ---------------------------------------------------------------
@@ -99,33 +223,52 @@ def _stream_rate(port: int, total: int, reps: int) -> float:
 
 
 async def _engine_rates(peer: dict, total: int, reps: int, conns: int,
-                        chunk: int) -> dict:
+                        chunk: int, max_point_s: float) -> dict:
     eng = TransferEngine(SECRET, conns_per_peer=conns, chunk_bytes=chunk)
     await eng.start()
     local = np.random.default_rng(0).integers(0, 256, size=total, dtype=np.uint8)
     rid = eng.register(local)
     addr, rrid = peer["address"], peer["region"]
-    out: dict = {"write": {}, "read": {}}
+    out: dict = {op: {m: {} for m in MODES} for op in OPS}
+    rss: dict = {}
     try:
         # warm-up: open the connections and fault in both regions
         await eng.write(addr, [Slice(rid, 0, rrid, 0, total)])
         for bs in BLOCKS:
             n = max(1, total // bs)
             slices = [Slice(rid, i * bs, rrid, i * bs, bs) for i in range(n)]
-            for kind, op in (("write", eng.write), ("read", eng.read)):
-                rates = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
+            for kind in OPS:
+                op = eng.write if kind == "write" else eng.read
+
+                async def batched():
                     await op(addr, slices)
-                    rates.append(n * bs / (time.perf_counter() - t0) / 1e9)
-                out[kind][bs] = statistics.median(rates)
+                    return n * bs
+
+                async def single():
+                    t0, done = time.perf_counter(), 0
+                    for s in slices:
+                        await op(addr, [s])
+                        done += s.length
+                        if time.perf_counter() - t0 > max_point_s:
+                            break
+                    return done
+
+                for mode, fn in (("batched", batched), ("single", single)):
+                    rates = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        nbytes = await fn()
+                        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+                    out[kind][mode][bs] = statistics.median(rates)
+                    rss[(kind, mode, bs)] = _peak_rss_mib()
         # sanity: what we read back is what we wrote
         check = np.zeros(MiB, dtype=np.uint8)
         await eng.read(addr, [Slice(eng.register(check), 0, rrid, 5 * MiB, MiB)])
         assert np.array_equal(check, local[5 * MiB:6 * MiB]), "data mismatch"
+        bw = eng.bandwidth(addr)
     finally:
         await eng.close()
-    return out
+    return {"rates": out, "rss": rss, "bandwidth": bw}
 
 
 def _label(bs: int) -> str:
@@ -138,55 +281,100 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--conns", type=int, default=4)
     ap.add_argument("--chunk-mib", type=int, default=4)
+    ap.add_argument("--max-point-s", type=float, default=3.0,
+                    help="cap on one single-mode repetition (bounds slow points)")
+    ap.add_argument("--no-mooncake", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mooncake-peer", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mooncake-client", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     total, chunk = args.total_mib * MiB, args.chunk_mib * MiB
     if args.peer:
         asyncio.run(_peer_main(total, args.conns, chunk))
         return
+    if args.mooncake_peer:
+        _mooncake_peer_main(total)
+        return
+    if args.mooncake_client:
+        _mooncake_client_main(total, args.reps, args.max_point_s)
+        return
 
+    t_start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--peer", "--total-mib",
          str(args.total_mib), "--conns", str(args.conns), "--chunk-mib", str(args.chunk_mib)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    peer_rss = None
     try:
         peer = json.loads(proc.stdout.readline())
         # baseline before and after the engine runs (the host may be noisy)
         stream_runs = [_stream_rate(peer["stream_port"], total, args.reps)]
-        rates = asyncio.run(_engine_rates(peer, total, args.reps, args.conns, chunk))
+        kv = asyncio.run(_engine_rates(peer, total, args.reps, args.conns, chunk,
+                                       args.max_point_s))
         stream_runs.append(_stream_rate(peer["stream_port"], total, args.reps))
         stream = statistics.median(stream_runs)
     finally:
         proc.stdin.close()
         try:
+            tail = proc.stdout.read().strip().splitlines()
             proc.wait(10)
-        except subprocess.TimeoutExpired:
+            peer_rss = json.loads(tail[-1])["peak_rss_mib"] if tail else None
+        except (subprocess.TimeoutExpired, ValueError):
             proc.kill()
+    kv_rss = _peak_rss_mib()
+
+    if args.no_mooncake:
+        mc, mc_note = None, "--no-mooncake: using the hard-coded reference figures"
+    else:
+        mc, mc_note = _run_mooncake(total, args.reps, args.max_point_s)
+    mc_rates = mc["rates"] if mc else {op: {"batched": MOONCAKE[op], "single": {}}
+                                       for op in OPS}
 
     rows = []
     print(f"plain python socket stream (1 conn, {STREAM_BUF // MiB} MiB buffers): "
           f"{stream:.2f} GB/s (before/after: "
           f"{' / '.join(f'{x:.2f}' for x in stream_runs)})")
-    print(f"{'block':>8} | {'op':5} | {'GB/s':>6} | {'/stream':>7} | "
-          f"{'mooncake':>8} | {'/mooncake':>9}")
-    print("-" * 60)
-    for kind in ("write", "read"):
-        for bs in BLOCKS:
-            r, ref = rates[kind][bs], MOONCAKE[kind][bs]
-            rows.append({"op": kind, "block_bytes": bs, "gbps": round(r, 3),
-                         "ratio_stream": round(r / stream, 3),
-                         "mooncake_gbps": ref, "ratio_mooncake": round(r / ref, 3)})
-            print(f"{_label(bs):>8} | {kind:5} | {r:6.2f} | {r / stream:6.2f}x | "
-                  f"{ref:8.2f} | {r / ref:8.2f}x")
+    print(f"mooncake: {mc_note}")
+    hdr = (f"{'block':>8} | {'op':5} | {'mode':7} | {'kvmesh':>6} | {'mooncake':>8} | "
+           f"{'/mooncake':>9} | {'/stream':>7} | {'RSS MiB':>7}")
+    print(hdr)
+    print("-" * len(hdr))
+    for kind in OPS:
+        for mode in MODES:
+            for bs in BLOCKS:
+                r = kv["rates"][kind][mode][bs]
+                ref = mc_rates[kind][mode].get(bs)
+                rss = kv["rss"][(kind, mode, bs)]
+                rows.append({"op": kind, "mode": mode, "block_bytes": bs,
+                             "gbps": round(r, 3), "ratio_stream": round(r / stream, 3),
+                             "mooncake_gbps": None if ref is None else round(ref, 3),
+                             "mooncake_measured": mc is not None,
+                             "ratio_mooncake": None if not ref else round(r / ref, 3),
+                             "peak_rss_mib": round(rss, 1)})
+                print(f"{_label(bs):>8} | {kind:5} | {mode:7} | {r:6.2f} | "
+                      + (f"{ref:8.2f} | {r / ref:8.2f}x" if ref else f"{'-':>8} | {'-':>9}")
+                      + f" | {r / stream:6.2f}x | {rss:7.0f}")
+    rss_line = {"kvmesh_client": round(kv_rss, 1),
+                "kvmesh_peer": None if peer_rss is None else round(peer_rss, 1)}
+    if mc:
+        rss_line["mooncake_client"] = round(mc["peak_rss_mib"], 1)
+        rss_line["mooncake_peer"] = (None if mc.get("peer_peak_rss_mib") is None
+                                     else round(mc["peer_peak_rss_mib"], 1))
+    print("peak RSS MiB: " + ", ".join(f"{k} {v}" for k, v in rss_line.items()))
+    elapsed = time.perf_counter() - t_start
+    print(f"total benchmark time {elapsed:.1f} s")
     result = {"bench": "transfer", "transport": "tcp-loopback",
               "total_bytes_per_point": total, "reps": args.reps,
+              "max_point_s": args.max_point_s,
               "conns_per_peer": args.conns, "chunk_bytes": chunk,
               "stream_gbps": round(stream, 3),
-              "stream_runs_gbps": [round(x, 3) for x in stream_runs], "points": rows,
+              "stream_runs_gbps": [round(x, 3) for x in stream_runs],
+              "mooncake": mc_note, "peak_rss_mib": rss_line,
+              "measured_bandwidth_bps": kv["bandwidth"], "points": rows,
               "host": {"python": platform.python_version(), "cpus": os.cpu_count(),
                        "machine": platform.machine()},
-              "timestamp": time.time()}
+              "elapsed_s": round(elapsed, 1), "timestamp": time.time()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

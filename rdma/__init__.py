@@ -1,10 +1,13 @@
 """kvmesh transfer engine: one-sided, batched, asynchronous KV-cache transfers
-between registered memory regions (TCP transport today; the
-:class:`~rdma.transport.Transport` interface is shaped for RDMA verbs)."""
+between registered memory regions, over RDMA verbs (:mod:`rdma.verbs`) when a
+device is present and TCP (:mod:`rdma.tcp`) otherwise; see
+:func:`rdma.factory.make_transport`."""
 
 from .engine import Slice, Transfer, TransferEngine, TransferStatus
+from .factory import make_transport
 from .tcp import TcpTransport
 from .transport import RegionTable, Transport, TransferError, WorkRequest, as_byte_view
+from .verbs import VerbsTransport
 
 __all__ = [
     "RegionTable",
@@ -15,6 +18,8 @@ __all__ = [
     "TransferError",
     "TransferStatus",
     "Transport",
+    "VerbsTransport",
     "WorkRequest",
     "as_byte_view",
+    "make_transport",
 ]

@@ -12,16 +12,20 @@ import asyncio
 import enum
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .tcp import TcpTransport
 from .transport import (Op, RegionTable, RemoteAccessError, TransferError,
                         Transport, WorkRequest)
 
 __all__ = ["Slice", "Transfer", "TransferEngine", "TransferError", "TransferStatus"]
 
 log = logging.getLogger(__name__)
+
+BW_MIN_BYTES = 256 << 10   # busy periods moving less than this give no sample
+BW_MAX_WINDOW = 0.5        # seconds: a long busy period is sampled this often
+BW_ALPHA = 0.3             # EWMA weight of the newest sample
 
 
 class TransferStatus(enum.Enum):
@@ -175,14 +179,25 @@ class TransferEngine:
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *,
                  conns_per_peer: int = 4, chunk_bytes: int = 4 << 20,
                  checksum: bool = False, connect_timeout: float = 3.0,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | str | None = None,
+                 transport_options: dict | None = None) -> None:
+        """``transport`` is a :class:`Transport` instance, or a kind for
+        :func:`rdma.factory.make_transport`: ``"tcp"``, ``"rdma"`` or
+        ``"auto"`` (the default: RDMA verbs when a device is usable, else TCP
+        with one log line saying why).  ``transport_options`` are passed to
+        the factory (e.g. ``devices=["mlx5_0"]``)."""
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be positive")
         self.chunk_bytes = chunk_bytes
         self.checksum = checksum
-        self._transport = transport or TcpTransport(
-            secret, host, port, conns_per_peer=conns_per_peer, checksum=checksum,
-            connect_timeout=connect_timeout)
+        if transport is None or isinstance(transport, str):
+            from .factory import make_transport  # local: factory imports engine deps
+            transport = make_transport(
+                transport or "auto", secret=secret, host=host, port=port,
+                conns_per_peer=conns_per_peer, checksum=checksum,
+                connect_timeout=connect_timeout, **(transport_options or {}))
+        self._transport = transport
+        self.transport_kind = getattr(transport, "kind", type(transport).__name__)
         self._regions = RegionTable()
         self._handlers: list[Callable[[bytes], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -194,6 +209,10 @@ class TransferEngine:
         self._stats = {"bytes_written": 0, "bytes_read": 0, "writes": 0, "reads": 0,
                        "notifies_sent": 0, "notifies_received": 0,
                        "transfers_failed": 0}
+        # per-peer busy-period bandwidth measurement (see bandwidth())
+        self._bw: dict[str, float] = {}
+        self._bw_inflight: dict[str, int] = {}
+        self._bw_window: dict[str, list] = {}  # peer -> [start, bytes]
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -286,13 +305,28 @@ class TransferEngine:
         self._handlers.append(fn)
 
     @property
-    def stats(self) -> dict[str, int]:
-        """Engine counters plus transport counters (bytes_served_in/out, retries...)."""
+    def stats(self) -> dict:
+        """Engine counters plus transport counters (bytes_served_in/out,
+        retries...), plus ``"bandwidth"``: ``{peer: measured bytes/s}``."""
         with self._lock:
-            out = dict(self._stats)
+            out: dict = dict(self._stats)
+            out["bandwidth"] = dict(self._bw)
         for k, v in self._transport.stats().items():
             out[k] = v
         return out
+
+    def bandwidth(self, peer: str) -> float | None:
+        """Measured WRITE/READ throughput to ``peer`` in bytes/s, or None
+        before enough data has moved.
+
+        The engine tracks *busy periods* per peer (at least one write/read to
+        it in flight) and takes a sample of bytes completed / period length
+        when a period ends, or every ``BW_MAX_WINDOW`` s while traffic is
+        continuous, if it moved at least ``BW_MIN_BYTES``.  Concurrent
+        transfers therefore measure the aggregate rate, not a per-transfer
+        share.  Samples are smoothed with an EWMA (``BW_ALPHA``)."""
+        with self._lock:
+            return self._bw.get(peer)
 
     # -- internals ------------------------------------------------------------
     def _require_started(self) -> asyncio.AbstractEventLoop:
@@ -309,7 +343,12 @@ class TransferEngine:
         total = sum(s.length for s in slices)
         kind = "write" if op is Op.WRITE else "read"
         t = Transfer(loop, kind, peer, total)
-        self._count("writes" if op is Op.WRITE else "reads")
+        with self._lock:
+            self._stats["writes" if op is Op.WRITE else "reads"] += 1
+            n = self._bw_inflight.get(peer, 0)
+            self._bw_inflight[peer] = n + 1
+            if n == 0:
+                self._bw_window[peer] = [time.monotonic(), 0]
         t._add_callback(self._transfer_finished)
         if self._closed:
             t._fail_now("transfer engine closed")
@@ -348,8 +387,34 @@ class TransferEngine:
                 self._stats["bytes_written"] += t.bytes
             elif t.kind == "read":
                 self._stats["bytes_read"] += t.bytes
+            if t.kind != "notify":
+                self._bw_account(t)
             if t.kind == "notify" and self._last_notify.get(t.peer) is t:
                 del self._last_notify[t.peer]
+
+    def _bw_account(self, t: Transfer) -> None:
+        """Caller holds ``self._lock``; ``t`` is a finished write/read."""
+        peer = t.peer
+        window = self._bw_window.get(peer)
+        left = self._bw_inflight.get(peer, 1) - 1
+        if left <= 0:
+            self._bw_inflight.pop(peer, None)
+            self._bw_window.pop(peer, None)
+        else:
+            self._bw_inflight[peer] = left
+        if window is None:
+            return
+        if t.status is TransferStatus.DONE:
+            window[1] += t.bytes
+        now = time.monotonic()
+        elapsed = now - window[0]
+        if left > 0 and elapsed < BW_MAX_WINDOW:
+            return
+        if window[1] >= BW_MIN_BYTES and elapsed > 0:
+            sample = window[1] / elapsed
+            old = self._bw.get(peer)
+            self._bw[peer] = sample if old is None else old + BW_ALPHA * (sample - old)
+        window[0], window[1] = now, 0
 
     def _on_notify(self, payload: bytes) -> None:
         """Called by the transport (any thread) in arrival order."""
