@@ -91,7 +91,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "data_address", "model", "fingerprint", "kv_blocks_total", "kv_blocks_free", "queue_depth", "running", "computed_tokens_total", "cached_tokens_total", "fetched_tokens_total", "generated_tokens_total", "reachable")
+    __slots__ = ("node_id", "role", "grpc_address", "data_address", "model", "fingerprint", "kv_blocks_total", "kv_blocks_free", "queue_depth", "running", "computed_tokens_total", "cached_tokens_total", "fetched_tokens_total", "generated_tokens_total", "reachable", "metrics_address", "http_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,8 @@ class NodeStatus(_message.Message):
     FETCHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     grpc_address: str
@@ -122,33 +124,80 @@ class NodeStatus(_message.Message):
     fetched_tokens_total: int
     generated_tokens_total: int
     reachable: bool
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., data_address: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., computed_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., fetched_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., reachable: _Optional[bool] = ...) -> None: ...
+    metrics_address: str
+    http_address: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., data_address: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., computed_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., fetched_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., reachable: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("cluster", "nodes", "store_blocks", "store_bytes_used", "store_bytes_total")
+    __slots__ = ("cluster", "nodes", "store_blocks", "store_bytes_used", "store_bytes_total", "requests_accepted", "requests_rejected", "rejected_by_reason", "slo_attainment", "window_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p90_ms", "tbt_p99_ms", "top_routes")
+    class RejectedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STORE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     STORE_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    SLO_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    TBT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TBT_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    TBT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    TOP_ROUTES_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     store_blocks: int
     store_bytes_used: int
     store_bytes_total: int
-    def __init__(self, cluster: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., store_blocks: _Optional[int] = ..., store_bytes_used: _Optional[int] = ..., store_bytes_total: _Optional[int] = ...) -> None: ...
+    requests_accepted: int
+    requests_rejected: int
+    rejected_by_reason: _containers.ScalarMap[str, int]
+    slo_attainment: float
+    window_s: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    tbt_p50_ms: float
+    tbt_p90_ms: float
+    tbt_p99_ms: float
+    top_routes: _containers.RepeatedCompositeFieldContainer[RouteCount]
+    def __init__(self, cluster: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., store_blocks: _Optional[int] = ..., store_bytes_used: _Optional[int] = ..., store_bytes_total: _Optional[int] = ..., requests_accepted: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., slo_attainment: _Optional[float] = ..., window_s: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tbt_p50_ms: _Optional[float] = ..., tbt_p90_ms: _Optional[float] = ..., tbt_p99_ms: _Optional[float] = ..., top_routes: _Optional[_Iterable[_Union[RouteCount, _Mapping]]] = ...) -> None: ...
+
+class RouteCount(_message.Message):
+    __slots__ = ("prefill_node", "decode_node", "requests")
+    PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NODE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    prefill_node: str
+    decode_node: str
+    requests: int
+    def __init__(self, prefill_node: _Optional[str] = ..., decode_node: _Optional[str] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("node_id", "data_address", "region_id", "size")
+    __slots__ = ("node_id", "data_address", "region_id", "size", "grpc_address", "ssd_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SSD_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     data_address: str
     region_id: int
     size: int
-    def __init__(self, node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., region_id: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    grpc_address: str
+    ssd_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., region_id: _Optional[int] = ..., size: _Optional[int] = ..., grpc_address: _Optional[str] = ..., ssd_bytes: _Optional[int] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
     __slots__ = ("segment_id",)
@@ -171,30 +220,34 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, segments: _Optional[int] = ..., blocks_dropped: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("hash", "data_address", "region_id", "offset", "size", "node_id")
+    __slots__ = ("hash", "data_address", "region_id", "offset", "size", "node_id", "tier")
     HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     hash: bytes
     data_address: str
     region_id: int
     offset: int
     size: int
     node_id: str
-    def __init__(self, hash: _Optional[bytes] = ..., data_address: _Optional[str] = ..., region_id: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    tier: str
+    def __init__(self, hash: _Optional[bytes] = ..., data_address: _Optional[str] = ..., region_id: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., node_id: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("node_id", "hashes", "size")
+    __slots__ = ("node_id", "hashes", "size", "sizes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     size: int
-    def __init__(self, node_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., size: _Optional[int] = ...) -> None: ...
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., size: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("placements", "already_present")
@@ -213,36 +266,48 @@ class PutEndRequest(_message.Message):
     def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., abort: _Optional[bool] = ...) -> None: ...
 
 class PutEndResponse(_message.Message):
-    __slots__ = ("committed",)
+    __slots__ = ("committed", "failed")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     committed: int
-    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+    failed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, committed: _Optional[int] = ..., failed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GetReplicasRequest(_message.Message):
-    __slots__ = ("hashes",)
+    __slots__ = ("hashes", "node_id", "any_order")
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ANY_ORDER_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    node_id: str
+    any_order: bool
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., node_id: _Optional[str] = ..., any_order: _Optional[bool] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
-    __slots__ = ("replicas", "lease_expires_unix_ms")
+    __slots__ = ("replicas", "lease_expires_unix_ms", "lease_ms")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[Placement]
     lease_expires_unix_ms: int
-    def __init__(self, replicas: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    lease_ms: int
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., lease_expires_unix_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ExistsRequest(_message.Message):
-    __slots__ = ("hashes",)
+    __slots__ = ("hashes", "any_order")
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    ANY_ORDER_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    any_order: bool
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., any_order: _Optional[bool] = ...) -> None: ...
 
 class ExistsResponse(_message.Message):
-    __slots__ = ("prefix_blocks",)
+    __slots__ = ("prefix_blocks", "present")
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
     prefix_blocks: int
-    def __init__(self, prefix_blocks: _Optional[int] = ...) -> None: ...
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, prefix_blocks: _Optional[int] = ..., present: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
     __slots__ = ("hashes",)
@@ -261,18 +326,144 @@ class StoreStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreStatsResponse(_message.Message):
-    __slots__ = ("blocks", "bytes_used", "bytes_total", "segments", "evictions")
+    __slots__ = ("blocks", "bytes_used", "bytes_total", "segments", "evictions", "replicas", "ssd_blocks", "spills", "promotions", "replications", "pinned", "puts_reclaimed")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SSD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPILLS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATIONS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    PUTS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     bytes_used: int
     bytes_total: int
     segments: int
     evictions: int
-    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_total: _Optional[int] = ..., segments: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    replicas: int
+    ssd_blocks: int
+    spills: int
+    promotions: int
+    replications: int
+    pinned: int
+    puts_reclaimed: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_total: _Optional[int] = ..., segments: _Optional[int] = ..., evictions: _Optional[int] = ..., replicas: _Optional[int] = ..., ssd_blocks: _Optional[int] = ..., spills: _Optional[int] = ..., promotions: _Optional[int] = ..., replications: _Optional[int] = ..., pinned: _Optional[int] = ..., puts_reclaimed: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("hashes",)
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("pinned",)
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    pinned: int
+    def __init__(self, pinned: _Optional[int] = ...) -> None: ...
+
+class WatchBlocksRequest(_message.Message):
+    __slots__ = ("node_id", "snapshot")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    snapshot: bool
+    def __init__(self, node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("seq", "type", "hash", "node_id", "tier", "offset", "size", "region_id", "master_id")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    type: str
+    hash: bytes
+    node_id: str
+    tier: str
+    offset: int
+    size: int
+    region_id: int
+    master_id: str
+    def __init__(self, seq: _Optional[int] = ..., type: _Optional[str] = ..., hash: _Optional[bytes] = ..., node_id: _Optional[str] = ..., tier: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., region_id: _Optional[int] = ..., master_id: _Optional[str] = ...) -> None: ...
+
+class BlockRecord(_message.Message):
+    __slots__ = ("hash", "offset", "size", "tier", "region_id")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    offset: int
+    size: int
+    tier: str
+    region_id: int
+    def __init__(self, hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., tier: _Optional[str] = ..., region_id: _Optional[int] = ...) -> None: ...
+
+class ReportBlocksRequest(_message.Message):
+    __slots__ = ("node_id", "blocks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRecord]
+    def __init__(self, node_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRecord, _Mapping]]] = ...) -> None: ...
+
+class ReportBlocksResponse(_message.Message):
+    __slots__ = ("accepted", "rejected")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    rejected: int
+    def __init__(self, accepted: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
+class SpillRequest(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRecord]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockRecord, _Mapping]]] = ...) -> None: ...
+
+class SpillResponse(_message.Message):
+    __slots__ = ("spilled", "dropped")
+    SPILLED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    spilled: _containers.RepeatedScalarFieldContainer[bytes]
+    dropped: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, spilled: _Optional[_Iterable[bytes]] = ..., dropped: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PromoteRequest(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRecord]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockRecord, _Mapping]]] = ...) -> None: ...
+
+class PromoteResponse(_message.Message):
+    __slots__ = ("promoted",)
+    PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    promoted: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, promoted: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("sources", "offsets")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[Placement]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sources: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReplicateResponse(_message.Message):
+    __slots__ = ("copied",)
+    COPIED_FIELD_NUMBER: _ClassVar[int]
+    copied: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, copied: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class NodeStatusRequest(_message.Message):
     __slots__ = ()

@@ -201,6 +201,26 @@ class StoreMasterStub:
                 request_serializer=protos_dot_kvmesh__pb2.StoreStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_kvmesh__pb2.StoreStatsResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvmesh.v1.StoreMaster/Pin',
+                request_serializer=protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh__pb2.PinResponse.FromString,
+                _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/kvmesh.v1.StoreMaster/Unpin',
+                request_serializer=protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh__pb2.PinResponse.FromString,
+                _registered_method=True)
+        self.WatchBlocks = channel.unary_stream(
+                '/kvmesh.v1.StoreMaster/WatchBlocks',
+                request_serializer=protos_dot_kvmesh__pb2.WatchBlocksRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh__pb2.BlockEvent.FromString,
+                _registered_method=True)
+        self.ReportBlocks = channel.unary_unary(
+                '/kvmesh.v1.StoreMaster/ReportBlocks',
+                request_serializer=protos_dot_kvmesh__pb2.ReportBlocksRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh__pb2.ReportBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class StoreMasterServicer:
@@ -259,6 +279,34 @@ class StoreMasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Soft pins (e.g. system prompts): pinned blocks are evicted only after every
+        unpinned one. Pinning an absent hash pins it when it arrives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchBlocks(self, request, context):
+        """Block stored/removed events (per replica, with tier and node) for cache indexes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportBlocks(self, request, context):
+        """A node re-reports what its segment holds (after a store-master restart).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreMasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -301,6 +349,26 @@ def add_StoreMasterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_kvmesh__pb2.StoreStatsRequest.FromString,
                     response_serializer=protos_dot_kvmesh__pb2.StoreStatsResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=protos_dot_kvmesh__pb2.PinRequest.FromString,
+                    response_serializer=protos_dot_kvmesh__pb2.PinResponse.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=protos_dot_kvmesh__pb2.PinRequest.FromString,
+                    response_serializer=protos_dot_kvmesh__pb2.PinResponse.SerializeToString,
+            ),
+            'WatchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBlocks,
+                    request_deserializer=protos_dot_kvmesh__pb2.WatchBlocksRequest.FromString,
+                    response_serializer=protos_dot_kvmesh__pb2.BlockEvent.SerializeToString,
+            ),
+            'ReportBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportBlocks,
+                    request_deserializer=protos_dot_kvmesh__pb2.ReportBlocksRequest.FromString,
+                    response_serializer=protos_dot_kvmesh__pb2.ReportBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -521,6 +589,278 @@ class StoreMaster:
             '/kvmesh.v1.StoreMaster/Stats',
             protos_dot_kvmesh__pb2.StoreStatsRequest.SerializeToString,
             protos_dot_kvmesh__pb2.StoreStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.StoreMaster/Pin',
+            protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
+            protos_dot_kvmesh__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.StoreMaster/Unpin',
+            protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
+            protos_dot_kvmesh__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.StoreMaster/WatchBlocks',
+            protos_dot_kvmesh__pb2.WatchBlocksRequest.SerializeToString,
+            protos_dot_kvmesh__pb2.BlockEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.StoreMaster/ReportBlocks',
+            protos_dot_kvmesh__pb2.ReportBlocksRequest.SerializeToString,
+            protos_dot_kvmesh__pb2.ReportBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class StoreSegmentStub:
+    """Served by every node that lends a segment: the store-master's hands on the data.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Spill = channel.unary_unary(
+                '/kvmesh.v1.StoreSegment/Spill',
+                request_serializer=protos_dot_kvmesh__pb2.SpillRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh__pb2.SpillResponse.FromString,
+                _registered_method=True)
+        self.Promote = channel.unary_unary(
+                '/kvmesh.v1.StoreSegment/Promote',
+                request_serializer=protos_dot_kvmesh__pb2.PromoteRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh__pb2.PromoteResponse.FromString,
+                _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/kvmesh.v1.StoreSegment/Replicate',
+                request_serializer=protos_dot_kvmesh__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
+
+
+class StoreSegmentServicer:
+    """Served by every node that lends a segment: the store-master's hands on the data.
+    """
+
+    def Spill(self, request, context):
+        """Copy these DRAM blocks of the segment to the node's SSD tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Promote(self, request, context):
+        """Read these SSD blocks back into the given DRAM offsets (checksum verified).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Replicate(self, request, context):
+        """Copy blocks from other nodes into this segment (hot-block replication).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StoreSegmentServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Spill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Spill,
+                    request_deserializer=protos_dot_kvmesh__pb2.SpillRequest.FromString,
+                    response_serializer=protos_dot_kvmesh__pb2.SpillResponse.SerializeToString,
+            ),
+            'Promote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Promote,
+                    request_deserializer=protos_dot_kvmesh__pb2.PromoteRequest.FromString,
+                    response_serializer=protos_dot_kvmesh__pb2.PromoteResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=protos_dot_kvmesh__pb2.ReplicateRequest.FromString,
+                    response_serializer=protos_dot_kvmesh__pb2.ReplicateResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvmesh.v1.StoreSegment', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvmesh.v1.StoreSegment', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class StoreSegment:
+    """Served by every node that lends a segment: the store-master's hands on the data.
+    """
+
+    @staticmethod
+    def Spill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.StoreSegment/Spill',
+            protos_dot_kvmesh__pb2.SpillRequest.SerializeToString,
+            protos_dot_kvmesh__pb2.SpillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Promote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.StoreSegment/Promote',
+            protos_dot_kvmesh__pb2.PromoteRequest.SerializeToString,
+            protos_dot_kvmesh__pb2.PromoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.StoreSegment/Replicate',
+            protos_dot_kvmesh__pb2.ReplicateRequest.SerializeToString,
+            protos_dot_kvmesh__pb2.ReplicateResponse.FromString,
             options,
             channel_credentials,
             insecure,

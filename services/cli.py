@@ -3,7 +3,8 @@
   kvmesh up                      etcd + store-master + conductor + prefill + decode here
   kvmesh conductor|store-master|prefill|decode [--help]   one service
   kvmesh generate "text"         stream a completion from a running cluster
-  kvmesh status [--json]         the nodes and their state
+  kvmesh status [--once|--watch] [--json]   the nodes, load and latency (live on a TTY)
+  kvmesh health HOST:PORT        exit 0 when that service's gRPC health is SERVING
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 
 import grpc
 
@@ -64,8 +66,24 @@ async def cluster_status(conductor: str, timeout: float = 5) -> pb.ClusterStatus
 
 
 def format_status(s: pb.ClusterStatusResponse) -> str:
+    seen = s.requests_accepted + s.requests_rejected
+    rate = f"{100 * s.requests_accepted / seen:.1f}%" if seen else "-"
+    reasons = ", ".join(f"{k}={v}" for k, v in sorted(s.rejected_by_reason.items()))
     rows = [f"cluster {s.cluster}: {len(s.nodes)} node(s); store {s.store_blocks} block(s), "
-            f"{s.store_bytes_used / 2**20:.1f}/{s.store_bytes_total / 2**20:.1f} MiB",
+            f"{s.store_bytes_used / 2**20:.1f}/{s.store_bytes_total / 2**20:.1f} MiB"
+            + (f" ({100 * s.store_bytes_used / s.store_bytes_total:.0f}% used)"
+               if s.store_bytes_total else ""),
+            f"requests: {s.requests_accepted} accepted, {s.requests_rejected} rejected"
+            + (f" ({reasons})" if reasons else "") + f"; acceptance {rate}; SLO attained "
+            + (f"{100 * s.slo_attainment:.1f}%" if s.requests_accepted else "-"),
+            f"latency (last {s.window_s or 300}s): TTFT p50/p90/p99 {s.ttft_p50_ms:.1f}/"
+            f"{s.ttft_p90_ms:.1f}/{s.ttft_p99_ms:.1f} ms; TBT p50/p90/p99 {s.tbt_p50_ms:.1f}/"
+            f"{s.tbt_p90_ms:.1f}/{s.tbt_p99_ms:.1f} ms"]
+    if s.top_routes:
+        rows.append("top routes: " + ", ".join(
+            f"{r.prefill_node or '(on decode)'} -> {r.decode_node}: {r.requests}"
+            for r in s.top_routes))
+    rows += [
             f"{'ROLE':<13} {'NODE':<28} {'GRPC':<22} {'KV FREE/TOTAL':>14} {'QUEUE':>6} "
             f"{'RUN':>4} {'COMPUTED':>9} {'CACHED':>8} {'FETCHED':>8} {'DECODED':>8}"]
     for n in sorted(s.nodes, key=lambda n: (n.role, n.node_id)):
@@ -78,20 +96,51 @@ def format_status(s: pb.ClusterStatusResponse) -> str:
     return "\n".join(rows)
 
 
+def format_endpoints(s: pb.ClusterStatusResponse) -> str:
+    rows = [f"{n.role:<13} {n.node_id[:28]:<28} metrics http://{n.metrics_address}/metrics"
+            + (f"  api http://{n.http_address}/v1" if n.http_address else "")
+            for n in sorted(s.nodes, key=lambda n: (n.role, n.node_id)) if n.metrics_address]
+    return "\n".join(rows)
+
+
 async def _status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    try:
-        s = await cluster_status(args.conductor)
-    except grpc.aio.AioRpcError as e:
-        print(f"error: cannot reach the conductor at {args.conductor}: {e.code().name}",
-              file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=2))
-    else:
-        print(format_status(s))
-    return 0
+    live = args.watch or (not args.once and not args.json and sys.stdout.isatty())
+    while True:
+        try:
+            s = await cluster_status(args.conductor)
+        except grpc.aio.AioRpcError as e:
+            msg = f"error: cannot reach the conductor at {args.conductor}: {e.code().name}"
+            if not live:
+                print(msg, file=sys.stderr)
+                return 1
+            text = msg
+        else:
+            if args.json:
+                text = json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=2)
+            else:
+                text = format_status(s)
+                if live:
+                    text += "\n\n" + format_endpoints(s)
+        if not live:
+            print(text)
+            return 0
+        stamp = time.strftime("%H:%M:%S")
+        sys.stdout.write(("\x1b[H\x1b[2J" if sys.stdout.isatty() else "")
+                         + f"kvmesh status  {args.conductor}  {stamp}  (every {args.interval:g}s;"
+                           f" Ctrl-C quits)\n\n{text}\n")
+        sys.stdout.flush()
+        await asyncio.sleep(args.interval)
+
+
+async def _health(args: argparse.Namespace) -> int:
+    from services.common.health import wait_serving
+
+    ok, last = await wait_serving(args.address, args.service, timeout=args.wait)
+    if not args.quiet:
+        print(f"{args.address}: {last}", file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,6 +171,17 @@ def main(argv: list[str] | None = None) -> None:
     st = sub.add_parser("status", help="list the nodes and their state")
     st.add_argument("--conductor", default=DEFAULT_CONDUCTOR, help="conductor host:port")
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--once", action="store_true", help="print once and exit (default when "
+                                                         "stdout is not a terminal)")
+    st.add_argument("--watch", action="store_true", help="refresh until interrupted (default "
+                                                          "on a terminal)")
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    h = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
+    h.add_argument("address", help="host:port of any kvmesh service's gRPC port")
+    h.add_argument("--service", default="", help="service name to check ('' = the server)")
+    h.add_argument("--wait", type=float, default=0.0,
+                   help="keep checking up to this many seconds until SERVING")
+    h.add_argument("-q", "--quiet", action="store_true")
     args = parser.parse_args(argv)
     if args.cmd == "up":
         from services.launcher import up
@@ -129,7 +189,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(up(args))
     if args.cmd == "generate":
         sys.exit(asyncio.run(_generate(args)))
-    sys.exit(asyncio.run(_status(args)))
+    if args.cmd == "health":
+        sys.exit(asyncio.run(_health(args)))
+    try:
+        sys.exit(asyncio.run(_status(args)))
+    except KeyboardInterrupt:
+        sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ class LocalCluster:
                  prefill: int = 1, decode: int = 1, conductor_port: int = 0,
                  etcd_endpoint: str | None = None, lease_ttl: int = 10,
                  node_args: list[str] | None = None, conductor_args: list[str] | None = None,
-                 store_args: list[str] | None = None, log_level: str = "INFO") -> None:
+                 store_args: list[str] | None = None, log_level: str = "INFO",
+                 http_port: int = 0) -> None:
         self._own_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvmesh-")
         Path(self.workdir).mkdir(parents=True, exist_ok=True)
@@ -98,6 +99,7 @@ class LocalCluster:
         self.conductor_args = conductor_args or []
         self.store_args = store_args or []
         self.log_level = log_level
+        self.http_port = http_port  # conductor's OpenAI-compatible API (0 = any free port, -1 = off)
         self.etcd = None if etcd_endpoint else Etcd(os.path.join(self.workdir, "etcd"),
                                                     log_path=os.path.join(self.workdir, "etcd.log"))
         self.etcd_endpoint = etcd_endpoint or self.etcd.endpoint
@@ -125,7 +127,8 @@ class LocalCluster:
             self.etcd.start()
         self.spawn("store-master-0", "store-master", self.store_args)
         self.spawn("conductor-0", "conductor",
-                   ["--port", str(self.conductor_port), *self.conductor_args])
+                   ["--port", str(self.conductor_port), "--http-port", str(self.http_port),
+                    *self.conductor_args])
         for i in range(self.n_prefill):
             self.spawn(f"prefill-{i}", "prefill", self.node_args)
         for i in range(self.n_decode):
@@ -203,6 +206,9 @@ class LocalCluster:
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="conductor gRPC port")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="conductor's OpenAI-compatible HTTP API port (falls back to any free "
+                        "port when 8000 is taken; 0 = any free port, -1 = off)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--model", default="tiny", help="model preset for every node")
@@ -213,9 +219,23 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens for --demo")
 
 
+def _http_port(port: int) -> int:
+    """The default 8000 if free, else any free port (a second local cluster still starts)."""
+    if port != 8000:
+        return port
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+        return port
+    except OSError:
+        print("port 8000 is taken: the HTTP API gets a free port (see kvmesh status)",
+              file=sys.stderr, flush=True)
+        return 0
+
+
 def up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(args.workdir, prefill=args.prefill, decode=args.decode,
-                           conductor_port=args.port,
+                           conductor_port=args.port, http_port=_http_port(args.http_port),
                            node_args=["--model", args.model, "--block-size", str(args.block_size)])
     stop = {"now": False}
 
@@ -246,6 +266,10 @@ def up(args: argparse.Namespace) -> int:
             except SystemExit as e:
                 return int(e.code or 0)
             return 0
+        http = next((n.http_address for n in cluster.status().nodes if n.http_address), "")
+        if http:
+            print(f"OpenAI-compatible API: http://{http}/v1 (e.g. curl http://{http}/v1/models)",
+                  flush=True)
         print(f"try: kvmesh generate --conductor {cluster.conductor} \"Hello\"\n"
               f"     kvmesh status --conductor {cluster.conductor}\nCtrl-C stops the cluster.",
               flush=True)

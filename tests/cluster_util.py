@@ -10,6 +10,8 @@ from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
 
 NODE_ARGS = ["--block-size", "16", "--kv-memory", "16MiB", "--segment-memory", "16MiB"]
+# every request takes the disaggregated route (prefill node -> decode node)
+DISAGG_ONLY = ["--colocate-below-tokens", "0", "--direct-share", "1.0"]
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 from services.engine.model import LlamaModel
 from services.engine.tokenizer import ByteTokenizer
 from services.launcher import LocalCluster
-from tests.cluster_util import NODE_ARGS, generate, node, status
+from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, node, status
 
 SHARED = ("You are kvmesh, a serving cluster that keeps every token's KV state once "
           "computed and moves it faster than it could be recomputed. ")
@@ -27,7 +27,8 @@ MAX_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(str(tmp_path_factory.mktemp("cluster")), node_args=NODE_ARGS)
+    c = LocalCluster(str(tmp_path_factory.mktemp("cluster")), node_args=NODE_ARGS,
+                     conductor_args=DISAGG_ONLY)
     c.start()
     yield c
     c.stop()

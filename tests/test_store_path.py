@@ -15,7 +15,7 @@ from services.common.hashing import prefix_hashes
 from services.engine.model import LlamaModel
 from services.engine.tokenizer import ByteTokenizer
 from services.launcher import LocalCluster
-from tests.cluster_util import NODE_ARGS, generate, status
+from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, status
 
 BS = 16
 SHARED = "A long shared system prompt that both requests start with, block by block. " * 2
@@ -24,7 +24,7 @@ SHARED = "A long shared system prompt that both requests start with, block by bl
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = LocalCluster(str(tmp_path_factory.mktemp("store")), prefill=2, decode=1,
-                     node_args=NODE_ARGS)
+                     node_args=NODE_ARGS, conductor_args=DISAGG_ONLY)
     c.start()
     yield c
     c.stop()

@@ -15,21 +15,19 @@ from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
 from rdma import TransferEngine
 from services.common.config import parse_size
-from services.common.hashing import model_fingerprint, preset_weights_digest
+from services.common.node_events import EventHub, profile
 from services.common.registry import Membership, nodes_prefix
 from services.common.service import Service
 from services.common.settings import NodeConfig
-from services.engine.config import PRESETS, dtype_name, resolve_dtype
+from services.engine.checkpoint import LoadedModel, load_model
+from services.engine.config import ModelConfig, dtype_name, resolve_dtype
 from services.engine.kv_pool import KVPool
 from services.engine.model import LlamaModel
-from services.engine.tokenizer import ByteTokenizer
+from services.engine.tokenizer import ByteTokenizer, HFTokenizer
+from services.store.client import StoreClient
+from services.store.segment import SegmentHost
 
 log = logging.getLogger(__name__)
-
-
-def preset_fingerprint(cfg: NodeConfig, tokenizer_name: str) -> str:
-    return model_fingerprint(PRESETS[cfg.model], preset_weights_digest(cfg.model, cfg.seed),
-                             dtype_name(resolve_dtype(cfg.dtype)), tokenizer_name, cfg.block_size)
 
 
 class ModelNode(Service):
@@ -41,67 +39,68 @@ class ModelNode(Service):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.dtype = resolve_dtype(cfg.dtype)
-        self.model_config = PRESETS[cfg.model]
-        self.tokenizer = ByteTokenizer()
-        self.fingerprint = preset_fingerprint(cfg, self.tokenizer.name)
+        # Set by setup() from load_model(cfg.model): a preset or a Hugging Face directory.
+        self.loaded: LoadedModel | None = None
+        self.model_config: ModelConfig | None = None
+        self.tokenizer: ByteTokenizer | HFTokenizer | None = None
+        self.fingerprint = ""
         self.te = TransferEngine(cfg.secret.encode(), host=cfg.host, port=cfg.data_port)
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self.model: LlamaModel | None = None
         self.pool: KVPool | None = None
         self.pool_region = -1
-        self.segment: torch.Tensor | None = None
+        # The store segment this node lends (DRAM + optional SSD tier, services.store).
+        self.segment: SegmentHost | None = None
         self.segment_region = -1
+        self.store: StoreClient | None = None   # the cluster KV store, set in after_start
         self.counters = {"computed": 0, "cached": 0, "fetched": 0, "generated": 0}
+        self.profile: dict[str, list[list[float]]] = {}
+        self.events: EventHub | None = None
         self._store_channels: dict[str, grpc.aio.Channel] = {}
 
     async def setup(self) -> None:
-        self.model = await asyncio.to_thread(LlamaModel.from_preset, self.cfg.model,
-                                             self.cfg.seed, self.dtype)
+        self.loaded = await asyncio.to_thread(load_model, self.cfg.model, self.dtype, self.cfg.seed)
+        self.model, self.model_config = self.loaded.model, self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.fingerprint = self.loaded.fingerprint(dtype_name(self.dtype), self.cfg.block_size)
         self.pool = KVPool.from_memory(self.model_config, parse_size(self.cfg.kv_memory),
                                        self.cfg.block_size, self.dtype)
+        self.profile = await asyncio.to_thread(profile, self.model, self.pool,
+                                               self.cfg.block_size,
+                                               self.model_config.max_position_embeddings)
+        self.events = EventHub(self.pool, self.load_info)
         await self.te.start()
         self.pool_region = self.te.register(self.pool.kv)
         seg_bytes = parse_size(self.cfg.segment_memory)
         if seg_bytes:
-            self.segment = torch.zeros(seg_bytes, dtype=torch.uint8)
-            self.segment_region = self.te.register(self.segment)
+            ssd = parse_size(self.cfg.ssd_bytes) if self.cfg.ssd_dir else 0
+            self.segment = SegmentHost(self.te, self.node_id, seg_bytes, self.cfg.ssd_dir, ssd)
+            self.segment.register()
+            self.segment.add_to_server(self.server)
+            self.segment_region = self.segment.region
 
     def node_info(self) -> dict[str, Any]:
         mc = self.model_config
         return {**super().node_info(), "data": self.te.address, "model": self.cfg.model,
+                "model_path": self.loaded.path, "eos_ids": sorted(self.tokenizer.eos_ids),
                 "fingerprint": self.fingerprint, "block_size": self.cfg.block_size,
                 "max_context": mc.max_position_embeddings, "vocab_size": mc.vocab_size,
                 "tokenizer": self.tokenizer.name, "kv_blocks": self.pool.num_blocks,
                 "block_nbytes": self.pool.block_nbytes, "layer_nbytes": self.pool.layer_nbytes,
-                "num_layers": mc.num_layers}
+                "num_layers": mc.num_layers, "profile": self.profile}
 
     async def after_start(self) -> None:
+        if self.segment is not None:
+            self.segment.grpc_address = self.grpc_address
+        self.store = StoreClient(self.te, self.membership, self.node_id)
         self.membership.add_listener(self._on_member)
-        await self.membership.start()
-        for key, value in list(self.membership.nodes.items()):
-            self._on_member("join", key, value)
+        await self.membership.start()  # existing members arrive as "join" events
 
     def _on_member(self, event: str, key: str, value: bytes | None) -> None:
-        if event in ("join", "update") and "/store-master/" in key and self.segment is not None:
-            asyncio.get_running_loop().create_task(self._mount(value))
-
-    async def _mount(self, value: bytes | None) -> None:
-        import json
-
-        info = json.loads(value or b"{}")
-        addr = info.get("grpc")
-        if not addr:
-            return
-        req = pb.MountSegmentRequest(node_id=self.node_id, data_address=self.te.address,
-                                     region_id=self.segment_region, size=self.segment.numel())
-        for attempt in range(5):
-            try:
-                await self.store_stub(addr).MountSegment(req, timeout=5)
-                log.info("lent %d bytes to store-master %s", self.segment.numel(), addr)
-                return
-            except grpc.aio.AioRpcError as e:
-                log.warning("mounting segment on %s failed (%s); retrying", addr, e.code())
-                await asyncio.sleep(0.5 * (attempt + 1))
+        # Each store-master that joins (or restarts) gets the segment mounted and what it
+        # holds re-reported; see services.store.segment.
+        if self.segment is not None:
+            self.segment.on_member(event, key, value)
 
     def store_stub(self, addr: str | None = None) -> pbg.StoreMasterStub | None:
         """A stub for ``addr`` or, by default, for any live store-master."""
@@ -119,6 +118,15 @@ class ModelNode(Service):
             ch = self._store_channels[addr] = grpc.aio.insecure_channel(addr)
         return pbg.StoreMasterStub(ch)
 
+    def load_info(self) -> dict[str, Any]:
+        """Load for the WatchEvents reports; subclasses add their queue and batch."""
+        return {"bandwidth": dict(self.te.stats.get("bandwidth", {}))}
+
+    async def watch_events(self, req: pb.WatchEventsRequest):
+        interval = req.interval_ms / 1000 if req.interval_ms > 0 else 0.5
+        async for event in self.events.stream(max(0.02, interval)):
+            yield event
+
     def status(self, queue_depth: int = 0, running: int = 0) -> pb.NodeStatus:
         c = self.counters
         return pb.NodeStatus(
@@ -131,6 +139,10 @@ class ModelNode(Service):
 
     async def teardown(self) -> None:
         await self.membership.stop()
+        if self.store is not None:
+            await self.store.close()
+        if self.segment is not None:
+            await self.segment.close()
         for ch in self._store_channels.values():
             await ch.close()
         await self.te.close()

@@ -1,7 +1,15 @@
 """The life of a kvmesh service process: start the gRPC server, register in etcd under a
 lease, serve, and on SIGINT/SIGTERM shut down once, gracefully:
-deregister from etcd -> grace period -> drain (transfers, streams) -> stop server -> free.
-A second signal during shutdown is logged and ignored."""
+health NOT_SERVING -> deregister from etcd -> grace period -> drain (transfers, streams)
+-> stop server -> free. A second signal during shutdown is logged and ignored.
+
+Every service also gets (here, so the four roles share them):
+  * the standard gRPC health service (``grpc.health.v1.Health``; SERVING only once the
+    node is registered in etcd and its model is loaded) and server reflection;
+  * a Prometheus ``/metrics`` HTTP endpoint on ``--metrics-port`` (0 = any free port;
+    advertised in etcd as ``"metrics"``; -1 = off), see ``services.common.metrics``;
+  * OpenTelemetry tracing with W3C context over gRPC metadata, on only when an exporter
+    is configured (see ``services.common.telemetry``)."""
 
 from __future__ import annotations
 
@@ -13,7 +21,9 @@ from typing import Any, Callable
 
 import grpc
 
+from services.common import metrics, telemetry
 from services.common.etcd import EtcdClient
+from services.common.health import Health
 from services.common.registry import Registration, node_key
 from services.common.settings import ServiceConfig
 
@@ -35,8 +45,14 @@ class Service:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.node_id = cfg.default_node_id(self.role)
+        interceptors = [telemetry.ServerInterceptor()] if telemetry.setup_tracing(
+            self.role, self.node_id) else []
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                               ("grpc.max_send_message_length", 64 << 20)])
+                                               ("grpc.max_send_message_length", 64 << 20)],
+                                      interceptors=interceptors)
+        self.health = Health(self.server, self.role)
+        self.metrics_address = ""
+        self._metrics_server = None
         self.etcd = EtcdClient(cfg.etcd_endpoints, user=cfg.etcd_user or None,
                                password=cfg.etcd_password or None)
         self.grpc_address = ""
@@ -53,7 +69,12 @@ class Service:
 
     def node_info(self) -> dict[str, Any]:
         """What peers learn about this node from etcd."""
-        return {"id": self.node_id, "role": self.role, "grpc": self.grpc_address}
+        info = {"id": self.node_id, "role": self.role, "grpc": self.grpc_address}
+        if self.metrics_address:
+            info["metrics"] = self.metrics_address
+        if getattr(self, "http_address", ""):
+            info["http"] = self.http_address
+        return info
 
     async def drain(self) -> None:
         """Finishes in-flight work after deregistering (transfers, streams)."""
@@ -68,12 +89,28 @@ class Service:
         if port == 0:
             raise RuntimeError(f"cannot bind gRPC port {self.cfg.host}:{self.cfg.port}")
         self.grpc_address = f"{self.cfg.host}:{port}"
+        self._start_metrics()
         await self.server.start()
         key = node_key(self.cfg.cluster, self.role, self.node_id)
         self.registration = Registration(self.etcd, key, self._info_bytes(), ttl=self.cfg.lease_ttl)
         await self.registration.start()
         await self.after_start()
-        log.info("%s %s serving on %s", self.role, self.node_id, self.grpc_address)
+        await self.health.set_serving(True)
+        log.info("%s %s serving on %s%s", self.role, self.node_id, self.grpc_address,
+                 f" (metrics on http://{self.metrics_address}/metrics)"
+                 if self.metrics_address else "")
+
+    def _start_metrics(self) -> None:
+        if self.cfg.metrics_port < 0:
+            return
+        try:
+            self._metrics_server, port = metrics.start_metrics_server(self.cfg.host,
+                                                                      self.cfg.metrics_port)
+        except OSError as e:
+            raise RuntimeError(f"cannot bind the metrics port {self.cfg.host}:"
+                               f"{self.cfg.metrics_port}: {e}") from None
+        self.metrics_address = f"{self.cfg.host}:{port}"
+        metrics.track(self)
 
     def _info_bytes(self) -> bytes:
         return json.dumps(self.node_info(), sort_keys=True).encode()
@@ -93,6 +130,10 @@ class Service:
             return
         self._shutting_down = True
         log.info("%s %s shutting down", self.role, self.node_id)
+        try:
+            await self.health.set_serving(False)
+        except Exception as e:
+            log.warning("setting health NOT_SERVING failed: %s", e)
         if self.registration is not None:
             try:
                 await asyncio.wait_for(self.registration.stop(), 3)
@@ -103,9 +144,14 @@ class Service:
             await asyncio.wait_for(self.drain(), 30)
         except Exception as e:
             log.warning("drain did not finish cleanly: %s", e)
+        await self.health.shutdown()
         await self.server.stop(grace=2)
         await self.teardown()
         await self.etcd.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        telemetry.shutdown_tracing()
 
     async def run_forever(self) -> None:
         loop = asyncio.get_running_loop()

@@ -25,6 +25,8 @@ class ServiceConfig:
     lease_ttl: int = option(10, "etcd lease TTL in seconds; a dead node leaves the cluster within it")
     grace_s: float = option(1.0, "seconds between deregistering and stopping on shutdown")
     log_level: str = option("INFO", "log level: DEBUG, INFO, WARNING, ERROR")
+    metrics_port: int = option(0, "Prometheus /metrics HTTP port on --host (0 = any free port, "
+                                  "advertised in etcd as \"metrics\"; -1 = off)")
 
     def validate(self) -> None:
         if not self.cluster or "/" in self.cluster:
@@ -36,6 +38,8 @@ class ServiceConfig:
                 raise ConfigError(f"etcd: endpoint {ep!r} must be host:port")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port (0-65535)")
+        if not -1 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port: {self.metrics_port} is not a TCP port (or -1 = off)")
         if self.lease_ttl < 2:
             raise ConfigError(f"lease_ttl: {self.lease_ttl}s is too short; use 2 or more")
         if self.grace_s < 0:
@@ -55,12 +59,16 @@ class ServiceConfig:
 class NodeConfig(ServiceConfig):
     """Options of a model node (prefill or decode)."""
 
-    model: str = option("tiny", "model to serve: a random preset (tiny, small)")
+    model: str = option("tiny", "model to serve: a random preset (tiny, small) or a Hugging Face "
+                               "model directory (config.json, *.safetensors, tokenizer.json)")
     dtype: str = option("float32", "compute dtype: float32 or bfloat16 (never float16 on CPU)")
     seed: int = option(0, "seed of a random preset's weights; all nodes must agree")
     block_size: int = option(256, "tokens per KV block (engine block = store block)")
     kv_memory: str = option("256MiB", "memory for this node's KV pool")
     segment_memory: str = option("256MiB", "DRAM this node lends to the cluster KV store (0 = none)")
+    ssd_dir: str = option("", "directory backing the store segment with an SSD tier: blocks "
+                               "evicted from DRAM spill there (empty = no SSD tier)")
+    ssd_bytes: str = option("1GiB", "most bytes of block data the SSD tier keeps on disk")
     data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
     secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
     threads: int = option(0, "torch intra-op threads (0 = torch's default)")
@@ -69,9 +77,9 @@ class NodeConfig(ServiceConfig):
         super().validate()
         from services.engine.config import PRESETS, resolve_dtype
 
-        if self.model not in PRESETS:
-            raise ConfigError(f"model: {self.model!r} is not a known preset; choose one of "
-                              f"{sorted(PRESETS)}")
+        if self.model not in PRESETS and not os.path.isdir(self.model):
+            raise ConfigError(f"model: {self.model!r} is neither a preset ({', '.join(PRESETS)}) "
+                              f"nor a model directory")
         try:
             resolve_dtype(self.dtype)
         except ValueError as e:
@@ -81,6 +89,8 @@ class NodeConfig(ServiceConfig):
         if parse_size(self.kv_memory) <= 0:
             raise ConfigError("kv_memory: must be > 0")
         parse_size(self.segment_memory)
+        if self.ssd_dir and parse_size(self.ssd_bytes) <= 0:
+            raise ConfigError("ssd_bytes: must be > 0 when ssd_dir is set")
         if not self.secret:
             raise ConfigError("secret: the cluster secret must not be empty")
         if not 0 <= self.data_port < 65536:

@@ -1,80 +1,134 @@
-"""TTFT estimate for a candidate prefill node (design §2.4):
+"""Per-node time models the conductor fits online (design §2.4).
 
-    TTFT(p) = queue(p) + prefill(p, new, cached) + fetch(p) + handoff
-
-prefill() is ``a + b·new + c·new·(new + cached)`` (attention's quadratic part), scaled by a
-per-node correction learned online from observed prefills (EWMA of observed/predicted).
-queue(p) is the summed prediction of what the conductor has in flight on p. fetch(p) is
-the bytes of store blocks p must pull over the measured-or-configured bandwidth; handoff is
-the last layer's transfer, the only part that cannot hide behind compute.
+- :class:`PrefillModel`: ``t(n, c) = a + b·n + k·n·(n + c)`` ms for ``n`` new and ``c``
+  cached tokens (the last term is attention's quadratic part). Warm-started from the
+  profile a node runs when it joins, refit by least squares over a window of observed
+  prefills; its relative prediction error is kept for metrics.
+- :class:`DecodeModel`: step time ``t(B, K) = a + b·B + k·K`` ms for a batch of ``B``
+  requests attending over ``K`` tokens in all; the TBT a request would see.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from typing import Iterable, Sequence
+
+import numpy as np
 
 
-@dataclass
-class PrefillCost:
-    """Plain coefficients of the prefill-time regression, in milliseconds."""
+class _Regression:
+    """Non-negative least squares on a fixed feature map, over a sliding window."""
 
-    base_ms: float = 5.0
-    per_token_ms: float = 0.05
-    per_token_pair_ms: float = 1e-6
+    def __init__(self, coef: Sequence[float], window: int = 256, refit_every: int = 8) -> None:
+        self.coef = [float(c) for c in coef]
+        self._x: deque[tuple[float, ...]] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+        self._errors: deque[float] = deque(maxlen=window)
+        self._refit_every = refit_every
+        self._pending = 0
+        self.observations = 0
+
+    def _features(self, *args: float) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def _predict(self, f: tuple[float, ...]) -> float:
+        return sum(c * x for c, x in zip(self.coef, f))
+
+    def add(self, args: tuple[float, ...], ms: float, track_error: bool = True) -> None:
+        f = self._features(*args)
+        if track_error and ms > 0:
+            self._errors.append(abs(self._predict(f) - ms) / ms)
+        self._x.append(f)
+        self._y.append(ms)
+        self.observations += 1
+        self._pending += 1
+        if self._pending >= self._refit_every or self.observations <= 4:
+            self.fit()
+
+    def fit(self) -> None:
+        self._pending = 0
+        if len(self._y) < 2:
+            return
+        x, y = np.asarray(self._x, dtype=np.float64), np.asarray(self._y, dtype=np.float64)
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+        active = list(range(x.shape[1]))
+        coef = np.zeros(x.shape[1])
+        # tiny active-set NNLS: drop features whose coefficient comes out negative
+        while active:
+            sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
+            if (sol >= 0).all():
+                coef[active] = sol / scale[active]
+                break
+            active = [a for a, s in zip(active, sol) if s >= 0] or []
+        if np.isfinite(coef).all() and coef.any():
+            self.coef = coef.tolist()
+
+    def error_quantiles(self, qs: Iterable[float] = (0.5, 0.9)) -> list[float]:
+        if not self._errors:
+            return [float("nan") for _ in qs]
+        e = sorted(self._errors)
+        return [e[min(len(e) - 1, int(q * len(e)))] for q in qs]
+
+
+class PrefillModel(_Regression):
+    def __init__(self, base_ms: float = 5.0, per_token_ms: float = 0.05,
+                 pair_ms: float = 1e-6, **kw) -> None:
+        super().__init__((base_ms, per_token_ms, pair_ms), **kw)
+
+    def _features(self, new: float, cached: float) -> tuple[float, ...]:
+        return (1.0, new, new * (new + cached))
 
     def predict(self, new: int, cached: int) -> float:
-        return self.base_ms + self.per_token_ms * new + self.per_token_pair_ms * new * (new + cached)
+        a, b, k = self.coef
+        return a + b * new + k * new * (new + cached)
+
+    def observe(self, new: int, cached: int, ms: float) -> None:
+        self.add((new, cached), ms)
+
+    def warm_start(self, samples: Iterable[Sequence[float]]) -> None:
+        """Profile samples ``(new, cached, ms)`` measured by the node at start."""
+        for new, cached, ms in samples:
+            self.add((new, cached), ms, track_error=False)
+        self.fit()
 
 
-@dataclass
-class NodeEstimate:
-    """The conductor's running view of one prefill node."""
+class DecodeModel(_Regression):
+    def __init__(self, base_ms: float = 5.0, per_request_ms: float = 0.5,
+                 per_kv_token_ms: float = 1e-4, **kw) -> None:
+        super().__init__((base_ms, per_request_ms, per_kv_token_ms), **kw)
 
-    correction: float = 1.0
-    inflight_ms: float = 0.0
-    observations: int = 0
-    cached_hashes: set[bytes] = field(default_factory=set)
+    def _features(self, batch: float, kv_tokens: float) -> tuple[float, ...]:
+        return (1.0, batch, kv_tokens)
 
-    def observe(self, predicted_ms: float, actual_ms: float, alpha: float = 0.2) -> None:
-        if predicted_ms > 0 and actual_ms > 0:
-            ratio = min(max(actual_ms / predicted_ms, 0.05), 20.0)
-            self.correction = (1 - alpha) * self.correction + alpha * ratio
-            self.observations += 1
+    def predict(self, batch: int, kv_tokens: int) -> float:
+        a, b, k = self.coef
+        return a + b * batch + k * kv_tokens
 
-    def local_prefix(self, hashes: list[bytes]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self.cached_hashes:
-                break
-            n += 1
-        return n
+    def observe(self, batch: int, kv_tokens: int, ms: float) -> None:
+        self.add((batch, kv_tokens), ms)
+
+    def warm_start(self, samples: Iterable[Sequence[float]]) -> None:
+        for batch, kv, ms in samples:
+            self.add((batch, kv), ms, track_error=False)
+        self.fit()
 
 
-@dataclass
-class Estimate:
-    node_id: str
-    ttft_ms: float
-    queue_ms: float
-    prefill_ms: float
-    fetch_ms: float
-    handoff_ms: float
-    cached_blocks: int
-    store_blocks: int
+class ErrorTracker:
+    """|estimated − actual| / actual over recent requests (e.g. TTFT)."""
 
+    def __init__(self, window: int = 1024) -> None:
+        self._e: deque[float] = deque(maxlen=window)
 
-def estimate(node_id: str, view: NodeEstimate, cost: PrefillCost, n_tokens: int,
-             block_size: int, hashes: list[bytes], store_prefix: int, block_nbytes: int,
-             layer_nbytes: int, bandwidth_bytes_per_ms: float) -> Estimate:
-    usable = min(len(hashes), (n_tokens - 1) // block_size)
-    local = min(view.local_prefix(hashes), usable)
-    store = max(0, min(store_prefix, usable) - local)
-    fetch_ms = store * block_nbytes / bandwidth_bytes_per_ms
-    recompute_ms = cost.predict(store * block_size, local * block_size) - cost.base_ms
-    if fetch_ms >= recompute_ms:  # the bandwidth inequality: fetching must beat computing
-        store, fetch_ms = 0, 0.0
-    cached = (local + store) * block_size
-    prefill_ms = view.correction * cost.predict(n_tokens - cached, cached)
-    n_new_blocks = -(-n_tokens // block_size) - local - store
-    handoff_ms = n_new_blocks * layer_nbytes / bandwidth_bytes_per_ms
-    ttft = view.inflight_ms + prefill_ms + fetch_ms + handoff_ms
-    return Estimate(node_id, ttft, view.inflight_ms, prefill_ms, fetch_ms, handoff_ms, local, store)
+    def add(self, estimated: float, actual: float) -> None:
+        if actual > 0:
+            self._e.append(abs(estimated - actual) / actual)
+
+    def quantile(self, q: float) -> float:
+        if not self._e:
+            return float("nan")
+        s = sorted(self._e)
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+    def __len__(self) -> int:
+        return len(self._e)
+

@@ -25,6 +25,7 @@ import codecs
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import grpc
@@ -36,8 +37,14 @@ from services.common.hashing import prefix_hashes
 from services.common.registry import Membership, nodes_prefix
 from services.common.service import Service, run, setup_logging
 from services.common.settings import ServiceConfig
+from services.common.metrics import RequestStats
+from services.common.telemetry import record_span
 from services.conductor.cluster import ClusterView, NodeInfo
-from services.conductor.estimator import NodeEstimate, PrefillCost, estimate
+from services.conductor.http_api import HttpApi
+from services.conductor.observe import admission_attributes, fill_status, observed
+from services.conductor.feeds import NodeFeeds
+from services.conductor.policy import (DISAGG, POLICIES, Decision, PolicyConfig, Request,
+                                       Scheduler)
 from services.engine.sampling import Sampling
 from services.engine.tokenizer import ByteTokenizer
 
@@ -50,18 +57,24 @@ class ConductorConfig(ServiceConfig):
 
     ttft_slo_ms: float = option(60000.0, "cluster TTFT SLO in ms; requests may only tighten it")
     tbt_slo_ms: float = option(5000.0, "cluster time-between-tokens SLO in ms")
-    prefill_base_ms: float = option(5.0, "prefill regression: fixed cost per request (ms)")
-    prefill_token_ms: float = option(0.05, "prefill regression: cost per new token (ms)")
-    prefill_pair_ms: float = option(1e-6, "prefill regression: cost per (new x all) token pair (ms)")
-    bandwidth_gbps: float = option(1.0, "assumed data-plane bandwidth for fetch and handoff (GB/s)")
+    policy: str = option("kvmesh", "routing policy: random, load, cache, cache-load, kvmesh")
+    colocate_below_tokens: int = option(512, "prompts shorter than this are prefilled on the "
+                                             "decode node itself (0 = never)")
+    direct_share: float = option(0.9, "decode-direct when the decode node holds this share "
+                                      "of the prefix")
+    report_interval_ms: float = option(200.0, "period of the nodes' load reports")
     request_timeout_s: float = option(300.0, "longest a request may run end to end")
+    http_port: int = option(8000, "OpenAI-compatible HTTP API port on --host (0 = any free port, "
+                                  "advertised in etcd as \"http\"; -1 = off)")
 
     def validate(self) -> None:
         super().validate()
         if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0:
             raise ConfigError("ttft_slo_ms and tbt_slo_ms must be > 0")
-        if self.bandwidth_gbps <= 0:
-            raise ConfigError("bandwidth_gbps must be > 0")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.colocate_below_tokens < 0 or not 0 < self.direct_share <= 1:
+            raise ConfigError("colocate_below_tokens must be >= 0 and direct_share in (0, 1]")
 
 
 class Rejected(Exception):
@@ -77,7 +90,7 @@ class ConductorServicer(pbg.ConductorServicer):
 
     async def Generate(self, req, context):
         try:
-            async for resp in self.c.generate(req):
+            async for resp in observed(self.c, req):
                 yield resp
         except Rejected as e:
             if e.metadata:
@@ -96,16 +109,27 @@ class Conductor(Service):
         self.cfg: ConductorConfig = cfg
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self.view = ClusterView(self.membership)
-        self.cost = PrefillCost(cfg.prefill_base_ms, cfg.prefill_token_ms, cfg.prefill_pair_ms)
-        self.estimates: dict[str, NodeEstimate] = {}
-        self.decode_load: dict[str, int] = {}
+        self.sched = Scheduler(PolicyConfig(policy=cfg.policy,
+                                            colocate_below_tokens=cfg.colocate_below_tokens,
+                                            direct_share=cfg.direct_share))
+        self.feeds = NodeFeeds(self.view, self.sched, cfg.report_interval_ms)
         self.tokenizer = ByteTokenizer()
+        self.request_stats = RequestStats()
+        self.http: HttpApi | None = None
+        self.decisions: deque[dict] = deque(maxlen=1024)
 
     async def setup(self) -> None:
         pbg.add_ConductorServicer_to_server(ConductorServicer(self), self.server)
+        if self.cfg.http_port >= 0:
+            self.http = HttpApi(self, self.cfg.host, self.cfg.http_port)
+            self.http_address = await self.http.start()
+        self.membership.add_listener(self.feeds.on_member)
         await self.membership.start()
 
     async def teardown(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
+        await self.feeds.close()
         await self.membership.stop()
         await self.view.close()
 
@@ -150,7 +174,7 @@ class Conductor(Service):
             raise Rejected(bad, "slo values must be >= 0 (0 = the cluster default)")
         return tokens
 
-    async def _store_prefix(self, hashes: list[bytes]) -> int:
+    async def _store_prefix(self, hashes: list[bytes]) -> int | None:
         stub = self.view.store_stub()
         if not hashes or stub is None:
             return 0
@@ -160,106 +184,159 @@ class Conductor(Service):
         except grpc.aio.AioRpcError:
             return 0
 
+    def _decide(self, r: Request, fp: str, store_prefix: int) -> Decision:
+        """The scheduler's decision among the nodes serving fingerprint ``fp``."""
+        sched = self.sched
+        fps = self.feeds.fingerprint_of
+        if all(fps.get(n) == fp for n in (*sched.prefill, *sched.decode)):
+            look_store = store_prefix
+            idx_lookup = sched.index.lookup
+
+            def lookup(hashes):  # the store side comes from Exists until store events flow
+                out = idx_lookup(hashes)
+                out.store_prefix = min(look_store, len(hashes))
+                return out
+
+            sched.index.lookup = lookup
+            try:
+                return sched.decide(r)
+            finally:
+                del sched.index.lookup
+        raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                       "nodes of several model fingerprints are live; serving more than one "
+                       "model per cluster is not supported yet")
+
     # -- the request's life --------------------------------------------------------------
     async def generate(self, req: pb.GenerateRequest):
+        t_arrival = time.perf_counter()
         model, fp = self._resolve_model(req.model)
-        prefills = [n for n in self.view.nodes("prefill") if n.fingerprint == fp]
-        decodes = [n for n in self.view.nodes("decode") if n.fingerprint == fp]
-        info = prefills[0].raw
+        info = next(n.raw for n in self.view.nodes("prefill") + self.view.nodes("decode")
+                    if n.fingerprint == fp)
         tokens = self._tokens(req, info)
         rid = req.request_id or uuid.uuid4().hex
         bs = int(info["block_size"])
-        seed = bytes.fromhex(fp) + req.cache_salt.encode()
-        hashes = prefix_hashes(seed, tokens, bs)
-        slo = self.cfg.ttft_slo_ms if req.slo.ttft_ms <= 0 else min(req.slo.ttft_ms,
-                                                                        self.cfg.ttft_slo_ms)
-        store_prefix = await self._store_prefix(hashes)
-        bw = self.cfg.bandwidth_gbps * 1e6  # bytes per ms
-        ests = []
-        for n in prefills:
-            view = self.estimates.setdefault(n.node_id, NodeEstimate())
-            ests.append((estimate(n.node_id, view, self.cost, len(tokens), bs, hashes,
-                                  store_prefix, int(n.raw["block_nbytes"]),
-                                  int(n.raw["layer_nbytes"]), bw), n))
-        ests.sort(key=lambda e: e[0].ttft_ms)
-        if not ests or not decodes:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE,
-                           f"model {model!r} has no live prefill or decode node; retry shortly")
-        best = ests[0][0]
-        if best.ttft_ms > slo:
-            retry_ms = max(best.queue_ms, 100.0)
-            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"estimated TTFT {best.ttft_ms:.1f} ms (queue {best.queue_ms:.1f} + "
-                           f"prefill {best.prefill_ms:.1f} + fetch {best.fetch_ms:.1f} + handoff "
-                           f"{best.handoff_ms:.1f}) on the best node {best.node_id} exceeds the "
-                           f"TTFT SLO of {slo:.1f} ms; retry after {retry_ms:.0f} ms",
-                           (("retry-after-ms", f"{retry_ms:.0f}"),
-                            ("kvmesh-estimated-ttft-ms", f"{best.ttft_ms:.1f}")))
+        hashes = prefix_hashes(bytes.fromhex(fp) + req.cache_salt.encode(), tokens, bs)
+        ttft_slo = min(req.slo.ttft_ms or self.cfg.ttft_slo_ms, self.cfg.ttft_slo_ms)
+        tbt_slo = min(req.slo.tbt_ms or self.cfg.tbt_slo_ms, self.cfg.tbt_slo_ms)
+        r = Request(rid, len(tokens), hashes, req.max_tokens, ttft_slo, tbt_slo)
+        t_admit = time.time_ns()
+        d = self._decide(r, fp, await self._store_prefix(hashes))
+        record_span("conductor.admission", t_admit, attributes=admission_attributes(r, d))
+        if not d.accepted:
+            code = (grpc.StatusCode.UNAVAILABLE if d.reason == "no-nodes"
+                    else grpc.StatusCode.RESOURCE_EXHAUSTED)
+            meta = (("retry-after-ms", f"{d.retry_after_ms:.0f}"),
+                    ("kvmesh-reject-reason", d.reason))
+            if d.estimate is not None:
+                meta += (("kvmesh-estimated-ttft-ms", f"{d.estimate.ttft_ms:.1f}"),)
+            raise Rejected(code, d.message, meta)
+        self.sched.commit(r, d)
+        record = {"request_id": rid, "route": d.route, "prefill": d.prefill_node,
+                  "decode": d.decode_node, "estimated_ttft_ms": d.estimate.ttft_ms,
+                  "candidates": [(c.route, c.node, round(c.ttft_ms, 2)) for c in d.candidates]}
+        self.decisions.append(record)
+        produced = 0
+        try:
+            async for resp in self._serve(r, d, req, tokens, t_arrival, record):
+                produced += len(resp.token_ids)
+                yield resp
+        finally:
+            self.sched.request_done(r, d, produced)
 
-        target, dnode = await self._reserve(rid, len(tokens), req.max_tokens, decodes)
-        try:
-            first, pnode, presp, est = await self._prefill(rid, tokens, hashes, target, req, ests)
-        except BaseException:
-            await self._release(dnode, rid)
-            raise
+    async def _serve(self, r: Request, d: Decision, req: pb.GenerateRequest,
+                     tokens: list[int], t_arrival: float, record: dict):
+        rid = r.request_id
+        dnode = self._node("decode", d.decode_node)
+        target = await self._reserve(dnode, rid, len(tokens), req.max_tokens)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        usage = pb.Usage(prompt_tokens=len(tokens), completion_tokens=1,
-                         cached_tokens=presp.cached_tokens + presp.fetched_tokens,
-                         computed_tokens=presp.computed_tokens)
-        eos = self.tokenizer.eos_id
-        done = (first == eos and not req.sampling.ignore_eos) or req.max_tokens == 1
-        reason = ("stop" if first == eos and not req.sampling.ignore_eos else "length") if done else ""
-        yield pb.GenerateResponse(
-            request_id=rid, token_ids=[first], text=decoder.decode(self._bytes(first)),
-            finish_reason=reason, usage=usage if done else None,
-            route=pb.Route(prefill_node=pnode.node_id, decode_node=dnode.node_id,
-                           estimated_ttft_ms=est))
-        if done:
-            await self._release(dnode, rid)
-            return
-        self.decode_load[dnode.node_id] = self.decode_load.get(dnode.node_id, 0) + 1
-        stream = None
+        usage = pb.Usage(prompt_tokens=len(tokens))
+        route = pb.Route(decode_node=dnode.node_id, estimated_ttft_ms=d.estimate.ttft_ms)
+        dreq = pb.DecodeRequest(request_id=rid, max_tokens=req.max_tokens, sampling=req.sampling,
+                                prompt_token_ids=tokens, block_hashes=r.hashes)
+        if d.route == DISAGG:
+            try:
+                presp, pnode = await self._prefill(r, d, tokens, target, req)
+            except BaseException:
+                await self._release(dnode, rid)
+                raise
+            route.prefill_node = pnode.node_id
+            dreq.first_token = presp.first_token
+            self._first_token_seen(r, d, presp, t_arrival, record)
+            first = self._response(rid, [presp.first_token], decoder, usage, presp, route, req)
+            yield first
+            if first.finish_reason:
+                await self._release(dnode, rid)
+                return
+        else:
+            dreq.prefill_here = True
+        stream = self.view.decode_stub(dnode).Decode(dreq, timeout=self.cfg.request_timeout_s)
         try:
-            stream = self.view.decode_stub(dnode).Decode(pb.DecodeRequest(
-                request_id=rid, first_token=first, max_tokens=req.max_tokens,
-                sampling=req.sampling), timeout=self.cfg.request_timeout_s)
-            async for d in stream:
-                usage.completion_tokens += len(d.token_ids)
-                text = "".join(decoder.decode(self._bytes(t)) for t in d.token_ids)
-                if d.finish_reason:
-                    text += decoder.decode(b"", final=True)
-                yield pb.GenerateResponse(request_id=rid, token_ids=d.token_ids, text=text,
-                                          finish_reason=d.finish_reason,
-                                          usage=usage if d.finish_reason else None)
+            async for msg in stream:
+                if msg.HasField("prefill"):
+                    self._first_token_seen(r, d, msg.prefill, t_arrival, record)
+                    resp = self._response(rid, list(msg.token_ids), decoder, usage, msg.prefill,
+                                          route, req)
+                else:
+                    resp = self._response(rid, list(msg.token_ids), decoder, usage, None, None,
+                                          req, msg.finish_reason)
+                yield resp
+                if resp.finish_reason:
+                    return
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise Rejected(e.code(), e.details()) from None
             raise Rejected(grpc.StatusCode.UNAVAILABLE,
                            f"decode node {dnode.node_id} failed after "
                            f"{usage.completion_tokens} tokens ({e.code().name}: {e.details()}); "
                            f"retry the request") from None
         finally:
-            self.decode_load[dnode.node_id] -= 1
-            if stream is not None:
-                stream.cancel()
+            stream.cancel()
+
+    def _response(self, rid, token_ids, decoder, usage, presp, route, req, reason=""):
+        eos = self.tokenizer.eos_id
+        if presp is not None:
+            usage.cached_tokens = presp.cached_tokens + presp.fetched_tokens
+            usage.computed_tokens = presp.computed_tokens
+            first = token_ids[0]
+            if first == eos and not req.sampling.ignore_eos:
+                reason = "stop"
+            elif req.max_tokens == 1:
+                reason = "length"
+        usage.completion_tokens += len(token_ids)
+        text = "".join(decoder.decode(self._bytes(t)) for t in token_ids)
+        if reason:
+            text += decoder.decode(b"", final=True)
+        return pb.GenerateResponse(request_id=rid, token_ids=token_ids, text=text,
+                                   finish_reason=reason, usage=usage if reason else None,
+                                   route=route)
+
+    def _first_token_seen(self, r, d, presp, t_arrival, record) -> None:
+        ttft = (time.perf_counter() - t_arrival) * 1000
+        record["actual_ttft_ms"] = ttft
+        self.sched.prefill_done(r, d, presp.computed_tokens, presp.cached_tokens +
+                                presp.fetched_tokens, presp.prefill_ms, ttft_ms=ttft)
 
     def _bytes(self, token: int) -> bytes:
         return bytes([token]) if token < 256 else b""
 
-    async def _reserve(self, rid: str, n: int, max_tokens: int, decodes: list[NodeInfo]):
-        order = sorted(decodes, key=lambda d: self.decode_load.get(d.node_id, 0))
-        last = ""
-        for d in order:
-            try:
-                resp = await self.view.decode_stub(d).Reserve(
-                    pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens),
-                    timeout=5)
-                return resp.target, d
-            except grpc.aio.AioRpcError as e:
-                last = f"{d.node_id}: {e.code().name} {e.details()}"
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise Rejected(e.code(), e.details()) from None
-        raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"no decode node could reserve KV for {n + max_tokens} tokens "
-                       f"(last: {last}); retry later")
+    def _node(self, role: str, node_id: str) -> NodeInfo:
+        for n in self.view.nodes(role):
+            if n.node_id == node_id:
+                return n
+        raise Rejected(grpc.StatusCode.UNAVAILABLE, f"{role} node {node_id} left; retry")
+
+    async def _reserve(self, d: NodeInfo, rid: str, n: int, max_tokens: int) -> pb.KVTarget:
+        try:
+            resp = await self.view.decode_stub(d).Reserve(
+                pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens),
+                timeout=5)
+            return resp.target
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                code = grpc.StatusCode.UNAVAILABLE
+            raise Rejected(code, f"decode node {d.node_id} could not reserve KV for "
+                                 f"{n + max_tokens} tokens ({e.details()}); retry") from None
 
     async def _release(self, d: NodeInfo, rid: str) -> None:
         try:
@@ -267,30 +344,26 @@ class Conductor(Service):
         except grpc.aio.AioRpcError as e:
             log.warning("releasing %s on %s failed: %s", rid, d.node_id, e.code())
 
-    async def _prefill(self, rid, tokens, hashes, target, req, ests):
+    async def _prefill(self, r: Request, d: Decision, tokens, target, req):
+        """Prefill on the chosen node; a node that fails is skipped for the next
+        disaggregated candidate (at most three tries)."""
+        order = [d.prefill_node] + [c.node for c in d.candidates
+                                    if c.route == DISAGG and c.node != d.prefill_node]
         last = ""
-        for est, node in ests[:3]:
-            view = self.estimates[node.node_id]
-            predicted = est.prefill_ms
-            view.inflight_ms += predicted
-            t0 = time.perf_counter()
+        for node_id in order[:3]:
             try:
+                node = self._node("prefill", node_id)
                 resp = await self.view.prefill_stub(node).Prefill(pb.PrefillRequest(
-                    request_id=rid, token_ids=tokens, block_hashes=hashes, target=target,
-                    sampling=req.sampling), timeout=self.cfg.request_timeout_s)
+                    request_id=r.request_id, token_ids=tokens, block_hashes=r.hashes,
+                    target=target, sampling=req.sampling), timeout=self.cfg.request_timeout_s)
+                return resp, node
             except grpc.aio.AioRpcError as e:
-                last = f"{node.node_id}: {e.code().name} {e.details()}"
+                last = f"{node_id}: {e.code().name} {e.details()}"
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise Rejected(e.code(), e.details()) from None
-                log.warning("prefill on %s failed (%s); trying the next node", node.node_id, last)
-                continue
-            finally:
-                view.inflight_ms -= predicted
-            view.observe(predicted / view.correction, resp.prefill_ms)
-            view.cached_hashes.update(hashes)
-            log.debug("prefill %s on %s: %.1f ms (predicted %.1f)", rid, node.node_id,
-                      (time.perf_counter() - t0) * 1000, predicted)
-            return resp.first_token, node, resp, est.ttft_ms
+                log.warning("prefill on %s failed (%s); trying the next node", node_id, last)
+            except Rejected as e:
+                last = e.message
         raise Rejected(grpc.StatusCode.UNAVAILABLE, f"prefill failed on every candidate "
                                                     f"(last: {last}); retry the request")
 
@@ -322,6 +395,7 @@ class Conductor(Service):
                     s.blocks, s.bytes_used, s.bytes_total)
             except grpc.aio.AioRpcError:
                 pass
+        fill_status(self, out)
         return out
 
 

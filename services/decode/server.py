@@ -26,7 +26,9 @@ import torch
 from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
 from services.common.config import ConfigError, load, option
+from services.common.hashing import prefix_hashes
 from services.common.model_node import ModelNode
+from services.common.telemetry import record_span
 from services.common.service import run, setup_logging
 from services.common.settings import NodeConfig
 from services.engine.kv_pool import OutOfBlocks
@@ -57,6 +59,9 @@ class Reservation:
     created: float = field(default_factory=time.monotonic)
     kv_ready: asyncio.Event = field(default_factory=asyncio.Event)
     decoding: bool = False
+    prompt_ids: list[int] = field(default_factory=list)   # for caching blocks at the end
+    hashes: list[bytes] = field(default_factory=list)      # of the prompt's full blocks
+    generated: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -108,14 +113,35 @@ class DecodeServicer(pbg.DecodeNodeServicer):
         if err := sampling.validate(node.model_config.vocab_size):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         res.decoding = True
-        try:
-            await asyncio.wait_for(res.kv_ready.wait(), node.cfg.kv_wait_s)
-        except asyncio.TimeoutError:
-            node.release(req.request_id)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"KV of request {req.request_id} did not arrive in "
-                                f"{node.cfg.kv_wait_s}s; retry the request")
-        r = Running(res, req.first_token, res.prompt_tokens, req.max_tokens - 1, 1, sampling,
+        t_wait = time.time_ns()
+        res.prompt_ids = list(req.prompt_token_ids)
+        res.hashes = list(req.block_hashes)
+        first, step = req.first_token, 1
+        if req.prefill_here:
+            if err := node.check_prompt(req, res):
+                node.release(req.request_id)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+            first, presp = await node.prefill_here(res, sampling)
+            record_span("decode.prefill_here", t_wait, attributes={
+                "kvmesh.computed_tokens": presp.computed_tokens,
+                "kvmesh.cached_tokens": presp.cached_tokens + presp.fetched_tokens})
+            yield pb.DecodeResponse(token_ids=[first], prefill=presp,
+                                    finish_reason="" if req.max_tokens > 1 else "length")
+            if req.max_tokens <= 1:
+                node.release(req.request_id)
+                return
+        else:
+            try:
+                await asyncio.wait_for(res.kv_ready.wait(), node.cfg.kv_wait_s)
+            except asyncio.TimeoutError:
+                node.release(req.request_id)
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"KV of request {req.request_id} did not arrive in "
+                                    f"{node.cfg.kv_wait_s}s; retry the request")
+            record_span("decode.kv_wait", t_wait)
+        res.generated = [first]
+        t_decode, n_out = time.time_ns(), 0
+        r = Running(res, first, res.prompt_tokens, req.max_tokens - 1, step, sampling,
                     frozenset(req.stop_token_ids))
         node.admit(r)
         try:
@@ -124,11 +150,14 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 if isinstance(item, Exception):
                     await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {item}")
                 tok, reason = item
+                n_out += 1
                 yield pb.DecodeResponse(token_ids=[tok], finish_reason=reason)
                 if reason:
                     return
         finally:
             node.retire(r)
+            record_span("decode.generate", t_decode, attributes={
+                "kvmesh.tokens": n_out, "kvmesh.batch_size": len(node.running)})
 
     async def Release(self, req, context):
         return pb.ReleaseResponse(released=self.node.release(req.request_id))
@@ -136,6 +165,10 @@ class DecodeServicer(pbg.DecodeNodeServicer):
     async def Status(self, req, context):
         n = self.node
         return n.status(queue_depth=len(n.reservations) - len(n.running), running=len(n.running))
+
+    async def WatchEvents(self, req, context):
+        async for event in self.node.watch_events(req):
+            yield event
 
 
 class DecodeNode(ModelNode):
@@ -150,6 +183,7 @@ class DecodeNode(ModelNode):
         self._tasks: list[asyncio.Task] = []
         self._in_step: list[Running] = []
         self._deferred: list[Running] = []
+        self.compute = asyncio.Lock()   # one model computation at a time: steps, prefills
 
     async def setup(self) -> None:
         await super().setup()
@@ -177,8 +211,70 @@ class DecodeNode(ModelNode):
         res = self.reservations.pop(request_id, None)
         if res is None:
             return False
+        self._cache_blocks(res)
         self.pool.free(res.blocks)
         return True
+
+    def load_info(self) -> dict:
+        return {**super().load_info(), "queue_depth": len(self.reservations) - len(self.running),
+                "running": len(self.running)}
+
+    def _cache_blocks(self, res: Reservation) -> None:
+        """Keeps the full blocks whose KV this node holds (prompt, then generated tokens
+        whose KV was computed) in its prefix cache: the next turn of a conversation
+        starts with exactly that prefix (decode-direct)."""
+        bs = self.cfg.block_size
+        if not res.prompt_ids or not res.kv_ready.is_set():
+            return
+        tokens = res.prompt_ids + res.generated[:-1]  # the last token's KV was never computed
+        hashes = list(res.hashes)
+        if len(hashes) != len(res.prompt_ids) // bs:
+            return
+        if hashes:
+            hashes += prefix_hashes(hashes[-1], tokens[len(hashes) * bs:], bs)
+        for i, h in enumerate(hashes[: len(res.blocks)]):
+            self.pool.insert(h, res.blocks[i], tokens[i * bs:(i + 1) * bs],
+                             parent_hash=hashes[i - 1] if i else None)
+
+    def check_prompt(self, req: pb.DecodeRequest, res: Reservation) -> str | None:
+        n, bs = len(req.prompt_token_ids), self.cfg.block_size
+        if n != res.prompt_tokens:
+            return f"prompt_token_ids has {n} tokens; the reservation was for {res.prompt_tokens}"
+        if any(t < 0 or t >= self.model_config.vocab_size for t in req.prompt_token_ids):
+            return f"token ids must be in [0, {self.model_config.vocab_size})"
+        if len(req.block_hashes) > n // bs:
+            return "more block hashes than full blocks"
+        return None
+
+    async def prefill_here(self, res: Reservation, sampling: Sampling):
+        """Colocated / decode-direct route: this node computes the prompt itself,
+        reusing whatever prefix its own pool holds."""
+        pool, bs = self.pool, self.cfg.block_size
+        tokens, hashes = res.prompt_ids, res.hashes
+        n = len(tokens)
+        usable = min(len(hashes), (n - 1) // bs)
+        t0 = time.perf_counter()
+        async with self.compute:
+            local = pool.match(hashes[:usable], [tuple(tokens[i * bs:(i + 1) * bs])
+                                                 for i in range(usable)])
+            k = len(local)
+            if k:
+                pool.free(res.blocks[:k])
+                res.blocks = local + res.blocks[k:]
+            start = k * bs
+            tc = time.perf_counter()
+            logits = await asyncio.to_thread(
+                self.model.forward_prefill, torch.tensor(tokens[start:], dtype=torch.long),
+                start, pool, res.blocks)
+            compute_ms = (time.perf_counter() - tc) * 1000
+        res.kv_ready.set()
+        first = sample(logits, sampling, step=0)
+        self.counters["computed"] += n - start
+        self.counters["cached"] += start
+        self.events.record_prefill(n - start, start, compute_ms)
+        return first, pb.PrefillResponse(first_token=first, computed_tokens=n - start,
+                                         cached_tokens=start,
+                                         prefill_ms=(time.perf_counter() - t0) * 1000)
 
     def admit(self, r: Running) -> None:
         self.running.append(r)
@@ -205,8 +301,12 @@ class DecodeNode(ModelNode):
             tables = [r.res.blocks for r in batch]
             self._in_step = batch
             try:
-                logits = await asyncio.to_thread(self.model.forward_decode, tokens, positions,
-                                                 tables, self.pool)
+                async with self.compute:
+                    tc = time.perf_counter()
+                    logits = await asyncio.to_thread(self.model.forward_decode, tokens,
+                                                     positions, tables, self.pool)
+                    self.events.record_decode(len(batch), sum(positions) + len(batch),
+                                              (time.perf_counter() - tc) * 1000)
             except Exception as e:  # a bug, not a client's mistake: fail these requests
                 log.exception("decode step failed")
                 for r in batch:
@@ -224,6 +324,7 @@ class DecodeNode(ModelNode):
                     continue
                 tok = sample(logits[i], r.sampling, step=r.step)
                 r.token, r.position, r.step = tok, r.position + 1, r.step + 1
+                r.res.generated.append(tok)
                 r.remaining -= 1
                 self.counters["generated"] += 1
                 reason = ""

@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+ROPE_SCALING_TYPES = ("linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (Hugging Face ``rope_scaling`` / ``rope_parameters``).
+
+    ``linear`` divides every frequency by ``factor``; ``llama3`` divides the low
+    frequencies by ``factor``, keeps the high ones and interpolates in between
+    (``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
+    Position-dependent schemes (``dynamic``, ``yarn``, ``longrope``) are not supported:
+    with a paged KV cache the rotation of a cached key must not depend on the
+    length of the request that later reads it.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"unsupported rope scaling type {self.rope_type!r}; "
+                             f"supported: {', '.join(ROPE_SCALING_TYPES)}")
+        if not self.factor > 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3":
+            if self.original_max_position_embeddings <= 0:
+                raise ValueError("llama3 rope scaling needs original_max_position_embeddings > 0")
+            if not self.high_freq_factor > self.low_freq_factor > 0:
+                raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor > 0")
 
 
 @dataclass(frozen=True)
@@ -22,6 +56,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    attention_bias: bool = False       # bias on q/k/v projections (Qwen2; Llama attention_bias)
+    attention_out_bias: bool = False   # bias on o_proj (Llama attention_bias)
+    mlp_bias: bool = False             # bias on gate/up/down projections (Llama mlp_bias)
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -35,9 +73,34 @@ class ModelConfig:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        per_layer += (q + 2 * kv) * self.attention_bias + h * self.attention_out_bias
+        per_layer += (2 * i + h) * self.mlp_bias
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return embed + head + self.num_layers * per_layer + h
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """float32 RoPE inverse frequencies [head_dim // 2], scaled per ``config.rope_scaling``
+
+    (bit-for-bit the computation of transformers' ``modeling_rope_utils``)."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv
+    if rs.rope_type == "linear":
+        return inv / rs.factor
+    # llama3
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * out / rs.factor + smooth * out
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, out)
 
 
 PRESETS: dict[str, ModelConfig] = {

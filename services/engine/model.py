@@ -19,7 +19,7 @@ from torch import nn
 
 from services.common.hashing import model_fingerprint, preset_weights_digest
 
-from .config import PRESETS, ModelConfig, dtype_name, resolve_dtype
+from .config import PRESETS, ModelConfig, dtype_name, resolve_dtype, rope_inv_freq
 from .kv_pool import KVPool
 
 
@@ -47,8 +47,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
-def _linear(in_f: int, out_f: int) -> nn.Linear:
-    return torch.nn.utils.skip_init(nn.Linear, in_f, out_f, bias=False)
+def _linear(in_f: int, out_f: int, bias: bool = False) -> nn.Linear:
+    return torch.nn.utils.skip_init(nn.Linear, in_f, out_f, bias=bias)
 
 
 class DecoderLayer(nn.Module):
@@ -59,11 +59,12 @@ class DecoderLayer(nn.Module):
         h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.cfg = cfg
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.q_proj, self.k_proj, self.v_proj = _linear(h, q), _linear(h, kv), _linear(h, kv)
-        self.o_proj = _linear(q, h)
+        qb, ob, mb = cfg.attention_bias, cfg.attention_out_bias, cfg.mlp_bias
+        self.q_proj, self.k_proj, self.v_proj = _linear(h, q, qb), _linear(h, kv, qb), _linear(h, kv, qb)
+        self.o_proj = _linear(q, h, ob)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_proj, self.up_proj = _linear(h, cfg.intermediate_size), _linear(h, cfg.intermediate_size)
-        self.down_proj = _linear(cfg.intermediate_size, h)
+        i = cfg.intermediate_size
+        self.gate_proj, self.up_proj, self.down_proj = _linear(h, i, mb), _linear(h, i, mb), _linear(i, h, mb)
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Normalized, projected, rotated q [N, H, D] and k, v [N, KVH, D] for hidden ``h`` [N, hidden]."""
@@ -91,8 +92,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else _linear(config.hidden_size, config.vocab_size)
-        inv = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
-        self.inv_freq = inv  # plain attribute: RoPE frequencies stay float32 under .to()
+        self.inv_freq = rope_inv_freq(config)  # plain attribute: RoPE frequencies stay float32 under .to()
         self.preset: str | None = None
         self.seed: int | None = None
         self.weights_digest: bytes = b""
@@ -126,6 +126,8 @@ class LlamaModel(nn.Module):
             buf = torch.empty(p.shape, dtype=torch.float32)
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 buf.fill_(1.0)
+            elif name.endswith(".bias"):
+                buf.zero_()
             elif name == "embed_tokens.weight":
                 std = 2.0 / math.sqrt(cfg.hidden_size) if cfg.tie_word_embeddings else 1.0
                 buf.normal_(0.0, std, generator=g)

@@ -55,6 +55,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._by_hash)
 
+    def hashes(self) -> list[bytes]:
+        """Every cached block hash (a snapshot for a new event subscriber)."""
+        return list(self._by_hash)
+
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._by_hash
 

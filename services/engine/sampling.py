@@ -3,7 +3,9 @@ per-request generator so a seeded request is reproducible on any node."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -40,12 +42,9 @@ def make_generator(s: Sampling, step: int = 0) -> torch.Generator | None:
     return g
 
 
-def sample(logits: torch.Tensor, s: Sampling, step: int = 0) -> int:
-    """One token from ``logits`` [vocab]; ``step`` is the token's index in the output,
-    which keeps seeded sampling identical whichever node samples which token."""
-    if s.temperature == 0:
-        return int(torch.argmax(logits).item())
-    logits = logits.float() / s.temperature
+def _probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Sampling distribution after temperature, top-k and top-p (float32 [vocab])."""
+    logits = logits.float().reshape(-1) / s.temperature
     if s.top_k:
         kth = torch.topk(logits, s.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -56,4 +55,40 @@ def sample(logits: torch.Tensor, s: Sampling, step: int = 0) -> int:
         mask = torch.zeros_like(probs, dtype=torch.bool).scatter(0, idx[keep], True)
         probs = probs.masked_fill(~mask, 0)
         probs = probs / probs.sum()
+    return probs
+
+
+def sample(logits: torch.Tensor, s: Sampling, step: int = 0) -> int:
+    """One token from ``logits`` [vocab]; ``step`` is the token's index in the output,
+    which keeps seeded sampling identical whichever node samples which token (and
+    whatever else is in the batch: each request has its own generator)."""
+    if s.temperature == 0:
+        return int(torch.argmax(logits).item())
+    probs = _probs(logits, s)
     return int(torch.multinomial(probs, 1, generator=make_generator(s, step)).item())
+
+
+def sample_with_logprob(logits: torch.Tensor, s: Sampling, step: int = 0) -> tuple[int, float]:
+    """Like :func:`sample`, plus the chosen token's log-probability under the model's
+    distribution (``log_softmax`` of the raw logits, i.e. before temperature/top-k/top-p,
+    as OpenAI-style ``logprobs`` report it)."""
+    tok = sample(logits, s, step)
+    lp = float(torch.log_softmax(logits.float().reshape(-1), dim=-1)[tok])
+    return tok, (lp if not math.isnan(lp) else float("-inf"))
+
+
+def find_stop(text: str, stops: Iterable[str], start: int = 0) -> int | None:
+    """Truncation point for stop strings: the index in ``text`` where the earliest
+    occurrence (at or after ``start``) of any non-empty stop string begins, or None.
+
+    Output is ``text[:find_stop(...)]``; the stop string itself is excluded. To scan
+    only new text when streaming, pass ``start = max(0, old_len - max(len(stop)) + 1)``.
+    """
+    best: int | None = None
+    for stop in stops:
+        if not stop:
+            continue
+        i = text.find(stop, start)
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best

@@ -29,7 +29,9 @@ import torch
 from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
 from rdma import Slice, TransferError
+from services.common import metrics as kvm
 from services.common.config import load
+from services.common.telemetry import record_span
 from services.common.model_node import ModelNode
 from services.common.service import run, setup_logging
 from services.common.settings import NodeConfig
@@ -59,6 +61,10 @@ class PrefillServicer(pbg.PrefillNodeServicer):
     async def Status(self, req, context):
         return self.node.status(queue_depth=self.node.queue_depth)
 
+    async def WatchEvents(self, req, context):
+        async for event in self.node.watch_events(req):
+            yield event
+
 
 class PrefillNode(ModelNode):
     role = "prefill"
@@ -72,6 +78,10 @@ class PrefillNode(ModelNode):
     async def setup(self) -> None:
         await super().setup()
         pbg.add_PrefillNodeServicer_to_server(PrefillServicer(self), self.server)
+
+    def load_info(self) -> dict:
+        return {**super().load_info(), "queue_depth": self.queue_depth,
+                "running": int(self.compute.locked())}
 
     def check(self, req: pb.PrefillRequest) -> str | None:
         n, bs = len(req.token_ids), self.cfg.block_size
@@ -90,12 +100,15 @@ class PrefillNode(ModelNode):
 
     async def prefill(self, req: pb.PrefillRequest) -> pb.PrefillResponse:
         t0 = time.perf_counter()
+        t_queue = time.time_ns()
         self.queue_depth += 1
         waiting = True
         try:
             async with self.compute:
                 self.queue_depth -= 1
                 waiting = False
+                kvm.PREFILL_QUEUE_SECONDS.observe(time.perf_counter() - t0)
+                record_span("prefill.queue", t_queue, attributes={"kvmesh.queue_depth": self.queue_depth})
                 return await self._prefill_locked(req, (time.perf_counter() - t0) * 1000)
         finally:
             if waiting:
@@ -110,8 +123,15 @@ class PrefillNode(ModelNode):
         usable = min(len(hashes), (n - 1) // bs)  # leave >= 1 token to compute logits from
         t0 = time.perf_counter()
 
+        t_prefix, tp = time.time_ns(), time.perf_counter()
         local = pool.match(hashes[:usable], blocks_tokens[:usable])
         fetched = await self._fetch(hashes[:usable], blocks_tokens[:usable], len(local))
+        if fetched:
+            kvm.observe_transfer("store_get", len(fetched) * pool.block_nbytes,
+                                 time.perf_counter() - tp)
+        record_span("prefill.prefix_fetch", t_prefix, attributes={
+            "kvmesh.local_blocks": len(local), "kvmesh.fetched_blocks": len(fetched),
+            "kvmesh.lookup_blocks": usable})
         prefix = local + fetched
         table: list[int] = []
         try:
@@ -129,8 +149,10 @@ class PrefillNode(ModelNode):
                           target.block_ids[i] * target.block_nbytes, pool.block_nbytes)
                     for i in range(len(prefix))]))
             loop = asyncio.get_running_loop()
+            layer_events: list = []
 
             def send_layer(layer: int) -> None:
+                layer_events.append((f"layer {layer} sent", time.time_ns(), {"layer": layer}))
                 transfers.append(self.te.write(target.data_address, [
                     Slice(self.pool_region, pool.layer_offset(table[i], layer),
                           target.region_id,
@@ -139,9 +161,12 @@ class PrefillNode(ModelNode):
                     for i in range(len(prefix), len(table))]))
 
             new = torch.tensor(tokens[start:], dtype=torch.long)
+            tc, t_compute = time.perf_counter(), time.time_ns()
             logits = await asyncio.to_thread(
                 self.model.forward_prefill, new, start, pool, table,
                 lambda layer: loop.call_soon_threadsafe(send_layer, layer))
+            compute_ms = (time.perf_counter() - tc) * 1000
+            t_computed = time.time_ns()
             await asyncio.sleep(0)  # run the layer callbacks queued before the result
             first = sample(logits, Sampling.from_proto(req.sampling), step=0)
             for tr in transfers:
@@ -151,6 +176,16 @@ class PrefillNode(ModelNode):
             pool.free(table)
             raise
         prefill_ms = (time.perf_counter() - t0) * 1000
+        handoff_bytes = len(table) * pool.block_nbytes
+        kvm.PREFILL_SECONDS.observe(prefill_ms / 1000)
+        kvm.observe_transfer("handoff", handoff_bytes, time.perf_counter() - tc)
+        record_span("prefill.compute", t_compute, t_computed, attributes={
+            "kvmesh.new_tokens": n - start, "kvmesh.cached_tokens": start},
+            events=layer_events)
+        record_span("prefill.kv_handoff", t_compute, attributes={
+            "kvmesh.bytes": handoff_bytes, "kvmesh.decode_node": target.node_id,
+            "kvmesh.layerwise_transfers": len(transfers)})
+        self.events.record_prefill(n - start, start, compute_ms)
 
         for i in range(len(prefix), len(hashes)):
             pool.insert(hashes[i], table[i], blocks_tokens[i],
@@ -160,7 +195,7 @@ class PrefillNode(ModelNode):
         c["cached"] += len(local) * bs
         c["fetched"] += len(fetched) * bs
         to_put = list(range(len(prefix), len(hashes)))
-        if to_put and self.store_stub() is not None:
+        if to_put and self.store is not None and self.store.master_address() is not None:
             keep = [table[i] for i in to_put]
             pool.ref(keep)
             task = asyncio.create_task(self._put([hashes[i] for i in to_put], keep))
@@ -174,64 +209,44 @@ class PrefillNode(ModelNode):
 
     async def _fetch(self, chain: list[bytes], chain_tokens: list[tuple], have: int) -> list[int]:
         """Pulls the longest present run of ``chain[have:]`` from the store into new pool
-        blocks; returns their ids (referenced), or [] whenever anything goes wrong."""
+        blocks; returns their ids (referenced), or [] whenever anything goes wrong (a
+        miss, an expired read lease, a failed read: the node recomputes)."""
         hashes, blocks_tokens = chain[have:], chain_tokens[have:]
-        stub = self.store_stub()
-        if not hashes or stub is None:
+        store, pool = self.store, self.pool
+        if not hashes or store is None or store.master_address() is None:
             return []
-        pool = self.pool
-        try:
-            resp = await stub.GetReplicas(pb.GetReplicasRequest(hashes=hashes), timeout=2)
-        except grpc.aio.AioRpcError as e:
-            log.warning("store lookup failed (%s); recomputing", e.code())
-            return []
-        reps = [r for r in resp.replicas if r.size == pool.block_nbytes]
-        if not reps:
+        n = await store.prefix_len(hashes)
+        if n == 0:
             return []
         try:
-            ids = pool.allocate(len(reps))
+            ids = pool.allocate(n)
         except Exception:
             return []
-        try:
-            by_peer: dict[str, list[Slice]] = {}
-            for r, b in zip(reps, ids):
-                by_peer.setdefault(r.data_address, []).append(
-                    Slice(self.pool_region, pool.block_offset(b), r.region_id, r.offset, r.size))
-            for peer, slices in by_peer.items():
-                await self.te.read(peer, slices)
-            if time.time() * 1000 > resp.lease_expires_unix_ms:
-                raise TransferError("read lease expired before the read finished")
-        except Exception as e:
-            log.warning("store fetch failed (%s); recomputing", e)
-            pool.free(ids)
-            return []
+        got = await store.get_into(hashes[:n], self.pool_region,
+                                   [pool.block_offset(b) for b in ids],
+                                   capacities=[pool.block_nbytes] * n, prefix=True)
+        k = next((i for i, sz in enumerate(got) if sz != pool.block_nbytes), n)
+        if k < n:
+            kvm.LATE_HITS.labels("fetch_failed").inc(n - k)
+            pool.free(ids[k:])
+            ids = ids[:k]
         for i, (h, b, toks) in enumerate(zip(hashes, ids, blocks_tokens), start=have):
             pool.insert(h, b, toks, parent_hash=chain[i - 1] if i else None)
         return ids
 
     async def _put(self, hashes: list[bytes], block_ids: list[int]) -> None:
-        stub = self.store_stub()
         pool = self.pool
+        t_put = time.perf_counter()
         try:
-            resp = await stub.PutStart(pb.PutStartRequest(
-                node_id=self.node_id, hashes=hashes, size=pool.block_nbytes), timeout=5)
-            where = dict(zip(hashes, block_ids))
-            by_peer: dict[str, list[Slice]] = {}
-            for p in resp.placements:
-                by_peer.setdefault(p.data_address, []).append(
-                    Slice(self.pool_region, pool.block_offset(where[p.hash]), p.region_id,
-                          p.offset, p.size))
-            placed = [p.hash for p in resp.placements]
-            try:
-                for peer, slices in by_peer.items():
-                    await self.te.write(peer, slices)
-            except TransferError as e:
-                log.warning("store put failed (%s); aborting it", e)
-                await stub.PutEnd(pb.PutEndRequest(hashes=placed, abort=True), timeout=5)
-                return
-            await stub.PutEnd(pb.PutEndRequest(hashes=placed), timeout=5)
-        except grpc.aio.AioRpcError as e:
-            log.warning("store put failed (%s)", e.code())
+            ok = await self.store.put_from(hashes, self.pool_region,
+                                           [pool.block_offset(b) for b in block_ids],
+                                           [pool.block_nbytes] * len(hashes))
+            kvm.observe_transfer("store_put", sum(ok) * pool.block_nbytes,
+                                 time.perf_counter() - t_put)
+            if not all(ok):
+                log.info("store kept %d of %d new block(s)", sum(ok), len(ok))
+        except Exception as e:  # the store is a cache: never fail the request for it
+            log.warning("store put failed (%s)", e)
         finally:
             pool.free(block_ids)
 

@@ -1,23 +1,44 @@
 """store-master: the metadata service of the cluster KV store (Mooncake Store).
 
 A block's life through it:
-  1. a node lends DRAM: ``MountSegment`` (its transfer-engine address and region);
-  2. a writer calls ``PutStart`` with block hashes -> each absent hash gets a PENDING
-     placement (segment, offset), local-first then most-free;
+  1. a node lends DRAM: ``MountSegment`` (its transfer-engine address and region, its
+     ``StoreSegment`` gRPC address and SSD-tier size); when the node's etcd lease ends,
+     every replica on it leaves the metadata at once (watched membership);
+  2. a writer calls ``PutStart`` with keys (16-byte block hashes, or any 1..256-byte
+     keys with per-key ``sizes``) -> each absent key gets a PENDING DRAM placement,
+     local-first, then the segment with the highest free ratio;
   3. the writer moves the bytes with the transfer engine, then ``PutEnd`` -> COMPLETE;
-     a put that never ends is reclaimed after ``put_timeout_s``;
-  4. readers call ``Exists`` (longest present prefix) or ``GetReplicas`` (placements of
-     the longest present prefix, under a read lease) and read with the transfer engine;
-  5. blocks leave by ``Remove``, by LRU eviction past the high watermark (never leased or
-     pending ones), or at once when their node's etcd lease ends (watched membership).
+     ``failed`` lists keys whose placement vanished meanwhile (its node died, or the put
+     ran past ``put_timeout_s`` and was reclaimed);
+  4. readers call ``Exists`` (longest present prefix, or per key) or ``GetReplicas``
+     (one placement per key under a read lease, default 10 s, its own node's replica
+     first, else the least-loaded one). Blocks only on SSD are promoted into DRAM first
+     (the owning node reads its file, checksum verified; a bad file is a miss).
+     **Lease rule** (reader-checked): the reader computes its deadline as the time it
+     *sent* GetReplicas plus ``lease_ms`` and treats a read that completes after it as
+     a miss (recompute) - see :mod:`services.store.client`. Until the lease ends the
+     master never evicts, spills or reuses the block's space;
+  5. hot blocks (decayed read count over ``hot_reads`` within ``hot_window_s``) get
+     another DRAM replica on another node, up to ``max_replicas``: the master asks the
+     target node (``StoreSegment.Replicate``) to read the block with its transfer
+     engine into a pending placement, then publishes it;
+  6. blocks leave by ``Remove``, by LRU eviction from the high to the low watermark
+     (never leased or in-flight ones; soft-pinned ones last) - spilled to the owning
+     node's SSD tier (``StoreSegment.Spill``) when it has one, else dropped;
+  7. every replica stored/removed is published on ``WatchBlocks`` (seq, node, tier).
+
+Restart: the master keeps no disk state. Nodes keep an index of what their segment
+holds (fed by ``WatchBlocks`` filtered to their node, checksummed), and when a
+store-master joins they re-mount and ``ReportBlocks``; until then lookups miss and
+nodes recompute.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -28,12 +49,14 @@ from services.common.config import ConfigError, load, option
 from services.common.registry import Membership, nodes_prefix
 from services.common.service import Service, run, setup_logging
 from services.common.settings import ServiceConfig
-from services.store_master.metadata import Block, StoreMetadata
+from services.store_master.metadata import DRAM, SSD, Block, Plan, Replica, StoreMetadata
 
 log = logging.getLogger(__name__)
 
 MAX_HASHES = 65536
-HASH_LEN = 16
+MAX_KEY_LEN = 256
+HASH_LEN = 16  # KV block hashes; generic keys may be 1..MAX_KEY_LEN bytes
+EVENT_QUEUE = 65536
 
 
 @dataclass
@@ -44,6 +67,9 @@ class StoreMasterConfig(ServiceConfig):
     put_timeout_s: float = option(30.0, "a put not ended within this is reclaimed")
     high_watermark: float = option(0.9, "eviction starts above this fraction of capacity")
     low_watermark: float = option(0.8, "eviction frees down to this fraction of capacity")
+    hot_reads: float = option(8.0, "a block read this often within hot_window_s gets another replica")
+    hot_window_s: float = option(2.0, "time constant of the decayed read count of a block")
+    max_replicas: int = option(3, "most DRAM replicas a hot block gets (1 = no replication)")
 
     def validate(self) -> None:
         super().validate()
@@ -51,78 +77,283 @@ class StoreMasterConfig(ServiceConfig):
             raise ConfigError("lease_ms: must be > 0")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ConfigError("watermarks: need 0 < low_watermark < high_watermark <= 1")
+        if self.max_replicas < 1:
+            raise ConfigError("max_replicas: must be >= 1")
+        if self.hot_reads <= 0 or self.hot_window_s <= 0:
+            raise ConfigError("hot_reads and hot_window_s: must be > 0")
 
 
 def _check_hashes(hashes, context_name: str) -> str | None:
     if len(hashes) > MAX_HASHES:
-        return f"{context_name}: at most {MAX_HASHES} hashes per call, got {len(hashes)}"
+        return f"{context_name}: at most {MAX_HASHES} keys per call, got {len(hashes)}"
     for h in hashes:
-        if len(h) != HASH_LEN:
-            return f"{context_name}: every hash must be {HASH_LEN} bytes, got {len(h)}"
+        if not 1 <= len(h) <= MAX_KEY_LEN:
+            return f"{context_name}: every key must be 1..{MAX_KEY_LEN} bytes, got {len(h)}"
     return None
 
 
-def _placement(b: Block) -> pb.Placement:
-    s = b.segment
+def _placement(b: Block, r: Replica | None = None) -> pb.Placement:
+    r = r or b.replicas[0]
+    s = r.segment
     return pb.Placement(hash=b.hash, data_address=s.data_address, region_id=s.region_id,
-                        offset=b.offset, size=b.size, node_id=s.node_id)
+                        offset=r.offset, size=b.size, node_id=s.node_id, tier=r.tier)
+
+
+def _record(b: Block, r: Replica) -> pb.BlockRecord:
+    return pb.BlockRecord(hash=b.hash, offset=r.offset, size=b.size, tier=r.tier,
+                          region_id=r.segment.region_id)
+
+
+class EventBus:
+    """Fans block events out to ``WatchBlocks`` streams; a subscriber that falls
+    ``EVENT_QUEUE`` events behind is cut off (it re-subscribes with a snapshot)."""
+
+    def __init__(self) -> None:
+        self.master_id = uuid.uuid4().hex[:12]
+        self.seq = 0
+        self.subs: list[tuple[str, asyncio.Queue]] = []
+
+    def publish(self, kind: str, blk: Block, rep: Replica) -> None:
+        self.seq += 1
+        if not self.subs:
+            return
+        s = rep.segment
+        ev = pb.BlockEvent(seq=self.seq, type=kind, hash=blk.hash, node_id=s.node_id,
+                           tier=rep.tier, offset=rep.offset, size=blk.size,
+                           region_id=s.region_id, master_id=self.master_id)
+        for node, q in list(self.subs):
+            if node and node != s.node_id:
+                continue
+            try:
+                q.put_nowait(ev)
+            except asyncio.QueueFull:
+                self.cut(node, q)
+
+    def cut(self, node: str, q: asyncio.Queue) -> None:
+        """Ends a subscriber's stream (it sees None next)."""
+        if (node, q) in self.subs:
+            self.subs.remove((node, q))
+        while not q.empty():
+            q.get_nowait()
+        q.put_nowait(None)
 
 
 class StoreMasterServicer(pbg.StoreMasterServicer):
-    """gRPC face of :class:`StoreMetadata`; every call is short and in-memory."""
+    """gRPC face of :class:`StoreMetadata`; metadata calls are short and in-memory, the
+    data-moving steps (spill, promote, replicate) are RPCs to the owning nodes."""
 
-    def __init__(self, meta: StoreMetadata) -> None:
+    def __init__(self, meta: StoreMetadata, bus: EventBus | None = None) -> None:
         self.meta = meta
+        self.bus = bus or EventBus()
+        if meta.on_event is None:
+            meta.on_event = self.bus.publish
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._evicting: asyncio.Lock | None = None
+        self._tasks: set[asyncio.Task] = set()
 
+    # -- node side -----------------------------------------------------------------------
+    def node_stub(self, addr: str) -> pbg.StoreSegmentStub:
+        ch = self._channels.get(addr)
+        if ch is None:
+            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+        return pbg.StoreSegmentStub(ch)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        for ch in self._channels.values():
+            await ch.close()
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def run_eviction(self) -> None:
+        """Evicts from above the high watermark down to the low one, spilling victims
+        to their node's SSD tier where there is one. One eviction at a time."""
+        if self._evicting is None:
+            self._evicting = asyncio.Lock()
+        async with self._evicting:
+            m = self.meta
+            if not m.over_high():
+                return
+            plans = m.plan_eviction(int(m.low * m.capacity))
+            by_node: dict[str, list[Plan]] = {}
+            for p in plans:
+                by_node.setdefault(p.replica.segment.grpc_address, []).append(p)
+            await asyncio.gather(*(self._spill(addr, ps) for addr, ps in by_node.items()))
+
+    async def _spill(self, addr: str, plans: list[Plan]) -> None:
+        spilled: set[bytes] = set()
+        dropped: list[bytes] = []
+        try:
+            resp = await self.node_stub(addr).Spill(pb.SpillRequest(
+                blocks=[_record(p.block, p.replica) for p in plans]), timeout=10)
+            spilled, dropped = set(resp.spilled), list(resp.dropped)
+        except grpc.aio.AioRpcError as e:
+            log.warning("spill to %s failed (%s): dropping %d block(s)", addr, e.code(), len(plans))
+        for i, p in enumerate(plans):
+            self.meta.finish_spill(p, p.block.hash in spilled, dropped if i == 0 else ())
+
+    async def _copy(self, plans: list[Plan], what: str) -> None:
+        """Runs promote or replicate plans, batched per target node."""
+        by_node: dict[str, list[Plan]] = {}
+        for p in plans:
+            by_node.setdefault(p.replica.segment.grpc_address, []).append(p)
+
+        async def one(addr: str, ps: list[Plan]) -> None:
+            ok: set[bytes] = set()
+            try:
+                stub = self.node_stub(addr)
+                if what == "promote":
+                    resp = await stub.Promote(pb.PromoteRequest(
+                        blocks=[_record(p.block, p.replica) for p in ps]), timeout=10)
+                    ok = set(resp.promoted)
+                else:
+                    resp = await stub.Replicate(pb.ReplicateRequest(
+                        sources=[_placement(p.block, p.source) for p in ps],
+                        offsets=[p.replica.offset for p in ps]), timeout=30)
+                    ok = set(resp.copied)
+            except grpc.aio.AioRpcError as e:
+                log.warning("%s on %s failed: %s", what, addr, e.code())
+            for p in ps:
+                self.meta.finish_plan(p, p.block.hash in ok)
+
+        await asyncio.gather(*(one(a, ps) for a, ps in by_node.items()))
+
+    # -- RPCs ----------------------------------------------------------------------------
     async def MountSegment(self, req, context):
         if not req.node_id or not req.data_address or req.size <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "MountSegment needs node_id, data_address and size > 0")
-        seg = self.meta.mount(req.node_id, req.data_address, req.region_id, req.size)
-        log.info("mounted segment %s (%d bytes at %s)", seg.segment_id, seg.size, seg.data_address)
+        seg = self.meta.mount(req.node_id, req.data_address, req.region_id, req.size,
+                              req.grpc_address, req.ssd_bytes)
+        log.info("mounted segment %s (%d bytes at %s, ssd %d)", seg.segment_id, seg.size,
+                 seg.data_address, seg.ssd_bytes)
         return pb.MountSegmentResponse(segment_id=seg.segment_id)
 
     async def UnmountSegment(self, req, context):
         segs, blocks = self.meta.unmount_node(req.node_id)
         return pb.UnmountSegmentResponse(segments=segs, blocks_dropped=blocks)
 
+    async def ReportBlocks(self, req, context):
+        by_region: dict[int, list] = {}
+        for r in req.blocks:
+            by_region.setdefault(r.region_id, []).append(
+                (bytes(r.hash), r.offset, r.size, r.tier or DRAM))
+        ok = bad = 0
+        for region, recs in by_region.items():
+            a, b = self.meta.report(req.node_id, region, recs)
+            ok, bad = ok + a, bad + b
+        log.info("node %s re-reported %d block(s) (%d rejected)", req.node_id, ok, bad)
+        return pb.ReportBlocksResponse(accepted=ok, rejected=bad)
+
     async def PutStart(self, req, context):
         if err := _check_hashes(req.hashes, "PutStart"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
-        if req.size <= 0:
+        sizes = list(req.sizes)
+        if sizes and len(sizes) != len(req.hashes):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "PutStart: sizes must have one entry per key")
+        if (not sizes and req.size <= 0) or any(s <= 0 for s in sizes):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PutStart: size must be > 0")
-        placed, skipped = self.meta.put_start(req.node_id, list(req.hashes), req.size)
+        total = sum(sizes) if sizes else req.size * len(req.hashes)
+        if self.meta.over_high(total):
+            await self.run_eviction()
+        placed, skipped = self.meta.put_start(req.node_id, list(req.hashes),
+                                              sizes or req.size)
         return pb.PutStartResponse(placements=[_placement(b) for b in placed],
                                    already_present=skipped)
 
     async def PutEnd(self, req, context):
         if err := _check_hashes(req.hashes, "PutEnd"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
-        return pb.PutEndResponse(committed=self.meta.put_end(list(req.hashes), req.abort))
+        done, failed = self.meta.put_end_detail(list(req.hashes), req.abort)
+        return pb.PutEndResponse(committed=len(done), failed=[] if req.abort else failed)
 
     async def GetReplicas(self, req, context):
         if err := _check_hashes(req.hashes, "GetReplicas"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
-        blocks, until = self.meta.get_replicas(list(req.hashes))
-        expires_ms = int((time.time() + (until - self.meta.clock())) * 1000)
-        return pb.GetReplicasResponse(replicas=[_placement(b) for b in blocks],
-                                      lease_expires_unix_ms=expires_ms)
+        m = self.meta
+        hashes = list(req.hashes)
+        # blocks present only on SSD are promoted into DRAM before the answer
+        if req.any_order:
+            cand = [b for h in hashes if (b := m.blocks.get(h)) is not None]
+        else:
+            cand = m.prefix(hashes, (DRAM, SSD))
+        if any(not b.complete(DRAM) for b in cand):
+            if plans := m.plan_promotions(cand):
+                await self._copy(plans, "promote")
+        got, until = m.get_replicas(hashes, req.node_id, req.any_order)
+        if m.max_replicas > 1 and got:
+            if plans := m.plan_replications(b for b, _ in got):
+                self._spawn(self._copy(plans, "replicate"))
+        expires_ms = int((time.time() + (until - m.clock())) * 1000)
+        return pb.GetReplicasResponse(replicas=[_placement(b, r) for b, r in got],
+                                      lease_expires_unix_ms=expires_ms,
+                                      lease_ms=int(m.lease_s * 1000))
 
     async def Exists(self, req, context):
         if err := _check_hashes(req.hashes, "Exists"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
-        return pb.ExistsResponse(prefix_blocks=len(self.meta.prefix(list(req.hashes))))
+        hashes = list(req.hashes)
+        if req.any_order:
+            present = self.meta.present(hashes)
+            n = next((i for i, p in enumerate(present) if not p), len(present))
+            return pb.ExistsResponse(prefix_blocks=n, present=present)
+        return pb.ExistsResponse(prefix_blocks=len(self.meta.prefix(hashes)))
 
     async def Remove(self, req, context):
         if err := _check_hashes(req.hashes, "Remove"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         return pb.RemoveResponse(removed=self.meta.remove(list(req.hashes)))
 
+    async def Pin(self, req, context):
+        if err := _check_hashes(req.hashes, "Pin"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        return pb.PinResponse(pinned=self.meta.pin(list(req.hashes), True))
+
+    async def Unpin(self, req, context):
+        if err := _check_hashes(req.hashes, "Unpin"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        return pb.PinResponse(pinned=self.meta.pin(list(req.hashes), False))
+
+    async def WatchBlocks(self, req, context):
+        q: asyncio.Queue = asyncio.Queue(maxsize=EVENT_QUEUE)
+        node = req.node_id
+        bus = self.bus
+        if req.snapshot:
+            for b in list(self.meta.blocks.values()):
+                for r in b.complete(None):
+                    if not node or r.segment.node_id == node:
+                        s = r.segment
+                        yield pb.BlockEvent(seq=bus.seq, type="stored", hash=b.hash,
+                                            node_id=s.node_id, tier=r.tier, offset=r.offset,
+                                            size=b.size, region_id=s.region_id,
+                                            master_id=bus.master_id)
+        # no await between the snapshot and subscribing: nothing can be missed
+        bus.subs.append((node, q))
+        try:
+            while True:
+                ev = await q.get()
+                if ev is None:
+                    return
+                yield ev
+        finally:
+            if (node, q) in bus.subs:
+                bus.subs.remove((node, q))
+
     async def Stats(self, req, context):
         m = self.meta
-        return pb.StoreStatsResponse(blocks=len(m.blocks), bytes_used=m.used,
-                                     bytes_total=m.capacity, segments=len(m.segments),
-                                     evictions=m.evictions)
+        replicas = sum(len(b.complete(None)) for b in m.blocks.values())
+        ssd = sum(1 for b in m.blocks.values() if b.complete(SSD))
+        return pb.StoreStatsResponse(
+            blocks=sum(1 for b in m.blocks.values() if b.visible), bytes_used=m.used,
+            bytes_total=m.capacity, segments=len(m.segments), evictions=m.evictions,
+            replicas=replicas, ssd_blocks=ssd, spills=m.stats["spills"],
+            promotions=m.stats["promotions"], replications=m.stats["replications"],
+            pinned=len(m.pins), puts_reclaimed=m.stats["puts_reclaimed"])
 
 
 class StoreMaster(Service):
@@ -132,12 +363,15 @@ class StoreMaster(Service):
         super().__init__(cfg)
         self.meta = StoreMetadata(lease_s=cfg.lease_ms / 1000, put_timeout_s=cfg.put_timeout_s,
                                   high_watermark=cfg.high_watermark,
-                                  low_watermark=cfg.low_watermark)
+                                  low_watermark=cfg.low_watermark, hot_reads=cfg.hot_reads,
+                                  hot_window_s=cfg.hot_window_s,
+                                  max_replicas=cfg.max_replicas)
+        self.servicer = StoreMasterServicer(self.meta)
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self._reaper: asyncio.Task | None = None
 
     async def setup(self) -> None:
-        pbg.add_StoreMasterServicer_to_server(StoreMasterServicer(self.meta), self.server)
+        pbg.add_StoreMasterServicer_to_server(self.servicer, self.server)
 
     async def after_start(self) -> None:
         self.membership.add_listener(self._on_member)
@@ -153,15 +387,26 @@ class StoreMaster(Service):
             log.info("node %s left: dropped %d segment(s), %d block(s)", node_id, segs, blocks)
 
     async def _reap(self) -> None:
+        """Reclaims abandoned puts and keeps DRAM use under the high watermark."""
+        tick = 0
         while True:
-            await asyncio.sleep(1.0)
-            if n := self.meta.reclaim_abandoned():
-                log.info("reclaimed %d abandoned put(s)", n)
+            await asyncio.sleep(0.2)
+            tick += 1
+            try:
+                if tick % 5 == 0 and (n := self.meta.reclaim_abandoned()):
+                    log.info("reclaimed %d abandoned put(s)", n)
+                if self.meta.over_high():
+                    await self.servicer.run_eviction()
+            except Exception:
+                log.exception("store maintenance failed")
 
     async def teardown(self) -> None:
         if self._reaper:
             self._reaper.cancel()
         await self.membership.stop()
+        for node, q in list(self.servicer.bus.subs):
+            self.servicer.bus.cut(node, q)
+        await self.servicer.close()
 
 
 def main(argv: list[str] | None = None) -> None:

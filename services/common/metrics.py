@@ -1,0 +1,232 @@
+"""Prometheus metrics of kvmesh (``/metrics`` on each service's metrics port).
+
+Names follow the Prometheus conventions: ``kvmesh_`` prefix, base units in the name
+(``_seconds``, ``_bytes``), ``_total`` on counters. Request-level metrics come from the
+conductor (it sees every request from admission to the last token); node-level state
+(queue depth, running batch, KV pool, prompt tokens computed/avoided, store use) is read
+from the live services at scrape time by :class:`_StateCollector`, so the hot paths do
+not pay for it. Data-plane metrics (bytes moved and transfer time by path, late hits)
+are counted where the transfers happen (prefill node).
+
+Every process has one registry, :data:`REGISTRY`; :func:`start_metrics_server` serves it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+_LAT = (.001, .0025, .005, .01, .025, .05, .075, .1, .15, .25, .5, .75, 1, 1.5, 2.5, 5, 10, 30, 60)
+
+# -- conductor: requests ----------------------------------------------------------------
+REQUESTS_ACCEPTED = Counter("kvmesh_requests_accepted_total",
+                            "requests admitted (prefill started)", registry=REGISTRY)
+REQUESTS_REJECTED = Counter("kvmesh_requests_rejected_total",
+                            "requests refused before their first token, by reason",
+                            ["reason"], registry=REGISTRY)
+REQUESTS_FINISHED = Counter("kvmesh_requests_finished_total",
+                            "requests that ended, by finish reason (stop, length, error, "
+                            "cancelled)", ["finish_reason"], registry=REGISTRY)
+TTFT = Histogram("kvmesh_ttft_seconds", "time to first token, as the conductor sees it",
+                 buckets=_LAT, registry=REGISTRY)
+TBT = Histogram("kvmesh_tbt_seconds", "time between consecutive tokens of a request",
+                buckets=_LAT, registry=REGISTRY)
+SLO = Counter("kvmesh_slo_requests_total",
+              "finished requests by SLO (ttft, tbt) and whether it was attained",
+              ["slo", "attained"], registry=REGISTRY)
+ESTIMATE_ERROR = Histogram("kvmesh_ttft_estimate_error_seconds",
+                           "|actual - estimated| TTFT of admitted requests",
+                           buckets=_LAT, registry=REGISTRY)
+ESTIMATE_RATIO = Histogram("kvmesh_ttft_estimate_ratio",
+                           "actual / estimated TTFT of admitted requests",
+                           buckets=(.1, .25, .5, .75, .9, 1.1, 1.25, 1.5, 2, 4, 10),
+                           registry=REGISTRY)
+ROUTES = Counter("kvmesh_route_requests_total", "admitted requests by (prefill, decode) pair",
+                 ["prefill_node", "decode_node"], registry=REGISTRY)
+PROMPT_TOKENS = Counter("kvmesh_request_prompt_tokens_total",
+                        "prompt tokens of finished requests, by how their KV was obtained "
+                        "(computed, cached = reused from a pool or the store)", ["kind"],
+                        registry=REGISTRY)
+GENERATED = Counter("kvmesh_request_completion_tokens_total",
+                    "completion tokens streamed to clients", registry=REGISTRY)
+
+# -- prefill node: work and data plane -------------------------------------------------
+PREFILL_SECONDS = Histogram("kvmesh_prefill_seconds",
+                            "prefill compute + handoff time per request on a prefill node",
+                            buckets=_LAT, registry=REGISTRY)
+PREFILL_QUEUE_SECONDS = Histogram("kvmesh_prefill_queue_seconds",
+                                  "time a prefill waited for the compute worker",
+                                  buckets=_LAT, registry=REGISTRY)
+TRANSFER_BYTES = Counter("kvmesh_transfer_bytes_total",
+                         "KV bytes moved by the transfer engine, by path "
+                         "(handoff = prefill->decode, store_get, store_put)", ["path"],
+                         registry=REGISTRY)
+TRANSFER_SECONDS = Histogram("kvmesh_transfer_seconds",
+                             "duration of one batched transfer, by path", ["path"],
+                             buckets=_LAT, registry=REGISTRY)
+LATE_HITS = Counter("kvmesh_late_hits_total",
+                    "store hits that did not help: the blocks were found but arrived too "
+                    "late (read lease expired) or failed to arrive, so they were recomputed",
+                    ["reason"], registry=REGISTRY)
+for _path in ("handoff", "store_get", "store_put"):
+    TRANSFER_BYTES.labels(_path)
+for _r in ("ttft", "tbt", "kv", "no_nodes", "invalid_argument", "unavailable"):
+    REQUESTS_REJECTED.labels(_r)
+
+
+def observe_transfer(path: str, nbytes: int, seconds: float) -> None:
+    TRANSFER_BYTES.labels(path).inc(nbytes)
+    TRANSFER_SECONDS.labels(path).observe(seconds)
+
+
+# -- node state read at scrape time ------------------------------------------------------
+class _StateCollector:
+    """Reads queue depth, running batch, KV pool, token counters and store use from the
+    live services of this process (weakly held) when Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.services: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        queue = GaugeMetricFamily("kvmesh_queue_depth", "requests waiting (prefill: for the "
+                                  "compute worker; decode: reserved, not yet running)",
+                                  labels=["node", "role"])
+        running = GaugeMetricFamily("kvmesh_running_requests",
+                                    "requests in the running decode batch", labels=["node"])
+        kv = GaugeMetricFamily("kvmesh_kv_blocks", "KV pool blocks by state (used, free)",
+                               labels=["node", "role", "state"])
+        kv_bytes = GaugeMetricFamily("kvmesh_kv_pool_bytes", "KV pool bytes by state",
+                                     labels=["node", "role", "state"])
+        tokens = CounterMetricFamily("kvmesh_prefill_tokens",
+                                     "prompt tokens handled by a prefill node, by kind "
+                                     "(computed; cached = own pool; fetched = from the store)",
+                                     labels=["node", "kind"])
+        avoided = CounterMetricFamily("kvmesh_prefill_tokens_avoided",
+                                      "prompt tokens whose KV was reused instead of computed",
+                                      labels=["node"])
+        generated = CounterMetricFamily("kvmesh_generated_tokens",
+                                        "tokens decoded by a decode node", labels=["node"])
+        store = GaugeMetricFamily("kvmesh_store_bytes", "cluster KV store bytes (used, capacity)",
+                                  labels=["state"])
+        store_blocks = GaugeMetricFamily("kvmesh_store_blocks", "blocks in the cluster KV store")
+        store_segments = GaugeMetricFamily("kvmesh_store_segments", "mounted store segments")
+        evictions = CounterMetricFamily("kvmesh_store_evictions", "blocks evicted from the store")
+        up = GaugeMetricFamily("kvmesh_up", "1 while the service serves", labels=["node", "role"])
+        for s in list(self.services):
+            try:
+                self._one(s, queue, running, kv, kv_bytes, tokens, avoided, generated, store,
+                          store_blocks, store_segments, evictions, up)
+            except Exception as e:  # a half-started service must not break the scrape
+                log.debug("metrics of %s skipped: %s", getattr(s, "node_id", s), e)
+        return [queue, running, kv, kv_bytes, tokens, avoided, generated, store, store_blocks,
+                store_segments, evictions, up]
+
+    @staticmethod
+    def _one(s, queue, running, kv, kv_bytes, tokens, avoided, generated, store, store_blocks,
+             store_segments, evictions, up) -> None:
+        node, role = s.node_id, s.role
+        up.add_metric([node, role], 0 if getattr(s, "_shutting_down", False) else 1)
+        pool = getattr(s, "pool", None)
+        if pool is not None:
+            free = pool.num_free
+            kv.add_metric([node, role, "free"], free)
+            kv.add_metric([node, role, "used"], pool.num_blocks - free)
+            kv_bytes.add_metric([node, role, "free"], free * pool.block_nbytes)
+            kv_bytes.add_metric([node, role, "used"], (pool.num_blocks - free) * pool.block_nbytes)
+        if role == "prefill":
+            queue.add_metric([node, role], getattr(s, "queue_depth", 0))
+            c = s.counters
+            for kind in ("computed", "cached", "fetched"):
+                tokens.add_metric([node, kind], c.get(kind, 0))
+            avoided.add_metric([node], c.get("cached", 0) + c.get("fetched", 0))
+        elif role == "decode":
+            n_run = len(getattr(s, "running", ()))
+            running.add_metric([node], n_run)
+            queue.add_metric([node, role], max(0, len(getattr(s, "reservations", {})) - n_run))
+            generated.add_metric([node], s.counters.get("generated", 0))
+        meta = getattr(s, "meta", None)
+        if role == "store-master" and meta is not None:
+            store.add_metric(["used"], meta.used)
+            store.add_metric(["capacity"], meta.capacity)
+            store_blocks.add_metric([], len(meta.blocks))
+            store_segments.add_metric([], len(meta.segments))
+            evictions.add_metric([], meta.evictions)
+
+
+_STATE = _StateCollector()
+REGISTRY.register(_STATE)
+
+
+def track(service: Any) -> None:
+    """Reports ``service``'s live state on this process's /metrics."""
+    _STATE.services.add(service)
+
+
+def start_metrics_server(host: str, port: int):
+    """Serves /metrics on ``host:port`` (0 = any free port) in a daemon thread; returns
+    (server, bound port)."""
+    server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+    return server, server.server_port
+
+
+# -- rolling view for `kvmesh status` ------------------------------------------------------
+class RequestStats:
+    """What the conductor remembers for ``ClusterStatus``: recent TTFT/TBT samples (last
+    ``window_s`` seconds, at most ``max_samples``), acceptance counts and routes."""
+
+    def __init__(self, window_s: float = 300.0, max_samples: int = 4096) -> None:
+        self.window_s = window_s
+        self.ttft: collections.deque = collections.deque(maxlen=max_samples)
+        self.tbt: collections.deque = collections.deque(maxlen=max_samples)
+        self.accepted = 0
+        self.rejected: collections.Counter = collections.Counter()
+        self.routes: collections.Counter = collections.Counter()
+        self.slo_met = 0
+        self.slo_total = 0
+        self._lock = threading.Lock()
+
+    def add_ttft(self, seconds: float) -> None:
+        self.ttft.append((time.monotonic(), seconds))
+
+    def add_tbt(self, seconds: float) -> None:
+        self.tbt.append((time.monotonic(), seconds))
+
+    def _recent(self, dq) -> list[float]:
+        cut = time.monotonic() - self.window_s
+        return sorted(v for t, v in list(dq) if t >= cut)
+
+    @staticmethod
+    def percentile(sorted_values: list[float], q: float) -> float:
+        if not sorted_values:
+            return 0.0
+        i = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
+        return sorted_values[i]
+
+    def summary(self) -> dict[str, Any]:
+        ttft, tbt = self._recent(self.ttft), self._recent(self.tbt)
+        out = {"window_s": self.window_s, "requests_accepted": self.accepted,
+               "requests_rejected": sum(self.rejected.values()),
+               "rejected_by_reason": dict(self.rejected),
+               "slo_attainment": (self.slo_met / self.slo_total) if self.slo_total else 0.0,
+               "top_routes": self.routes.most_common(5)}
+        for name, vals in (("ttft", ttft), ("tbt", tbt)):
+            for q in (50, 90, 99):
+                out[f"{name}_p{q}_ms"] = self.percentile(vals, q / 100) * 1000
+        return out
+
+
+__all__ = ["REGISTRY", "track", "start_metrics_server", "observe_transfer", "RequestStats"]

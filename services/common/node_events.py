@@ -1,0 +1,139 @@
+"""What a model node tells the conductor besides its etcd registration:
+
+- a start-up **profile**: measured prefill times over (new, cached) token counts and
+  decode step times over batch sizes, so the conductor's time models start calibrated;
+- a **WatchEvents** stream per subscriber: first a snapshot of the node's cached block
+  hashes, then, every interval, the blocks stored and removed since, and a load report
+  with the prefill and decode timings observed since (the online refit's data).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from protos import kvmesh_pb2 as pb
+
+MAX_PENDING = 4096
+
+
+@dataclass
+class _Subscriber:
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+    prefill: list[tuple[int, int, float]] = field(default_factory=list)
+    decode: list[tuple[int, int, float]] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class EventHub:
+    """Fans the pool's block events and observed timings out to every subscriber."""
+
+    def __init__(self, pool, load: Callable[[], dict]) -> None:
+        self.pool = pool
+        self.load = load
+        self._subs: set[_Subscriber] = set()
+        self._seq = itertools.count(1)
+
+    def pump(self) -> None:
+        events = self.pool.drain_events()
+        if not events or not self._subs:
+            return
+        for sub in self._subs:
+            for kind, h in events:
+                (sub.stored if kind == "stored" else sub.removed).append(h)
+            sub.wake.set()
+
+    def record_prefill(self, new: int, cached: int, ms: float) -> None:
+        self.pump()
+        for sub in self._subs:
+            if len(sub.prefill) < MAX_PENDING:
+                sub.prefill.append((new, cached, ms))
+            sub.wake.set()
+
+    def record_decode(self, batch: int, kv_tokens: int, ms: float) -> None:
+        for sub in self._subs:
+            if len(sub.decode) < MAX_PENDING:
+                sub.decode.append((batch, kv_tokens, ms))
+
+    def _load(self, sub: _Subscriber) -> pb.NodeLoad:
+        info = self.load()
+        load = pb.NodeLoad(queue_depth=info.get("queue_depth", 0), running=info.get("running", 0),
+                           kv_blocks_free=self.pool.num_free, kv_blocks_total=self.pool.num_blocks)
+        load.prefill_samples.extend(pb.PrefillSample(new_tokens=n, cached_tokens=c, ms=ms)
+                                    for n, c, ms in sub.prefill)
+        load.decode_samples.extend(pb.DecodeSample(batch=b, kv_tokens=k, ms=ms)
+                                   for b, k, ms in sub.decode)
+        for peer, bw in info.get("bandwidth", {}).items():
+            load.bandwidth_bytes_per_s[peer] = bw
+        sub.prefill, sub.decode = [], []
+        return load
+
+    async def stream(self, interval_s: float):
+        """The WatchEvents stream of one subscriber (an async generator)."""
+        sub = _Subscriber()
+        self.pump()  # what happened before this subscriber is in the snapshot
+        self._subs.add(sub)
+        try:
+            yield pb.NodeEvent(seq=next(self._seq), reset=True,
+                               stored=self.pool.prefix_cache.hashes(), load=self._load(sub))
+            while True:
+                try:
+                    await asyncio.wait_for(sub.wake.wait(), interval_s)
+                except asyncio.TimeoutError:
+                    pass
+                sub.wake.clear()
+                self.pump()
+                stored, removed = sub.stored, sub.removed
+                sub.stored, sub.removed = [], []
+                yield pb.NodeEvent(seq=next(self._seq), stored=stored, removed=removed,
+                                   load=self._load(sub))
+        finally:
+            self._subs.discard(sub)
+
+
+def _ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1000
+
+
+def profile(model, pool, block_size: int, max_tokens: int) -> dict[str, list[list[float]]]:
+    """Times a few prefills (new, cached) and decode steps (batch, kv) on scratch blocks.
+    Runs once at start, before the node registers; nothing it writes is cached."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, list[list[float]]] = {"prefill": [], "decode": []}
+    budget = min(max_tokens, (pool.num_free - 4) * block_size // 2)
+    points = [(n, c) for n in (16, 64, 256, 1024) for c in (0, 256) if n + c <= budget]
+    for i, (new, cached) in enumerate([points[0]] + points):  # the first run warms up
+        total = new + cached
+        table = pool.allocate(-(-total // block_size))
+        try:
+            toks = torch.randint(0, vocab, (total,), generator=g)
+            if cached:
+                model.forward_prefill(toks[:cached], 0, pool, table)
+            ms = _ms(lambda: model.forward_prefill(toks[cached:], cached, pool, table))
+        finally:
+            pool.free(table)
+        if i:
+            out["prefill"].append([new, cached, ms])
+    ctx = min(128, budget // 16) or 1
+    for batch in (1, 4, 16):
+        if batch * ctx > budget:
+            break
+        tables = [pool.allocate(-(-(ctx + 1) // block_size)) for _ in range(batch)]
+        try:
+            toks = torch.randint(0, vocab, (batch,), generator=g)
+            ms = min(_ms(lambda: model.forward_decode(toks, [ctx] * batch, tables, pool))
+                     for _ in range(2))
+        finally:
+            for t in tables:
+                pool.free(t)
+        out["decode"].append([batch, batch * ctx, ms])
+    return out

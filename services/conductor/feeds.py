@@ -1,0 +1,116 @@
+"""Keeps the scheduler's node states and cache index current: one state per live model
+node (from its etcd registration and start-up profile) and one WatchEvents stream per
+node (cache events, load reports, observed timings), restarted while the node lives."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+
+import grpc
+
+from protos import kvmesh_pb2 as pb
+from services.conductor.cluster import ClusterView, NodeInfo
+from services.conductor.policy import DecodeNodeState, PrefillNodeState, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class NodeFeeds:
+    def __init__(self, view: ClusterView, sched: Scheduler, interval_ms: float = 200) -> None:
+        self.view = view
+        self.sched = sched
+        self.interval_ms = interval_ms
+        self._tasks: dict[str, asyncio.Task] = {}
+        self.fingerprint_of: dict[str, str] = {}
+
+    def on_member(self, event: str, key: str, value: bytes | None) -> None:
+        parts = key.rstrip("/").split("/")
+        role, node_id = parts[-2], parts[-1]
+        if role not in ("prefill", "decode"):
+            return
+        if event == "leave":
+            self._drop(node_id)
+            return
+        info = next((n for n in self.view.nodes(role) if n.node_id == node_id), None)
+        if info is None:
+            return
+        if event == "update" and node_id in self._tasks:
+            return  # same node, refreshed registration: keep its learned state
+        self._add(info)
+
+    def _add(self, n: NodeInfo) -> None:
+        raw = n.raw
+        bs, profile = int(raw["block_size"]), raw.get("profile", {})
+        if n.role == "prefill":
+            st = PrefillNodeState(n.node_id, bs, int(raw["block_nbytes"]), int(raw["layer_nbytes"]))
+            st.model.warm_start(profile.get("prefill", []))
+            self.sched.prefill[n.node_id] = st
+        else:
+            kv = int(raw.get("kv_blocks", 0))
+            st = DecodeNodeState(n.node_id, bs, kv, kv)
+            st.model.warm_start(profile.get("decode", []))
+            st.prefill_model.warm_start(profile.get("prefill", []))
+            self.sched.decode[n.node_id] = st
+        self.fingerprint_of[n.node_id] = n.fingerprint
+        old = self._tasks.pop(n.node_id, None)
+        if old:
+            old.cancel()
+        self._tasks[n.node_id] = asyncio.get_running_loop().create_task(self._follow(n))
+
+    def _drop(self, node_id: str) -> None:
+        self.sched.prefill.pop(node_id, None)
+        self.sched.decode.pop(node_id, None)
+        self.sched.index.drop_node(node_id)
+        self.fingerprint_of.pop(node_id, None)
+        task = self._tasks.pop(node_id, None)
+        if task:
+            task.cancel()
+
+    async def _follow(self, n: NodeInfo) -> None:
+        stub = self.view.prefill_stub(n) if n.role == "prefill" else self.view.decode_stub(n)
+        backoff = 0.1
+        while True:
+            try:
+                async for ev in stub.WatchEvents(pb.WatchEventsRequest(interval_ms=self.interval_ms)):
+                    self._apply(n, ev)
+                    backoff = 0.1
+            except grpc.aio.AioRpcError as e:
+                log.debug("event stream of %s ended (%s); retrying", n.node_id, e.code())
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
+
+    def _apply(self, n: NodeInfo, ev: pb.NodeEvent) -> None:
+        idx = self.sched.index
+        if ev.reset:
+            idx.reset(n.node_id, ev.stored)
+        else:
+            if ev.stored:
+                idx.stored(n.node_id, ev.stored)
+            if ev.removed:
+                idx.removed(n.node_id, ev.removed)
+        load = ev.load
+        bws = [bw / 1000.0 for bw in load.bandwidth_bytes_per_s.values() if bw > 0]
+        if n.role == "prefill":
+            st = self.sched.prefill.get(n.node_id)
+            if st is None:
+                return
+            for s in load.prefill_samples:
+                st.model.observe(s.new_tokens, s.cached_tokens, s.ms)
+        else:
+            st = self.sched.decode.get(n.node_id)
+            if st is None:
+                return
+            for s in load.prefill_samples:
+                st.prefill_model.observe(s.new_tokens, s.cached_tokens, s.ms)
+            for s in load.decode_samples:
+                st.model.observe(s.batch, s.kv_tokens, s.ms)
+            st.report(load.kv_blocks_free, load.kv_blocks_total)
+        if bws:
+            st.bandwidth = statistics.median(bws)
+
+    async def close(self) -> None:
+        for t in self._tasks.values():
+            t.cancel()
+        self._tasks.clear()

@@ -1,0 +1,509 @@
+"""OpenAI-compatible HTTP API of the conductor (aiohttp, same process and event loop).
+
+Endpoints (``--http-port``; default 8000, 0 = any free port, -1 = off; the bound address
+is advertised in etcd as ``"http"`` and shown by ``kvmesh status``):
+
+  GET  /v1/models              the models this cluster serves
+  POST /v1/completions         prompt: a string, a list of token ids, or a one-element
+                               list of either; stream (SSE) or not
+  POST /v1/chat/completions    messages rendered by the chat template (below); stream or not
+  GET  /health                 200 when the conductor is SERVING, 503 otherwise
+
+Every request calls ``Conductor.generate`` directly (no gRPC hop), through the same
+metrics wrapper as the gRPC API. Supported parameters: model, max_tokens
+(``max_completion_tokens`` for chat), temperature (default 1.0, as OpenAI), top_p, seed,
+stop (strings; the text is cut before the stop string), n=1, stream,
+stream_options.include_usage, user (ignored). kvmesh extensions (``extra_body``): top_k,
+ignore_eos, cache_salt, request_id, ttft_slo_ms, tbt_slo_ms. Each choice also carries
+``token_ids`` (the generated token ids). Unsupported options (n > 1, logprobs, echo,
+best_of, suffix, tools) are refused with 400.
+
+Errors follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: bad input
+-> 400 ``invalid_request_error``; early rejection (the TTFT SLO cannot be met, or no KV
+room) -> 429 with ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``;
+no node for the model -> 503; a failure after streaming began ends the SSE stream with
+an ``error`` event.
+
+Chat template: the checkpoint's ``chat_template`` from ``tokenizer_config.json`` (found
+through the nodes' ``model_path``) rendered with jinja2 when both exist; otherwise the
+default template for the byte tokenizer::
+
+    <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
+
+i.e. for each message ``<|{role}|>`` newline content newline, then ``<|assistant|>``
+newline to prompt the reply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from protos import kvmesh_pb2 as pb
+from services.common import telemetry
+from services.conductor.observe import observed
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+COMPLETION_MAX_TOKENS = 16
+CHAT_MAX_TOKENS = 256
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def from_rejected(e: Any) -> ApiError:
+    """Maps a conductor ``Rejected`` (gRPC code + message + trailing metadata) to HTTP."""
+    md = dict(e.metadata or ())
+    if e.code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ApiError(400, e.message)
+    if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        ms = float(md.get("retry-after-ms", 1000) or 1000)
+        return ApiError(429, e.message, "rate_limit_exceeded", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(max(1, math.ceil(ms / 1000))),
+                                 "retry-after-ms": f"{ms:.0f}"})
+    if e.code == grpc.StatusCode.UNAVAILABLE:
+        return ApiError(503, e.message, "service_unavailable", code="service_unavailable")
+    return ApiError(500, e.message, "server_error")
+
+
+# ------------------------------------------------------------------ chat templates
+
+def _text_content(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported",
+                               param=f"messages[{i}].content")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+                   param=f"messages[{i}].content")
+
+
+def normalize_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] needs a string role", param=f"messages[{i}]")
+        out.append({"role": m["role"], "content": _text_content(m.get("content"), i)})
+    return out
+
+
+def render_default(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """The default template in plain Python (same output as DEFAULT_CHAT_TEMPLATE)."""
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def _token_text(tok: Any) -> str:
+    if isinstance(tok, dict):
+        return str(tok.get("content", ""))
+    return tok or ""
+
+
+def load_checkpoint_template(model_path: str) -> dict[str, Any] | None:
+    """``{"template", "bos_token", "eos_token"}`` from ``model_path/tokenizer_config.json``
+    when it has a ``chat_template``; None otherwise."""
+    if not model_path or not os.path.isdir(model_path):
+        return None
+    path = os.path.join(model_path, "tokenizer_config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default") or next(iter(named.values()), None)
+    if not isinstance(tpl, str) or not tpl:
+        return None
+    return {"template": tpl, "bos_token": _token_text(cfg.get("bos_token")),
+            "eos_token": _token_text(cfg.get("eos_token"))}
+
+
+def render_chat(messages: list[dict[str, str]], checkpoint: dict[str, Any] | None) -> str:
+    if checkpoint is None:
+        return render_default(messages)
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        log.warning("jinja2 is not installed: using the default chat template")
+        return render_default(messages)
+
+    def raise_exception(msg: str):
+        raise ApiError(400, f"chat template: {msg}", param="messages")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(checkpoint["template"]).render(
+            messages=messages, add_generation_prompt=True, bos_token=checkpoint["bos_token"],
+            eos_token=checkpoint["eos_token"])
+    except ApiError:
+        raise
+    except Exception as e:
+        raise ApiError(400, f"the model's chat template failed on these messages: {e}",
+                       param="messages") from None
+
+
+# ------------------------------------------------------------------ the server
+
+class HttpApi:
+    def __init__(self, conductor: Any, host: str, port: int) -> None:
+        self.c = conductor
+        self.host, self.port = host, port
+        self.address = ""
+        self._runner: web.AppRunner | None = None
+        self._templates: dict[str, dict | None] = {}
+
+    async def start(self) -> str:
+        app = web.Application(client_max_size=16 << 20)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        try:
+            await site.start()
+        except OSError as e:
+            await self._runner.cleanup()
+            raise RuntimeError(f"cannot bind the HTTP API on {self.host}:{self.port}: {e}") from None
+        port = site._server.sockets[0].getsockname()[1]
+        self.address = f"{self.host}:{port}"
+        log.info("OpenAI-compatible HTTP API on http://%s/v1", self.address)
+        return self.address
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- endpoints ---------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.c.health.serving
+        return web.json_response({"status": "SERVING" if ok else "NOT_SERVING"},
+                                 status=200 if ok else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvmesh"}
+                for name in sorted(self.c.view.models())]
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        from opentelemetry import propagate
+        from opentelemetry.trace import SpanKind
+
+        path = request.path
+        with telemetry.tracer().start_as_current_span(
+                f"POST {path}", context=propagate.extract(dict(request.headers)),
+                kind=SpanKind.SERVER, attributes={"http.route": path}):
+            try:
+                body = await self._json(request)
+                req, opts = self._build(body, chat)
+                return await self._run(request, req, opts, chat)
+            except ApiError as e:
+                return e.response()
+
+    @staticmethod
+    async def _json(request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "the request body must be JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def _chat_template(self, model: str) -> dict | None:
+        if model not in self._templates:
+            path = ""
+            for n in self.c.view.nodes():
+                if n.model == model and n.raw.get("model_path"):
+                    path = n.raw["model_path"]
+                    break
+            self._templates[model] = load_checkpoint_template(path)
+        return self._templates[model]
+
+    def _build(self, body: dict, chat: bool) -> tuple[pb.GenerateRequest, dict]:
+        def num(name: str, default, kind=float, lo=None, hi=None):
+            v = body.get(name)
+            if v is None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+                    kind is int and not float(v).is_integer()):
+                raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}",
+                               param=name)
+            if (lo is not None and v < lo) or (hi is not None and v > hi):
+                raise ApiError(400, f"{name} must be in [{lo}, {hi}]", param=name)
+            return kind(v)
+
+        for name in ("logprobs", "echo", "suffix", "tools", "functions", "top_logprobs"):
+            if body.get(name) not in (None, False, 0, []):
+                raise ApiError(400, f"{name} is not supported by kvmesh", param=name)
+        if num("n", 1, int) != 1 or num("best_of", 1, int) != 1:
+            raise ApiError(400, "only n=1 (and best_of=1) is supported", param="n")
+        model = body.get("model") or ""
+        if not isinstance(model, str):
+            raise ApiError(400, "model must be a string", param="model")
+        req = pb.GenerateRequest(model=model)
+        if chat:
+            messages = normalize_messages(body.get("messages"))
+            served = self.c.view.models()
+            name = model or (next(iter(served)) if len(served) == 1 else "")
+            req.prompt = render_chat(messages, self._chat_template(name) if name else None)
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+            req.max_tokens = CHAT_MAX_TOKENS if max_tokens is None else num(
+                "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                0, int)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                req.prompt = prompt
+            elif isinstance(prompt, list) and prompt and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                req.token_ids.extend(prompt)
+            else:
+                raise ApiError(400, "prompt must be a string or a list of token ids "
+                                    "(one prompt per request)", param="prompt")
+            req.max_tokens = num("max_tokens", COMPLETION_MAX_TOKENS, int)
+        if req.max_tokens <= 0:
+            raise ApiError(400, "max_tokens must be > 0", param="max_tokens")
+        s = req.sampling
+        s.temperature = num("temperature", 1.0, float, 0, 2)
+        s.top_p = num("top_p", 1.0, float, 0, 1)
+        s.top_k = num("top_k", 0, int, 0)
+        seed = body.get("seed")
+        if seed is not None:
+            s.seed = num("seed", 0, int) & (2**64 - 1)
+        s.ignore_eos = bool(body.get("ignore_eos", False))
+        salt = body.get("cache_salt", "")
+        if not isinstance(salt, str):
+            raise ApiError(400, "cache_salt must be a string", param="cache_salt")
+        req.cache_salt = salt
+        rid = body.get("request_id", "")
+        req.request_id = rid if isinstance(rid, str) else ""
+        req.slo.ttft_ms = num("ttft_slo_ms", 0.0, float, 0)
+        req.slo.tbt_ms = num("tbt_slo_ms", 0.0, float, 0)
+        stop = body.get("stop")
+        if stop is None:
+            stops = []
+        elif isinstance(stop, str):
+            stops = [stop]
+        elif isinstance(stop, list) and all(isinstance(x, str) for x in stop) and len(stop) <= 4:
+            stops = list(stop)
+        else:
+            raise ApiError(400, "stop must be a string or a list of at most 4 strings", param="stop")
+        stops = [x for x in stops if x]
+        so = body.get("stream_options") or {}
+        if not isinstance(so, dict):
+            raise ApiError(400, "stream_options must be an object", param="stream_options")
+        opts = {"stream": bool(body.get("stream", False)), "stops": stops,
+                "include_usage": bool(so.get("include_usage", False)),
+                "model": model}
+        return req, opts
+
+    async def _run(self, request: web.Request, req: pb.GenerateRequest, opts: dict,
+                   chat: bool) -> web.StreamResponse:
+        from services.conductor.server import Rejected
+
+        created = int(time.time())
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        agen = observed(self.c, req)
+        cutter = _StopCutter(opts["stops"])
+        try:
+            try:
+                first = await agen.__anext__()
+            except Rejected as e:
+                raise from_rejected(e) from None
+            except StopAsyncIteration:
+                raise ApiError(500, "the conductor returned no tokens", "server_error") from None
+            model = opts["model"] or self._model_name()
+            if not opts["stream"]:
+                return await self._collect(agen, first, cutter, rid, created, model, chat)
+            return await self._stream(request, agen, first, cutter, rid, created, model, chat,
+                                      opts["include_usage"])
+        finally:
+            await agen.aclose()
+
+    def _model_name(self) -> str:
+        models = self.c.view.models()
+        return next(iter(models)) if len(models) == 1 else ""
+
+    @staticmethod
+    def _usage(u: pb.Usage | None, completion: int) -> dict:
+        prompt = u.prompt_tokens if u is not None else 0
+        completion = u.completion_tokens if u is not None else completion
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": u.cached_tokens if u is not None else 0}}
+
+    async def _collect(self, agen, first, cutter, rid, created, model, chat) -> web.Response:
+        from services.conductor.server import Rejected
+
+        text, ids, reason, usage = "", [], "", None
+        resp = first
+        try:
+            while True:
+                ids.extend(resp.token_ids)
+                piece, stopped = cutter.feed(resp.text, final=bool(resp.finish_reason))
+                text += piece
+                if stopped:
+                    reason = "stop"
+                    usage = resp.usage if resp.finish_reason else None
+                    break
+                if resp.finish_reason:
+                    reason, usage = resp.finish_reason, resp.usage
+                    break
+                resp = await agen.__anext__()
+        except Rejected as e:
+            raise from_rejected(e) from None
+        except StopAsyncIteration:
+            reason = reason or "stop"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "token_ids": ids}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = None
+            obj = "chat.completion"
+        else:
+            choice["text"] = text
+            choice["logprobs"] = None
+            obj = "text_completion"
+        return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
+                                  "choices": [choice], "usage": self._usage(usage, len(ids)),
+                                  "system_fingerprint": None})
+
+    async def _stream(self, request, agen, first, cutter, rid, created, model, chat,
+                      include_usage) -> web.StreamResponse:
+        from services.conductor.server import Rejected
+
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no"})
+        await out.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(piece: str | None, ids: list[int], reason: str | None, role: bool = False,
+                  usage: dict | None = None, empty: bool = False) -> bytes:
+            if empty:
+                choices = []
+            elif chat:
+                delta: dict[str, Any] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if piece is not None:
+                    delta["content"] = piece
+                choices = [{"index": 0, "delta": delta, "finish_reason": reason or None,
+                            "logprobs": None, "token_ids": ids}]
+            else:
+                choices = [{"index": 0, "text": piece or "", "finish_reason": reason or None,
+                            "logprobs": None, "token_ids": ids}]
+            data: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
+                                    "choices": choices}
+            if include_usage:
+                data["usage"] = usage
+            return f"data: {json.dumps(data)}\n\n".encode()
+
+        n_ids = 0
+        usage = None
+        resp = first
+        first_chunk = True
+        try:
+            while True:
+                n_ids += len(resp.token_ids)
+                piece, stopped = cutter.feed(resp.text, final=bool(resp.finish_reason))
+                reason = "stop" if stopped else resp.finish_reason
+                if reason:
+                    usage = resp.usage if resp.finish_reason else None
+                await out.write(chunk(piece, list(resp.token_ids), reason, role=first_chunk))
+                first_chunk = False
+                if reason:
+                    break
+                resp = await agen.__anext__()
+            if include_usage:
+                await out.write(chunk(None, [], None, usage=self._usage(usage, n_ids), empty=True))
+            await out.write(b"data: [DONE]\n\n")
+        except Rejected as e:
+            err = from_rejected(e)
+            await out.write(f"data: {json.dumps(err.body())}\n\n".encode())
+        except StopAsyncIteration:
+            await out.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, ConnectionError):
+            log.info("client of %s went away", rid)
+            return out
+        await out.write_eof()
+        return out
+
+
+class _StopCutter:
+    """Cuts streamed text before the first stop string, holding back any tail that may
+    be the start of one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.pending = ""
+        self.done = False
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        if self.done:
+            return "", True
+        buf = self.pending + text
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.done = True
+            self.pending = ""
+            return buf[:cut], True
+        if final:
+            self.pending = ""
+            return buf, False
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        self.pending = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], False

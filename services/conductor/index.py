@@ -1,0 +1,102 @@
+"""The conductor's cache index: which KV blocks each node holds, by tier, kept current
+from the nodes' and the store's block events.
+
+``lookup(hashes)`` answers, in time proportional to the request's blocks (times the
+nodes still matching), the longest prefix each node holds in its own pool and the
+longest prefix present anywhere in the cluster store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+POOL = "pool"      # a node's engine KV pool (prefix cache)
+STORE = "store"    # the cluster store (any segment, DRAM or SSD)
+
+
+@dataclass
+class Lookup:
+    """Longest held prefix, in blocks: per node (own pool) and in the store."""
+
+    per_node: dict[str, int] = field(default_factory=dict)
+    store_prefix: int = 0
+
+
+class CacheIndex:
+    def __init__(self) -> None:
+        self._pool: dict[bytes, set[str]] = {}
+        self._by_node: dict[str, set[bytes]] = {}
+        self._store: dict[bytes, int] = {}  # hash -> replica count
+
+    # -- node pools ------------------------------------------------------------------------
+    def stored(self, node: str, hashes: Iterable[bytes]) -> None:
+        mine = self._by_node.setdefault(node, set())
+        for h in hashes:
+            self._pool.setdefault(h, set()).add(node)
+            mine.add(h)
+
+    def removed(self, node: str, hashes: Iterable[bytes]) -> None:
+        mine = self._by_node.get(node)
+        for h in hashes:
+            holders = self._pool.get(h)
+            if holders is not None:
+                holders.discard(node)
+                if not holders:
+                    del self._pool[h]
+            if mine is not None:
+                mine.discard(h)
+
+    def reset(self, node: str, hashes: Iterable[bytes]) -> None:
+        """Replaces everything known about ``node`` with a full snapshot."""
+        self.drop_node(node)
+        self.stored(node, hashes)
+
+    def drop_node(self, node: str) -> None:
+        self.removed(node, list(self._by_node.pop(node, ())))
+
+    def holds(self, node: str) -> int:
+        return len(self._by_node.get(node, ()))
+
+    # -- store -----------------------------------------------------------------------------
+    def store_stored(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            self._store[h] = self._store.get(h, 0) + 1
+
+    def store_removed(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            n = self._store.get(h, 0) - 1
+            if n > 0:
+                self._store[h] = n
+            else:
+                self._store.pop(h, None)
+
+    def store_reset(self, hashes: Iterable[bytes]) -> None:
+        self._store = {}
+        self.store_stored(hashes)
+
+    # -- queries ---------------------------------------------------------------------------
+    def lookup(self, hashes: list[bytes]) -> Lookup:
+        out = Lookup()
+        pool, per_node = self._pool, out.per_node
+        alive: set[str] | None = None
+        for i, h in enumerate(hashes):
+            holders = pool.get(h)
+            if not holders:
+                break
+            alive = set(holders) if alive is None else alive & holders
+            if not alive:
+                break
+            for n in alive:
+                per_node[n] = i + 1
+        store = self._store
+        n = 0
+        for h in hashes:
+            if h not in store:
+                break
+            n += 1
+        out.store_prefix = n
+        return out
+
+    def __len__(self) -> int:
+        return len(self._pool)

@@ -1,0 +1,347 @@
+"""Admission and routing: for each request, the (route, prefill node, decode node) that
+reaches its first token soonest inside its SLOs, or an early rejection.
+
+Pure logic over the conductor's view (node states, cache index, fitted time models) and
+an injected clock, so it is unit-tested with fake reports and benchmarked alone.
+
+Estimate for a prefill node p (design §2.4):
+    TTFT(p) = queue(p) + prefill(p, new, cached) + fetch(p) + handoff(p)
+- queue(p): the summed predicted prefill time of what the conductor has queued on p;
+- cached: p's own longest prefix (cache index) plus store blocks worth fetching: the
+  store run is fetched only if bytes / bandwidth(p) is less than the prefill time it
+  saves (the paper's bandwidth inequality, with measured bandwidth);
+- handoff: the last layer's KV of the new blocks (the rest overlaps with compute).
+
+Decode choice predicts each decode node's batch at the moment the prefill would end
+(requests in flight whose predicted end lies later) and its TBT at that batch; a node
+whose TBT would break the SLO, or whose KV cannot hold the request, is out. If no pair
+meets both SLOs the request is rejected before any work starts.
+
+Routes: ``colocated`` (a short prompt prefilled by the decode node itself: no transfer
+tax), ``decode-direct`` (the decode node already holds most of the prefix), and
+``disaggregated`` (everything else; a less-loaded node pulling a hot prefix from the
+store is hot-prefix migration, chosen by the same estimate).
+
+Policies, for comparison: ``random``, ``load`` (least queue), ``cache`` (longest local
+prefix), ``cache-load`` (Mooncake paper: queue + prefill with local prefix; decode by
+current load, plain early rejection) and ``kvmesh`` (all of the above).
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from services.conductor.estimator import DecodeModel, ErrorTracker, PrefillModel
+from services.conductor.index import CacheIndex
+
+POLICIES = ("random", "load", "cache", "cache-load", "kvmesh")
+DISAGG, COLOCATED, DIRECT = "disaggregated", "colocated", "decode-direct"
+
+
+@dataclass
+class Request:
+    """What admission needs to know about a request."""
+
+    request_id: str
+    n_tokens: int
+    hashes: list[bytes]
+    max_tokens: int
+    ttft_slo_ms: float
+    tbt_slo_ms: float
+
+
+@dataclass
+class Candidate:
+    """One estimated way to serve a request."""
+
+    route: str
+    node: str               # the node that computes the prompt
+    ttft_ms: float
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    fetch_ms: float = 0.0
+    handoff_ms: float = 0.0
+    cached_blocks: int = 0  # from the computing node's own pool
+    fetch_blocks: int = 0   # pulled from the store
+
+
+@dataclass
+class Decision:
+    accepted: bool
+    route: str = DISAGG
+    prefill_node: str | None = None
+    decode_node: str | None = None
+    estimate: Candidate | None = None
+    tbt_ms: float = 0.0
+    candidates: list[Candidate] = field(default_factory=list)
+    reason: str = ""        # when rejected: ttft, tbt, kv, no-nodes
+    message: str = ""
+    retry_after_ms: float = 0.0
+
+
+@dataclass
+class PrefillNodeState:
+    node_id: str
+    block_size: int
+    block_nbytes: int
+    layer_nbytes: int
+    model: PrefillModel = field(default_factory=PrefillModel)
+    bandwidth: float = 1e6          # bytes per ms (1 GB/s) until measured
+    queue: dict[str, float] = field(default_factory=dict)
+    queue_ms: float = 0.0
+
+    def enqueue(self, rid: str, ms: float) -> None:
+        self.queue[rid] = ms
+        self.queue_ms += ms
+
+    def dequeue(self, rid: str) -> None:
+        self.queue_ms = max(0.0, self.queue_ms - self.queue.pop(rid, 0.0))
+
+
+@dataclass
+class DecodeNodeState:
+    node_id: str
+    block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    model: DecodeModel = field(default_factory=DecodeModel)
+    prefill_model: PrefillModel = field(default_factory=PrefillModel)
+    bandwidth: float = 1e6
+    ends: list[float] = field(default_factory=list)       # predicted end times, sorted
+    work: dict[str, tuple[float, int, int]] = field(default_factory=dict)  # rid -> (end, kv, blocks)
+    kv_tokens: int = 0
+    reserved_blocks: int = 0        # reserved by us since the last report
+    local_queue_ms: float = 0.0     # colocated prefills queued here
+
+    def batch_at(self, t: float) -> int:
+        return len(self.ends) - bisect.bisect_right(self.ends, t)
+
+    def admit(self, rid: str, end: float, kv: int, blocks: int) -> None:
+        bisect.insort(self.ends, end)
+        self.work[rid] = (end, kv, blocks)
+        self.kv_tokens += kv
+        self.reserved_blocks += blocks
+
+    def finish(self, rid: str) -> None:
+        w = self.work.pop(rid, None)
+        if w is None:
+            return
+        end, kv, blocks = w
+        i = bisect.bisect_left(self.ends, end)
+        if i < len(self.ends) and self.ends[i] == end:
+            self.ends.pop(i)
+        self.kv_tokens -= kv
+
+    def free_blocks(self) -> int:
+        return self.kv_blocks_free - self.reserved_blocks
+
+    def report(self, free: int, total: int) -> None:
+        """A load report from the node: its free blocks already count our reservations."""
+        self.kv_blocks_free, self.kv_blocks_total, self.reserved_blocks = free, total, 0
+
+
+@dataclass
+class PolicyConfig:
+    policy: str = "kvmesh"
+    colocate_below_tokens: int = 512     # colocated fast path threshold
+    direct_share: float = 0.9            # decode-direct when the decode node holds this share
+    expected_output_share: float = 1.0   # expected output tokens / max_tokens (learned)
+    candidates: int = 4                  # uncached prefill nodes considered, least queued first
+    disagg_overhead_ms: float = 2.0      # extra RPC hops of the disaggregated route
+
+
+class Scheduler:
+    """Holds node states and the cache index; decides; books what it decided."""
+
+    def __init__(self, cfg: PolicyConfig | None = None, index: CacheIndex | None = None,
+                 clock: Callable[[], float] = lambda: time.monotonic() * 1000.0,
+                 rng: random.Random | None = None) -> None:
+        self.cfg = cfg or PolicyConfig()
+        if self.cfg.policy not in POLICIES:
+            raise ValueError(f"policy {self.cfg.policy!r} is not one of {POLICIES}")
+        self.index = index or CacheIndex()
+        self.clock = clock
+        self.rng = rng or random.Random(0)
+        self.prefill: dict[str, PrefillNodeState] = {}
+        self.decode: dict[str, DecodeNodeState] = {}
+        self.ttft_error = ErrorTracker()
+        self._output_share = self.cfg.expected_output_share
+
+    # -- estimates ---------------------------------------------------------------------
+    def _prefill_candidate(self, p: PrefillNodeState, n: int, usable: int, local: int,
+                           store_prefix: int, use_store: bool) -> Candidate:
+        bs, m = p.block_size, p.model
+        local = min(local, usable)
+        fetch_blocks, fetch_ms = 0, 0.0
+        if use_store:
+            k = max(0, min(store_prefix, usable) - local)
+            if k:
+                fetch_ms = k * p.block_nbytes / p.bandwidth
+                saved = m.predict(n - local * bs, local * bs) - m.predict(n - (local + k) * bs,
+                                                                          (local + k) * bs)
+                if fetch_ms < saved:
+                    fetch_blocks = k
+                else:
+                    fetch_ms = 0.0
+        cached = (local + fetch_blocks) * bs
+        prefill_ms = m.predict(n - cached, cached)
+        new_blocks = -(-n // bs) - local - fetch_blocks
+        handoff_ms = new_blocks * p.layer_nbytes / p.bandwidth
+        ttft = p.queue_ms + prefill_ms + fetch_ms + handoff_ms + self.cfg.disagg_overhead_ms
+        return Candidate(DISAGG, p.node_id, ttft, p.queue_ms, prefill_ms, fetch_ms, handoff_ms,
+                         local, fetch_blocks)
+
+    def _decode_tbt(self, d: DecodeNodeState, at: float, n: int, predict: bool) -> float:
+        batch = d.batch_at(at) if predict else len(d.ends)
+        return d.model.predict(batch + 1, d.kv_tokens + n)
+
+    def _colocated_candidate(self, d: DecodeNodeState, n: int, usable: int, local: int,
+                             route: str) -> Candidate:
+        bs = d.block_size
+        cached = min(local, usable) * bs
+        step = d.model.predict(len(d.ends), d.kv_tokens)  # a running step finishes first
+        prefill_ms = d.prefill_model.predict(n - cached, cached)
+        return Candidate(route, d.node_id, d.local_queue_ms + step + prefill_ms,
+                         d.local_queue_ms + step, prefill_ms, 0.0, 0.0, min(local, usable))
+
+    # -- the decision ------------------------------------------------------------------
+    def decide(self, r: Request) -> Decision:
+        if not self.prefill and not self.decode:
+            return Decision(False, reason="no-nodes", message="no prefill or decode node is live")
+        pol = self.cfg.policy
+        now = self.clock()
+        n = r.n_tokens
+        any_node = next(iter(self.prefill.values()), None) or next(iter(self.decode.values()))
+        bs = any_node.block_size
+        usable = min(len(r.hashes), (n - 1) // bs)
+        need_blocks = -(-(n + r.max_tokens) // bs)
+        look = self.index.lookup(r.hashes[:usable]) if pol != "random" and pol != "load" else None
+        per_node = look.per_node if look else {}
+
+        # prefill candidates
+        cands: list[Candidate] = []
+        nodes = list(self.prefill.values())
+        if nodes:
+            if pol == "random":
+                pick = [self.rng.choice(nodes)]
+            elif pol == "load":
+                pick = [min(nodes, key=lambda p: p.queue_ms)]
+            else:
+                cached = [p for p in nodes if per_node.get(p.node_id)]
+                others = sorted((p for p in nodes if not per_node.get(p.node_id)),
+                                key=lambda p: p.queue_ms)[: self.cfg.candidates]
+                pick = cached + others
+            use_store = pol == "kvmesh"
+            store_prefix = look.store_prefix if look else 0
+            cands = [self._prefill_candidate(p, n, usable, per_node.get(p.node_id, 0),
+                                             store_prefix, use_store) for p in pick]
+            if pol == "cache":
+                best_local = max(c.cached_blocks for c in cands)
+                cands = [min((c for c in cands if c.cached_blocks == best_local),
+                             key=lambda c: c.queue_ms)]
+        # colocated / decode-direct candidates (kvmesh only)
+        if pol == "kvmesh":
+            for d in self.decode.values():
+                local = per_node.get(d.node_id, 0)
+                if n < self.cfg.colocate_below_tokens:
+                    cands.append(self._colocated_candidate(d, n, usable, local, COLOCATED))
+                elif usable and local >= self.cfg.direct_share * usable:
+                    cands.append(self._colocated_candidate(d, n, usable, local, DIRECT))
+        if not cands or not self.decode:
+            return Decision(False, reason="no-nodes", candidates=cands,
+                            message="no live prefill/decode node pair for this model")
+        cands.sort(key=lambda c: c.ttft_ms)
+
+        predict = pol == "kvmesh"
+        decodes = list(self.decode.values())
+        worst = ""
+        best_seen: tuple[Candidate, float] | None = None
+        for c in cands:
+            if c.ttft_ms > r.ttft_slo_ms:
+                worst = worst or "ttft"
+                break
+            at = now + c.ttft_ms
+            options = [self.decode[c.node]] if c.route != DISAGG else decodes
+            if pol == "random" and c.route == DISAGG:
+                options = [self.rng.choice(decodes)]
+            feasible = []
+            for d in options:
+                if d.free_blocks() < need_blocks:
+                    worst = worst or "kv"
+                    continue
+                tbt = self._decode_tbt(d, at, n, predict)
+                if tbt > r.tbt_slo_ms:
+                    worst = "tbt"
+                    if best_seen is None or tbt < best_seen[1]:
+                        best_seen = (c, tbt)
+                    continue
+                feasible.append((tbt, d))
+            if feasible:
+                tbt, d = min(feasible, key=lambda x: x[0])
+                prefill_node = c.node if c.route == DISAGG else None
+                return Decision(True, c.route, prefill_node, d.node_id, c, tbt, cands)
+        best = cands[0]
+        reason = worst or "ttft"
+        if reason == "ttft":
+            msg = (f"estimated TTFT {best.ttft_ms:.1f} ms (queue {best.queue_ms:.1f} + prefill "
+                   f"{best.prefill_ms:.1f} + fetch {best.fetch_ms:.1f} + handoff "
+                   f"{best.handoff_ms:.1f}) on the best node {best.node} exceeds the TTFT SLO "
+                   f"of {r.ttft_slo_ms:.1f} ms")
+            retry = max(best.ttft_ms - r.ttft_slo_ms, best.queue_ms, 50.0)
+        elif reason == "tbt":
+            tbt = best_seen[1] if best_seen else float("nan")
+            msg = (f"predicted time between tokens {tbt:.1f} ms on the least-loaded decode node "
+                   f"exceeds the TBT SLO of {r.tbt_slo_ms:.1f} ms")
+            retry = 500.0
+        else:
+            msg = f"no decode node has KV room for {n + r.max_tokens} tokens"
+            retry = 500.0
+        return Decision(False, candidates=cands, reason=reason, estimate=best,
+                        message=f"{msg}; retry after {retry:.0f} ms", retry_after_ms=retry)
+
+    # -- booking -------------------------------------------------------------------------
+    def commit(self, r: Request, d: Decision) -> None:
+        """Books an accepted decision: queue time on the prefill node, the request's
+        predicted decode interval and KV on the decode node."""
+        now = self.clock()
+        c = d.estimate
+        if d.route == DISAGG:
+            self.prefill[d.prefill_node].enqueue(r.request_id, c.prefill_ms + c.fetch_ms)
+        else:
+            self.decode[d.decode_node].local_queue_ms += c.prefill_ms
+        dn = self.decode[d.decode_node]
+        expected = max(1.0, r.max_tokens * self._output_share)
+        end = now + c.ttft_ms + expected * max(d.tbt_ms, 1e-3)
+        dn.admit(r.request_id, end, r.n_tokens + r.max_tokens,
+                 -(-(r.n_tokens + r.max_tokens) // dn.block_size))
+
+    def prefill_done(self, r: Request, d: Decision, new: int, cached: int, ms: float,
+                     ttft_ms: float | None = None) -> None:
+        """The prompt is computed: free its queue slot, learn from the observation."""
+        c = d.estimate
+        if d.route == DISAGG:
+            p = self.prefill.get(d.prefill_node)
+            if p is not None:
+                p.dequeue(r.request_id)
+                p.model.observe(new, cached, ms)
+        else:
+            dn = self.decode.get(d.decode_node)
+            if dn is not None:
+                dn.local_queue_ms = max(0.0, dn.local_queue_ms - c.prefill_ms)
+                dn.prefill_model.observe(new, cached, ms)
+        if ttft_ms is not None:
+            self.ttft_error.add(c.ttft_ms, ttft_ms)
+
+    def request_done(self, r: Request, d: Decision, output_tokens: int | None = None) -> None:
+        dn = self.decode.get(d.decode_node) if d.decode_node else None
+        if dn is not None:
+            dn.finish(r.request_id)
+        if d.route == DISAGG and d.prefill_node in self.prefill:
+            self.prefill[d.prefill_node].dequeue(r.request_id)
+        if output_tokens is not None and r.max_tokens:
+            share = min(1.0, output_tokens / r.max_tokens)
+            self._output_share = 0.95 * self._output_share + 0.05 * share

@@ -1,0 +1,78 @@
+"""store-node: a process that only lends DRAM (and optionally an SSD directory) to the
+cluster KV store - no model. Used by benchmarks and tests, and by operators who want
+store capacity on machines without accelerators.
+
+    python -m services.store.node --etcd 127.0.0.1:2379 --segment-memory 2GiB
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rdma import TransferEngine
+from services.common.config import ConfigError, load, option, parse_size
+from services.common.registry import Membership, nodes_prefix
+from services.common.service import Service, run, setup_logging
+from services.common.settings import DEV_SECRET, ServiceConfig
+from services.store.segment import SegmentHost
+
+
+@dataclass
+class StoreNodeConfig(ServiceConfig):
+    """store-node: lends memory (and disk) to the cluster KV store."""
+
+    segment_memory: str = option("1GiB", "DRAM this node lends to the cluster KV store")
+    ssd_dir: str = option("", "directory of the SSD tier (empty = no SSD tier)")
+    ssd_bytes: str = option("0", "most bytes of block data the SSD tier keeps")
+    data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
+    secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
+
+    def validate(self) -> None:
+        super().validate()
+        if parse_size(self.segment_memory) <= 0:
+            raise ConfigError("segment_memory: must be > 0")
+        if self.ssd_dir and parse_size(self.ssd_bytes) <= 0:
+            raise ConfigError("ssd_bytes: must be > 0 when ssd_dir is set")
+        if not self.secret:
+            raise ConfigError("secret: the cluster secret must not be empty")
+
+
+class StoreNode(Service):
+    role = "store-node"
+
+    def __init__(self, cfg: StoreNodeConfig) -> None:
+        super().__init__(cfg)
+        self.te = TransferEngine(cfg.secret.encode(), host=cfg.host, port=cfg.data_port)
+        self.host = SegmentHost(self.te, self.node_id, parse_size(cfg.segment_memory),
+                                cfg.ssd_dir, parse_size(cfg.ssd_bytes) if cfg.ssd_dir else 0)
+        self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
+
+    async def setup(self) -> None:
+        await self.te.start()
+        self.host.register()
+        self.host.add_to_server(self.server)
+
+    def node_info(self) -> dict:
+        return {**super().node_info(), "data": self.te.address, "segment": self.host.size}
+
+    async def after_start(self) -> None:
+        self.host.grpc_address = self.grpc_address
+        self.membership.add_listener(self.host.on_member)
+        await self.membership.start()
+        for key, value in list(self.membership.nodes.items()):
+            self.host.on_member("join", key, value)
+
+    async def teardown(self) -> None:
+        await self.membership.stop()
+        await self.host.close()
+        await self.te.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load(StoreNodeConfig, argv, prog="kvmesh store-node", section="store-node")
+    setup_logging(cfg.log_level, "store-node")
+    run(lambda: StoreNode(cfg))
+
+
+if __name__ == "__main__":
+    main()

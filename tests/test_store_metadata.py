@@ -1,0 +1,170 @@
+"""Store metadata logic under a fake clock: placement, put timeout, leases vs eviction,
+pins, watermarks, multi-replica hot blocks, spill/promote plans, re-report, events."""
+
+from __future__ import annotations
+
+from services.store_master.metadata import DRAM, SSD, BlockState, StoreMetadata
+
+KB = 1024
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def make(**kw):
+    clock = Clock()
+    events = []
+    m = StoreMetadata(clock=clock, on_event=lambda k, b, r: events.append(
+        (k, b.hash, r.segment.node_id, r.tier)), **kw)
+    return m, clock, events
+
+
+def put(m, writer, keys, size=4 * KB):
+    placed, _ = m.put_start(writer, keys, size)
+    m.put_end([b.hash for b in placed])
+    return placed
+
+
+def test_local_first_then_free_ratio():
+    m, _, _ = make()
+    m.mount("a", "a:1", 0, 100 * KB)
+    m.mount("b", "b:1", 0, 100 * KB)
+    m.mount("c", "c:1", 0, 200 * KB)
+    assert put(m, "b", [h(1)])[0].segment.node_id == "b"
+    assert put(m, "a", [h(50)])[0].segment.node_id == "a"
+    # a stranger's put goes to the segment with the highest free ratio
+    assert put(m, "x", [h(2)])[0].segment.node_id == "c"
+    put(m, "x", [h(i) for i in range(3, 30)])
+    ratios = sorted(round(s.free_ratio, 2) for s in m.segments.values())
+    assert ratios[-1] - ratios[0] < 0.1
+
+
+def test_put_timeout_reclaims_and_put_end_reports_failure():
+    m, clock, _ = make(put_timeout_s=5)
+    m.mount("a", "a:1", 0, 64 * KB)
+    placed, _ = m.put_start("a", [h(1), h(2)], 4 * KB)
+    assert m.used == 8 * KB and m.present([h(1)]) == [False]
+    clock.t += 6
+    assert m.reclaim_abandoned() == 2 and m.used == 0
+    done, failed = m.put_end_detail([h(1), h(2)])
+    assert done == [] and failed == [h(1), h(2)]
+
+
+def test_lease_and_inflight_block_eviction_pins_go_last():
+    m, clock, _ = make(lease_s=10)
+    m.mount("a", "a:1", 0, 40 * KB)  # 10 blocks
+    put(m, "a", [h(i) for i in range(9)])
+    m.pin([h(0)])
+    m.get_replicas([h(1)])                       # leased
+    clock.t += 1
+    assert m.over_high(4 * KB)
+    # this put would pass the high watermark: eviction down to the low one (8 blocks) first
+    m.put_start("a", [h(100)], 4 * KB)           # stays in flight (pending)
+    left = {b.hash for b in m.blocks.values()}
+    assert {h(0), h(1), h(100)} <= left        # pinned, leased and pending survive
+    assert h(2) not in left                    # oldest unpinned went first
+    clock.t += 11                              # lease over
+    m.evict(target_used=0)
+    assert set(m.blocks) == {h(100)}           # the pin went last, the pending block stays
+
+
+def test_prefix_exists_remove():
+    m, _, _ = make()
+    m.mount("a", "a:1", 0, 64 * KB)
+    put(m, "a", [h(1), h(2), h(4)])
+    assert len(m.prefix([h(1), h(2), h(3), h(4)])) == 2
+    assert m.present([h(1), h(3), h(4)]) == [True, False, True]
+    assert m.remove([h(2), h(9)]) == 1
+    assert len(m.prefix([h(1), h(2)])) == 1
+
+
+def test_hot_block_gets_replicas_up_to_cap_and_reader_prefers_own():
+    m, clock, ev = make(hot_reads=3, max_replicas=2)
+    for n in "abc":
+        m.mount(n, f"{n}:1", 0, 64 * KB, grpc_address=f"{n}:g")
+    put(m, "a", [h(1)])
+    plans = []
+    for _ in range(5):
+        got, _ = m.get_replicas([h(1)], reader="z")
+        plans += m.plan_replications(b for b, _ in got)
+        clock.t += 0.01
+    assert len(plans) == 1 and plans[0].replica.segment.node_id != "a"
+    m.finish_plan(plans[0], ok=True)
+    blk = m.blocks[h(1)]
+    assert len(blk.complete(DRAM)) == 2
+    assert ev[-1][0] == "stored"
+    target = plans[0].replica.segment.node_id
+    assert m.get_replicas([h(1)], reader=target)[0][0][1].segment.node_id == target
+    # at the cap: no further replica however hot
+    for _ in range(10):
+        got, _ = m.get_replicas([h(1)], reader="z")
+        assert not m.plan_replications(b for b, _ in got)
+    # reads from strangers spread over both replicas (least loaded)
+    used = {m.get_replicas([h(1)], reader="z")[0][0][1].segment.node_id for _ in range(4)}
+    assert len(used) == 2
+
+
+def test_spill_then_promote_and_failed_promote_is_a_miss():
+    m, clock, ev = make()
+    m.mount("a", "a:1", 0, 40 * KB, grpc_address="a:g", ssd_bytes=1 << 20)
+    put(m, "a", [h(i) for i in range(10)])
+    plans = m.plan_eviction(int(m.low * m.capacity))
+    assert plans and all(p.replica.tier == DRAM for p in plans)
+    for p in plans:
+        m.finish_spill(p, ok=True)
+    assert m.used <= int(m.low * m.capacity)
+    spilled = plans[0].block.hash
+    assert m.blocks[spilled].complete(DRAM) == [] and m.blocks[spilled].complete(SSD)
+    assert m.present([spilled]) == [True]          # SSD counts for exists
+    assert m.get_replicas([spilled])[0] == []       # but is not readable until promoted
+    (pp,) = m.plan_promotions([m.blocks[spilled]])
+    m.finish_plan(pp, ok=True)
+    assert len(m.get_replicas([spilled])[0]) == 1
+    # a corrupt/missing file: the promote fails and the block is gone
+    other = plans[1].block.hash
+    (pp,) = m.plan_promotions([m.blocks[other]])
+    m.finish_plan(pp, ok=False)
+    assert other not in m.blocks
+    assert ("removed", other, "a", SSD) in ev
+
+
+def test_node_loss_drops_replicas_and_fails_inflight_puts():
+    m, _, _ = make()
+    m.mount("a", "a:1", 0, 64 * KB)
+    m.mount("b", "b:1", 0, 64 * KB)
+    put(m, "a", [h(1)])
+    put(m, "b", [h(2)])
+    m.put_start("b", [h(3)], 4 * KB)
+    assert m.unmount_node("b") == (1, 2)
+    assert set(m.blocks) == {h(1)}
+    assert m.put_end_detail([h(3)]) == ([], [h(3)])
+
+
+def test_report_rebuilds_allocator_and_rejects_overlaps():
+    m, _, _ = make()
+    m.mount("a", "a:1", 0, 64 * KB)
+    ok, bad = m.report("a", 0, [(h(1), 0, 4 * KB, DRAM), (h(2), 8 * KB, 4 * KB, DRAM),
+                                (h(3), 10 * KB, 4 * KB, DRAM),  # overlaps h(2)
+                                (h(4), 0, 4 * KB, SSD)])
+    assert (ok, bad) == (3, 1)
+    seg = m.segments["a/0"]
+    assert seg.used == 8 * KB
+    offs = {seg.allocate(4 * KB) for _ in range(2)}
+    assert offs == {4 * KB, 12 * KB}               # the gap, then past the end
+    assert m.blocks[h(1)].state is BlockState.COMPLETE
+
+
+def test_generic_sizes():
+    m, _, _ = make()
+    m.mount("a", "a:1", 0, 64 * KB)
+    placed, _ = m.put_start("a", [b"k", b"x" * 256], [100, 5000])
+    assert [b.size for b in placed] == [100, 5000]
