@@ -96,6 +96,9 @@ class LocalCluster:
         self.conductor_port = conductor_port or free_port()
         self.lease_ttl = lease_ttl
         self.node_args = node_args or []
+        seg = self.node_args[self.node_args.index("--segment-memory") + 1] \
+            if "--segment-memory" in self.node_args else "1"
+        self.expect_store = seg.strip() not in ("0", "0B", "0MiB")
         self.conductor_args = conductor_args or []
         self.store_args = store_args or []
         self.log_level = log_level
@@ -157,7 +160,8 @@ class LocalCluster:
                 roles = [n.role for n in s.nodes if n.reachable]
                 last = f"{roles}"
                 if (roles.count("prefill") == want_p and roles.count("decode") == want_d
-                        and "store-master" in roles and s.store_bytes_total > 0):
+                        and "store-master" in roles
+                        and (s.store_bytes_total > 0 or not self.expect_store)):
                     return
             except Exception as e:  # not up yet
                 last = str(e)[:200]

@@ -279,12 +279,15 @@ def test_compose_command_parses_with_the_role_config(name: str):
     # Image, health, order and shutdown.
     assert svc["build"]["dockerfile"] == "deploy/Dockerfile"
     test = svc["healthcheck"]["test"]
-    assert test[0] == "CMD" and f"('{name}', {cfg.port})" in test[-1]
+    assert test == ["CMD", "kvmesh", "health", f"{name}:{cfg.port}"]
+    assert cfg.metrics_port > 0, f"{name}: pin the metrics port so Prometheus can scrape it"
     assert svc["depends_on"]["etcd"]["condition"] == "service_healthy"
     assert svc.get("restart") and svc.get("stop_grace_period")
     if role == "conductor":
         assert cfg.port == 50051
         assert any(str(p).endswith(":50051") for p in svc["ports"])
+        assert cfg.http_port == 8000
+        assert any(str(p).endswith(":8000") for p in svc["ports"])
 
 
 def test_compose_etcd():

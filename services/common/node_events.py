@@ -22,7 +22,7 @@ from protos import kvmesh_pb2 as pb
 MAX_PENDING = 4096
 
 
-@dataclass
+@dataclass(eq=False)
 class _Subscriber:
     stored: list[bytes] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)

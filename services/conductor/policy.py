@@ -152,6 +152,7 @@ class PolicyConfig:
     expected_output_share: float = 1.0   # expected output tokens / max_tokens (learned)
     candidates: int = 4                  # uncached prefill nodes considered, least queued first
     disagg_overhead_ms: float = 2.0      # extra RPC hops of the disaggregated route
+    slo_margin: float = 1.0              # admit only if the estimate <= margin x SLO
 
 
 class Scheduler:
@@ -190,7 +191,10 @@ class Scheduler:
         cached = (local + fetch_blocks) * bs
         prefill_ms = m.predict(n - cached, cached)
         new_blocks = -(-n // bs) - local - fetch_blocks
-        handoff_ms = new_blocks * p.layer_nbytes / p.bandwidth
+        # the prefix blocks go to the decode node while the new tokens compute; only the
+        # part that outlasts the compute, and the last layer of the new blocks, add up
+        prefix_ms = (local + fetch_blocks) * p.block_nbytes / p.bandwidth
+        handoff_ms = max(0.0, prefix_ms - prefill_ms) + new_blocks * p.layer_nbytes / p.bandwidth
         ttft = p.queue_ms + prefill_ms + fetch_ms + handoff_ms + self.cfg.disagg_overhead_ms
         return Candidate(DISAGG, p.node_id, ttft, p.queue_ms, prefill_ms, fetch_ms, handoff_ms,
                          local, fetch_blocks)
@@ -254,15 +258,19 @@ class Scheduler:
         if not cands or not self.decode:
             return Decision(False, reason="no-nodes", candidates=cands,
                             message="no live prefill/decode node pair for this model")
-        cands.sort(key=lambda c: c.ttft_ms)
+        # the fast paths skip the transfer tax (a short prompt; a prefix the decode node
+        # already holds): they are tried first, the others only if they break an SLO
+        cands.sort(key=lambda c: (c.route == DISAGG, c.ttft_ms))
 
         predict = pol == "kvmesh"
         decodes = list(self.decode.values())
         worst = ""
         best_seen: tuple[Candidate, float] | None = None
         for c in cands:
-            if c.ttft_ms > r.ttft_slo_ms:
+            if c.ttft_ms > r.ttft_slo_ms * self.cfg.slo_margin:
                 worst = worst or "ttft"
+                if c.route != DISAGG:
+                    continue
                 break
             at = now + c.ttft_ms
             options = [self.decode[c.node]] if c.route != DISAGG else decodes
@@ -274,7 +282,7 @@ class Scheduler:
                     worst = worst or "kv"
                     continue
                 tbt = self._decode_tbt(d, at, n, predict)
-                if tbt > r.tbt_slo_ms:
+                if tbt > r.tbt_slo_ms * self.cfg.slo_margin:
                     worst = "tbt"
                     if best_seen is None or tbt < best_seen[1]:
                         best_seen = (c, tbt)
@@ -284,14 +292,14 @@ class Scheduler:
                 tbt, d = min(feasible, key=lambda x: x[0])
                 prefill_node = c.node if c.route == DISAGG else None
                 return Decision(True, c.route, prefill_node, d.node_id, c, tbt, cands)
-        best = cands[0]
+        best = min(cands, key=lambda c: c.ttft_ms)
         reason = worst or "ttft"
         if reason == "ttft":
             msg = (f"estimated TTFT {best.ttft_ms:.1f} ms (queue {best.queue_ms:.1f} + prefill "
                    f"{best.prefill_ms:.1f} + fetch {best.fetch_ms:.1f} + handoff "
                    f"{best.handoff_ms:.1f}) on the best node {best.node} exceeds the TTFT SLO "
                    f"of {r.ttft_slo_ms:.1f} ms")
-            retry = max(best.ttft_ms - r.ttft_slo_ms, best.queue_ms, 50.0)
+            retry = max(best.ttft_ms - r.ttft_slo_ms * self.cfg.slo_margin, best.queue_ms, 50.0)
         elif reason == "tbt":
             tbt = best_seen[1] if best_seen else float("nan")
             msg = (f"predicted time between tokens {tbt:.1f} ms on the least-loaded decode node "

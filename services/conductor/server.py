@@ -62,6 +62,8 @@ class ConductorConfig(ServiceConfig):
                                              "decode node itself (0 = never)")
     direct_share: float = option(0.9, "decode-direct when the decode node holds this share "
                                       "of the prefix")
+    slo_margin: float = option(0.85, "admit only when the estimate is within this share of "
+                                     "the SLO (room for estimate error)")
     report_interval_ms: float = option(200.0, "period of the nodes' load reports")
     request_timeout_s: float = option(300.0, "longest a request may run end to end")
     http_port: int = option(8000, "OpenAI-compatible HTTP API port on --host (0 = any free port, "
@@ -73,6 +75,8 @@ class ConductorConfig(ServiceConfig):
             raise ConfigError("ttft_slo_ms and tbt_slo_ms must be > 0")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if not 0 < self.slo_margin <= 1:
+            raise ConfigError("slo_margin must be in (0, 1]")
         if self.colocate_below_tokens < 0 or not 0 < self.direct_share <= 1:
             raise ConfigError("colocate_below_tokens must be >= 0 and direct_share in (0, 1]")
 
@@ -111,7 +115,8 @@ class Conductor(Service):
         self.view = ClusterView(self.membership)
         self.sched = Scheduler(PolicyConfig(policy=cfg.policy,
                                             colocate_below_tokens=cfg.colocate_below_tokens,
-                                            direct_share=cfg.direct_share))
+                                            direct_share=cfg.direct_share,
+                                            slo_margin=cfg.slo_margin))
         self.feeds = NodeFeeds(self.view, self.sched, cfg.report_interval_ms)
         self.tokenizer = ByteTokenizer()
         self.request_stats = RequestStats()
@@ -235,6 +240,7 @@ class Conductor(Service):
                   "decode": d.decode_node, "estimated_ttft_ms": d.estimate.ttft_ms,
                   "candidates": [(c.route, c.node, round(c.ttft_ms, 2)) for c in d.candidates]}
         self.decisions.append(record)
+        log.debug("decision %s", record)
         produced = 0
         try:
             async for resp in self._serve(r, d, req, tokens, t_arrival, record):

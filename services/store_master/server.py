@@ -169,16 +169,16 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def run_eviction(self) -> None:
+    async def run_eviction(self, extra: int = 0) -> None:
         """Evicts from above the high watermark down to the low one, spilling victims
         to their node's SSD tier where there is one. One eviction at a time."""
         if self._evicting is None:
             self._evicting = asyncio.Lock()
         async with self._evicting:
             m = self.meta
-            if not m.over_high():
+            if not m.over_high(extra):
                 return
-            plans = m.plan_eviction(int(m.low * m.capacity))
+            plans = m.plan_eviction(int(m.low * m.capacity) - extra)
             by_node: dict[str, list[Plan]] = {}
             for p in plans:
                 by_node.setdefault(p.replica.segment.grpc_address, []).append(p)
@@ -260,7 +260,7 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PutStart: size must be > 0")
         total = sum(sizes) if sizes else req.size * len(req.hashes)
         if self.meta.over_high(total):
-            await self.run_eviction()
+            await self.run_eviction(total)
         placed, skipped = self.meta.put_start(req.node_id, list(req.hashes),
                                               sizes or req.size)
         return pb.PutStartResponse(placements=[_placement(b) for b in placed],

@@ -1,0 +1,111 @@
+"""Routing and admission in a real cluster (two prefill nodes, one decode node, the
+kvmesh policy): a repeated prefix goes to the node that holds it; short prompts take
+the colocated route; a conversation's next turn goes decode-direct; an overloaded
+cluster rejects up front while every accepted request meets its TTFT SLO. Every output
+is checked against the single-process reference."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import grpc
+import pytest
+
+from protos import kvmesh_pb2 as pb
+from protos import kvmesh_pb2_grpc as pbg
+from services.engine.model import LlamaModel
+from services.engine.tokenizer import ByteTokenizer
+from services.launcher import LocalCluster
+from tests.cluster_util import generate, node
+
+# no store segments: a prefix lives only in the pool of the node that computed it
+NODE_ARGS = ["--block-size", "16", "--kv-memory", "32MiB", "--segment-memory", "0"]
+TOK = ByteTokenizer()
+SHARED = "".join(random.Random(7).choice("abcdefghij klmnop") for _ in range(600))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(str(tmp_path_factory.mktemp("routing")), prefill=2, decode=1,
+                     node_args=NODE_ARGS, conductor_args=["--report-interval-ms", "50"])
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = LlamaModel.from_preset("tiny", seed=0)
+    return lambda ids, n: model.reference_generate(ids, n, eos_id=TOK.eos_id)
+
+
+def test_repeated_prefix_goes_to_the_node_holding_it(cluster, reference):
+    a = generate(cluster.conductor, SHARED + "A" * 200, max_tokens=2)
+    holder = a.route.prefill_node
+    assert holder
+    time.sleep(0.5)  # the holder's cache events reach the conductor
+    for tail in ("B" * 200, "C" * 200):
+        got = generate(cluster.conductor, SHARED + tail, max_tokens=6)
+        assert got.route.prefill_node == holder
+        assert got.usage.cached_tokens >= (len(TOK.encode(SHARED)) // 16) * 16
+        assert got.tokens == reference(TOK.encode(SHARED + tail), 6)
+
+
+def test_short_prompt_takes_the_colocated_route(cluster, reference):
+    before = node(cluster.conductor, "decode-0").computed_tokens_total
+    got = generate(cluster.conductor, "a short question", max_tokens=8)
+    assert got.route.prefill_node == "" and got.route.decode_node == "decode-0"
+    assert node(cluster.conductor, "decode-0").computed_tokens_total - before == \
+        len(TOK.encode("a short question"))
+    assert got.tokens == reference(TOK.encode("a short question"), 8)
+
+
+def test_next_turn_goes_decode_direct(cluster, reference):
+    turn1 = TOK.encode("Z" + SHARED[::-1])
+    first = generate(cluster.conductor, token_ids=turn1, max_tokens=24, timeout=60,
+                     sampling=pb.SamplingParams(ignore_eos=True))
+    assert first.tokens == reference(turn1, 24)[:24]
+    time.sleep(0.5)
+    turn2 = turn1 + first.tokens + TOK.encode(" and then?", add_bos=False)
+    got = generate(cluster.conductor, token_ids=turn2, max_tokens=8)
+    assert got.route.prefill_node == "" and got.route.decode_node == "decode-0"
+    assert got.usage.cached_tokens >= (len(turn1) // 16) * 16
+    assert got.usage.computed_tokens == len(turn2) - got.usage.cached_tokens
+    assert got.tokens == reference(turn2, 8)
+
+
+def test_overload_rejects_early_and_accepted_requests_meet_ttft(cluster, reference):
+    slo_ms, n_requests = 1500.0, 24
+    results: list[tuple[str, float]] = []
+    lock = threading.Lock()
+    rng = random.Random(3)
+    prompts = ["".join(rng.choice("qrstuvwxyz ") for _ in range(1500)) for _ in range(n_requests)]
+
+    def one(i: int) -> None:
+        req = pb.GenerateRequest(prompt=prompts[i], max_tokens=4, cache_salt=f"t{i}",
+                                 slo=pb.SLO(ttft_ms=slo_ms))
+        t0 = time.perf_counter()
+        with grpc.insecure_channel(cluster.conductor) as ch:
+            try:
+                for r in pbg.ConductorStub(ch).Generate(req, timeout=60):
+                    with lock:
+                        results.append(("ok", (time.perf_counter() - t0) * 1000))
+                    break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                with lock:
+                    results.append(("rejected", (time.perf_counter() - t0) * 1000))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n_requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    ok = [ms for kind, ms in results if kind == "ok"]
+    rejected = [ms for kind, ms in results if kind == "rejected"]
+    assert len(results) == n_requests
+    assert ok and rejected, (len(ok), len(rejected))
+    assert max(ok) <= slo_ms, sorted(ok)
+    assert sorted(rejected)[len(rejected) // 2] < 200  # refused at once, not after queueing
