@@ -21,7 +21,6 @@ fails afterwards ends the stream with UNAVAILABLE (the client retries).
 from __future__ import annotations
 
 import asyncio
-import codecs
 import logging
 import time
 import uuid
@@ -46,7 +45,8 @@ from services.conductor.feeds import NodeFeeds
 from services.conductor.policy import (DISAGG, POLICIES, Decision, PolicyConfig, Request,
                                        Scheduler)
 from services.engine.sampling import Sampling
-from services.engine.tokenizer import ByteTokenizer
+from services.conductor.text import TextStream
+from services.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Conductor(Service):
                                             direct_share=cfg.direct_share,
                                             slo_margin=cfg.slo_margin))
         self.feeds = NodeFeeds(self.view, self.sched, cfg.report_interval_ms)
-        self.tokenizer = ByteTokenizer()
+        self._tokenizers: dict[str, object] = {}
         self.request_stats = RequestStats()
         self.http: HttpApi | None = None
         self.decisions: deque[dict] = deque(maxlen=1024)
@@ -154,6 +154,14 @@ class Conductor(Service):
                            f"unknown model {name!r}; this cluster serves {sorted(models)}")
         return name, models[name][0]
 
+    def tokenizer(self, info: dict):
+        """The tokenizer of the model a node registered (a preset or a checkpoint dir)."""
+        spec = info.get("model_path") or info.get("model", "")
+        tok = self._tokenizers.get(spec)
+        if tok is None:
+            tok = self._tokenizers[spec] = load_tokenizer(spec)
+        return tok
+
     def _tokens(self, req: pb.GenerateRequest, info: dict) -> list[int]:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if req.token_ids:
@@ -162,7 +170,7 @@ class Conductor(Service):
             if any(t < 0 or t >= vocab for t in tokens):
                 raise Rejected(bad, f"token_ids must be in [0, {vocab}) for this model")
         else:
-            tokens = self.tokenizer.encode(req.prompt) if req.prompt else []
+            tokens = self.tokenizer(info).encode(req.prompt) if req.prompt else []
         if not tokens or (not req.token_ids and not req.prompt.strip()):
             raise Rejected(bad, "the prompt is empty: give prompt text or token_ids")
         if req.max_tokens <= 0:
@@ -243,18 +251,20 @@ class Conductor(Service):
         log.debug("decision %s", record)
         produced = 0
         try:
-            async for resp in self._serve(r, d, req, tokens, t_arrival, record):
+            async for resp in self._serve(r, d, req, tokens, t_arrival, record, info):
                 produced += len(resp.token_ids)
                 yield resp
         finally:
             self.sched.request_done(r, d, produced)
 
     async def _serve(self, r: Request, d: Decision, req: pb.GenerateRequest,
-                     tokens: list[int], t_arrival: float, record: dict):
+                     tokens: list[int], t_arrival: float, record: dict, info: dict):
         rid = r.request_id
         dnode = self._node("decode", d.decode_node)
         target = await self._reserve(dnode, rid, len(tokens), req.max_tokens)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        tok = self.tokenizer(info)
+        decoder = TextStream(tok)
+        eos_ids = frozenset(info.get("eos_ids") or [tok.eos_id])
         usage = pb.Usage(prompt_tokens=len(tokens))
         route = pb.Route(decode_node=dnode.node_id, estimated_ttft_ms=d.estimate.ttft_ms)
         dreq = pb.DecodeRequest(request_id=rid, max_tokens=req.max_tokens, sampling=req.sampling,
@@ -268,7 +278,8 @@ class Conductor(Service):
             route.prefill_node = pnode.node_id
             dreq.first_token = presp.first_token
             self._first_token_seen(r, d, presp, t_arrival, record)
-            first = self._response(rid, [presp.first_token], decoder, usage, presp, route, req)
+            first = self._response(rid, [presp.first_token], decoder, usage, presp, route, req,
+                                   eos_ids)
             yield first
             if first.finish_reason:
                 await self._release(dnode, rid)
@@ -281,10 +292,10 @@ class Conductor(Service):
                 if msg.HasField("prefill"):
                     self._first_token_seen(r, d, msg.prefill, t_arrival, record)
                     resp = self._response(rid, list(msg.token_ids), decoder, usage, msg.prefill,
-                                          route, req)
+                                          route, req, eos_ids)
                 else:
                     resp = self._response(rid, list(msg.token_ids), decoder, usage, None, None,
-                                          req, msg.finish_reason)
+                                          req, eos_ids, msg.finish_reason)
                 yield resp
                 if resp.finish_reason:
                     return
@@ -298,20 +309,17 @@ class Conductor(Service):
         finally:
             stream.cancel()
 
-    def _response(self, rid, token_ids, decoder, usage, presp, route, req, reason=""):
-        eos = self.tokenizer.eos_id
+    def _response(self, rid, token_ids, decoder, usage, presp, route, req, eos_ids, reason=""):
         if presp is not None:
             usage.cached_tokens = presp.cached_tokens + presp.fetched_tokens
             usage.computed_tokens = presp.computed_tokens
             first = token_ids[0]
-            if first == eos and not req.sampling.ignore_eos:
+            if first in eos_ids and not req.sampling.ignore_eos:
                 reason = "stop"
             elif req.max_tokens == 1:
                 reason = "length"
         usage.completion_tokens += len(token_ids)
-        text = "".join(decoder.decode(self._bytes(t)) for t in token_ids)
-        if reason:
-            text += decoder.decode(b"", final=True)
+        text = decoder.push(token_ids, final=bool(reason))
         return pb.GenerateResponse(request_id=rid, token_ids=token_ids, text=text,
                                    finish_reason=reason, usage=usage if reason else None,
                                    route=route)
@@ -321,9 +329,6 @@ class Conductor(Service):
         record["actual_ttft_ms"] = ttft
         self.sched.prefill_done(r, d, presp.computed_tokens, presp.cached_tokens +
                                 presp.fetched_tokens, presp.prefill_ms, ttft_ms=ttft)
-
-    def _bytes(self, token: int) -> bytes:
-        return bytes([token]) if token < 256 else b""
 
     def _node(self, role: str, node_id: str) -> NodeInfo:
         for n in self.view.nodes(role):

@@ -289,7 +289,7 @@ class DecodeNode(ModelNode):
             self.release(r.res.request_id)
 
     async def _step_loop(self) -> None:
-        eos = self.tokenizer.eos_id
+        eos_ids = frozenset(self.tokenizer.eos_ids)
         while True:
             if not self.running:
                 self._wake.clear()
@@ -328,7 +328,7 @@ class DecodeNode(ModelNode):
                 r.remaining -= 1
                 self.counters["generated"] += 1
                 reason = ""
-                if (tok == eos and not r.sampling.ignore_eos) or tok in r.stop_ids:
+                if (tok in eos_ids and not r.sampling.ignore_eos) or tok in r.stop_ids:
                     reason = "stop"
                 elif r.remaining <= 0:
                     reason = "length"
