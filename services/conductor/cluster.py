@@ -12,6 +12,7 @@ import grpc
 
 from protos import kvmesh_pb2_grpc as pbg
 from services.common.registry import Membership
+from services.common.channels import make_channel
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class ClusterView:
     def channel(self, addr: str) -> grpc.aio.Channel:
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+            ch = self._channels[addr] = make_channel(addr)
         return ch
 
     def prefill_stub(self, n: NodeInfo) -> pbg.PrefillNodeStub:

@@ -11,6 +11,7 @@ import statistics
 import grpc
 
 from protos import kvmesh_pb2 as pb
+from protos import kvmesh_pb2_grpc as pbg
 from services.conductor.cluster import ClusterView, NodeInfo
 from services.conductor.policy import DecodeNodeState, PrefillNodeState, Scheduler
 
@@ -24,10 +25,14 @@ class NodeFeeds:
         self.interval_ms = interval_ms
         self._tasks: dict[str, asyncio.Task] = {}
         self.fingerprint_of: dict[str, str] = {}
+        self.store_live = False
 
     def on_member(self, event: str, key: str, value: bytes | None) -> None:
         parts = key.rstrip("/").split("/")
         role, node_id = parts[-2], parts[-1]
+        if role == "store-master":
+            self._store_member(event, node_id)
+            return
         if role not in ("prefill", "decode"):
             return
         if event == "leave":
@@ -109,6 +114,40 @@ class NodeFeeds:
             st.report(load.kv_blocks_free, load.kv_blocks_total)
         if bws:
             st.bandwidth = statistics.median(bws)
+
+    def _store_member(self, event: str, node_id: str) -> None:
+        key = f"store-master/{node_id}"
+        task = self._tasks.pop(key, None)
+        if task:
+            task.cancel()
+        self.store_live = False
+        if event != "leave":
+            info = next((n for n in self.view.nodes("store-master") if n.node_id == node_id), None)
+            if info is not None:
+                self._tasks[key] = asyncio.get_running_loop().create_task(self._follow_store(info))
+
+    async def _follow_store(self, n: NodeInfo) -> None:
+        """Store replicas enter the index from the master's WatchBlocks stream; on every
+        (re)connect the index's store side is rebuilt from the snapshot."""
+        stub = pbg.StoreMasterStub(self.view.channel(n.grpc))
+        idx = self.sched.index
+        backoff = 0.1
+        while True:
+            try:
+                stream = stub.WatchBlocks(pb.WatchBlocksRequest(snapshot=True))
+                idx.store_reset(())
+                self.store_live = True
+                async for ev in stream:
+                    if ev.type == "stored":
+                        idx.store_stored((ev.hash,))
+                    elif ev.type == "removed":
+                        idx.store_removed((ev.hash,))
+                    backoff = 0.1
+            except grpc.aio.AioRpcError as e:
+                log.debug("store event stream of %s ended (%s); retrying", n.node_id, e.code())
+            self.store_live = False
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
 
     async def close(self) -> None:
         for t in self._tasks.values():

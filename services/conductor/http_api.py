@@ -218,7 +218,25 @@ class HttpApi:
         return web.json_response({"status": "SERVING" if ok else "NOT_SERVING"},
                                  status=200 if ok else 503)
 
+    def _authenticate(self, request: web.Request) -> None:
+        """Checks the bearer API key (conductor ``--api-keys``) and sets the request's
+        tenant; raises ApiError 401. Open when no key is configured."""
+        from services.common.auth import Unauthenticated, current_principal
+
+        keys = getattr(self.c, "api_keys", None)
+        if keys is None or not keys.enabled:
+            return
+        try:
+            current_principal.set(keys.authenticate(request.headers.get("Authorization")))
+        except Unauthenticated as e:
+            raise ApiError(401, str(e), "authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"}) from None
+
     async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._authenticate(request)
+        except ApiError as e:
+            return e.response()
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvmesh"}
                 for name in sorted(self.c.view.models())]
         return web.json_response({"object": "list", "data": data})
@@ -238,6 +256,7 @@ class HttpApi:
                 f"POST {path}", context=propagate.extract(dict(request.headers)),
                 kind=SpanKind.SERVER, attributes={"http.route": path}):
             try:
+                self._authenticate(request)
                 body = await self._json(request)
                 req, opts = self._build(body, chat)
                 return await self._run(request, req, opts, chat)

@@ -213,7 +213,9 @@ class Scheduler:
                          d.local_queue_ms + step, prefill_ms, 0.0, 0.0, min(local, usable))
 
     # -- the decision ------------------------------------------------------------------
-    def decide(self, r: Request) -> Decision:
+    def decide(self, r: Request, store_prefix: int | None = None) -> Decision:
+        """``store_prefix`` overrides the index's store view (when the conductor had to
+        ask the store-master because no store event stream is live)."""
         if not self.prefill and not self.decode:
             return Decision(False, reason="no-nodes", message="no prefill or decode node is live")
         pol = self.cfg.policy
@@ -225,6 +227,8 @@ class Scheduler:
         need_blocks = -(-(n + r.max_tokens) // bs)
         look = self.index.lookup(r.hashes[:usable]) if pol != "random" and pol != "load" else None
         per_node = look.per_node if look else {}
+        if look and store_prefix is not None:
+            look.store_prefix = store_prefix
 
         # prefill candidates
         cands: list[Candidate] = []

@@ -31,6 +31,7 @@ import grpc
 
 from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
+from services.common.auth import ApiKeyInterceptor, ApiKeys, tenant_seed
 from services.common.config import ConfigError, load, option
 from services.common.hashing import prefix_hashes
 from services.common.registry import Membership, nodes_prefix
@@ -68,9 +69,14 @@ class ConductorConfig(ServiceConfig):
     request_timeout_s: float = option(300.0, "longest a request may run end to end")
     http_port: int = option(8000, "OpenAI-compatible HTTP API port on --host (0 = any free port, "
                                   "advertised in etcd as \"http\"; -1 = off)")
+    api_keys: str = option("", "client API keys, comma-separated entries KEY, KEY:TENANT or "
+                               "KEY:TENANT:shared=NAMESPACE (see services.common.auth); empty "
+                               "(and no --api-keys-file) = open API")
+    api_keys_file: str = option("", "file with one API key entry per line (# comments)")
 
     def validate(self) -> None:
         super().validate()
+        ApiKeys.from_config(self.api_keys, self.api_keys_file)  # ConfigError on a bad entry
         if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0:
             raise ConfigError("ttft_slo_ms and tbt_slo_ms must be > 0")
         if self.policy not in POLICIES:
@@ -107,6 +113,10 @@ class ConductorServicer(pbg.ConductorServicer):
 
 class Conductor(Service):
     role = "conductor"
+
+    def server_interceptors(self) -> list:
+        self.api_keys = ApiKeys.from_config(self.cfg.api_keys, self.cfg.api_keys_file)
+        return [ApiKeyInterceptor(self.api_keys)] if self.api_keys.enabled else []
 
     def __init__(self, cfg: ConductorConfig) -> None:
         super().__init__(cfg)
@@ -197,27 +207,15 @@ class Conductor(Service):
         except grpc.aio.AioRpcError:
             return 0
 
-    def _decide(self, r: Request, fp: str, store_prefix: int) -> Decision:
+    async def _decide(self, r: Request, fp: str) -> Decision:
         """The scheduler's decision among the nodes serving fingerprint ``fp``."""
-        sched = self.sched
         fps = self.feeds.fingerprint_of
-        if all(fps.get(n) == fp for n in (*sched.prefill, *sched.decode)):
-            look_store = store_prefix
-            idx_lookup = sched.index.lookup
-
-            def lookup(hashes):  # the store side comes from Exists until store events flow
-                out = idx_lookup(hashes)
-                out.store_prefix = min(look_store, len(hashes))
-                return out
-
-            sched.index.lookup = lookup
-            try:
-                return sched.decide(r)
-            finally:
-                del sched.index.lookup
-        raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                       "nodes of several model fingerprints are live; serving more than one "
-                       "model per cluster is not supported yet")
+        if any(fps.get(n) != fp for n in (*self.sched.prefill, *self.sched.decode)):
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                           "nodes of several model fingerprints are live; serving more than "
+                           "one model per cluster is not supported yet")
+        store_prefix = None if self.feeds.store_live else await self._store_prefix(r.hashes)
+        return self.sched.decide(r, store_prefix)
 
     # -- the request's life --------------------------------------------------------------
     async def generate(self, req: pb.GenerateRequest):
@@ -228,12 +226,13 @@ class Conductor(Service):
         tokens = self._tokens(req, info)
         rid = req.request_id or uuid.uuid4().hex
         bs = int(info["block_size"])
-        hashes = prefix_hashes(bytes.fromhex(fp) + req.cache_salt.encode(), tokens, bs)
+        hashes = prefix_hashes(bytes.fromhex(fp) + tenant_seed() + req.cache_salt.encode(),
+                               tokens, bs)  # the tenant's namespace first: see common.auth
         ttft_slo = min(req.slo.ttft_ms or self.cfg.ttft_slo_ms, self.cfg.ttft_slo_ms)
         tbt_slo = min(req.slo.tbt_ms or self.cfg.tbt_slo_ms, self.cfg.tbt_slo_ms)
         r = Request(rid, len(tokens), hashes, req.max_tokens, ttft_slo, tbt_slo)
         t_admit = time.time_ns()
-        d = self._decide(r, fp, await self._store_prefix(hashes))
+        d = await self._decide(r, fp)
         record_span("conductor.admission", t_admit, attributes=admission_attributes(r, d))
         if not d.accepted:
             code = (grpc.StatusCode.UNAVAILABLE if d.reason == "no-nodes"
