@@ -30,6 +30,7 @@ current load, plain early rejection) and ``kvmesh`` (all of the above).
 from __future__ import annotations
 
 import bisect
+import heapq
 import random
 import time
 from dataclasses import dataclass, field
@@ -150,7 +151,7 @@ class PolicyConfig:
     colocate_below_tokens: int = 512     # colocated fast path threshold
     direct_share: float = 0.9            # decode-direct when the decode node holds this share
     expected_output_share: float = 1.0   # expected output tokens / max_tokens (learned)
-    candidates: int = 4                  # uncached prefill nodes considered, least queued first
+    candidates: int = 2                  # uncached prefill nodes considered, least queued first
     disagg_overhead_ms: float = 2.0      # extra RPC hops of the disaggregated route
     slo_margin: float = 1.0              # admit only if the estimate <= margin x SLO
 
@@ -199,10 +200,6 @@ class Scheduler:
         return Candidate(DISAGG, p.node_id, ttft, p.queue_ms, prefill_ms, fetch_ms, handoff_ms,
                          local, fetch_blocks)
 
-    def _decode_tbt(self, d: DecodeNodeState, at: float, n: int, predict: bool) -> float:
-        batch = d.batch_at(at) if predict else len(d.ends)
-        return d.model.predict(batch + 1, d.kv_tokens + n)
-
     def _colocated_candidate(self, d: DecodeNodeState, n: int, usable: int, local: int,
                              route: str) -> Candidate:
         bs = d.block_size
@@ -239,10 +236,10 @@ class Scheduler:
             elif pol == "load":
                 pick = [min(nodes, key=lambda p: p.queue_ms)]
             else:
-                cached = [p for p in nodes if per_node.get(p.node_id)]
-                others = sorted((p for p in nodes if not per_node.get(p.node_id)),
-                                key=lambda p: p.queue_ms)[: self.cfg.candidates]
-                pick = cached + others
+                prefill = self.prefill
+                pick = [prefill[nid] for nid in per_node if nid in prefill]
+                queued = [(p.queue_ms, p.node_id) for p in nodes if p.node_id not in per_node]
+                pick += [prefill[nid] for _, nid in heapq.nsmallest(self.cfg.candidates, queued)]
             use_store = pol == "kvmesh"
             store_prefix = look.store_prefix if look else 0
             cands = [self._prefill_candidate(p, n, usable, per_node.get(p.node_id, 0),
@@ -268,10 +265,12 @@ class Scheduler:
 
         predict = pol == "kvmesh"
         decodes = list(self.decode.values())
+        ttft_limit = r.ttft_slo_ms * self.cfg.slo_margin
+        tbt_limit = r.tbt_slo_ms * self.cfg.slo_margin
         worst = ""
         best_seen: tuple[Candidate, float] | None = None
         for c in cands:
-            if c.ttft_ms > r.ttft_slo_ms * self.cfg.slo_margin:
+            if c.ttft_ms > ttft_limit:
                 worst = worst or "ttft"
                 if c.route != DISAGG:
                     continue
@@ -280,22 +279,24 @@ class Scheduler:
             options = [self.decode[c.node]] if c.route != DISAGG else decodes
             if pol == "random" and c.route == DISAGG:
                 options = [self.rng.choice(decodes)]
-            feasible = []
-            for d in options:
-                if d.free_blocks() < need_blocks:
+            best_tbt, best_d = float("inf"), None
+            for d in options:  # the TBT each decode node would give, at prefill end
+                if d.kv_blocks_free - d.reserved_blocks < need_blocks:
                     worst = worst or "kv"
                     continue
-                tbt = self._decode_tbt(d, at, n, predict)
-                if tbt > r.tbt_slo_ms * self.cfg.slo_margin:
+                ends = d.ends
+                batch = len(ends) - (bisect.bisect_right(ends, at) if predict else 0)
+                a_, b_, k_ = d.model.coef
+                tbt = a_ + b_ * (batch + 1) + k_ * (d.kv_tokens + n)
+                if tbt > tbt_limit:
                     worst = "tbt"
                     if best_seen is None or tbt < best_seen[1]:
                         best_seen = (c, tbt)
-                    continue
-                feasible.append((tbt, d))
-            if feasible:
-                tbt, d = min(feasible, key=lambda x: x[0])
+                elif tbt < best_tbt:
+                    best_tbt, best_d = tbt, d
+            if best_d is not None:
                 prefill_node = c.node if c.route == DISAGG else None
-                return Decision(True, c.route, prefill_node, d.node_id, c, tbt, cands)
+                return Decision(True, c.route, prefill_node, best_d.node_id, c, best_tbt, cands)
         best = min(cands, key=lambda c: c.ttft_ms)
         reason = worst or "ttft"
         if reason == "ttft":
