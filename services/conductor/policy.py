@@ -32,7 +32,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import random
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -92,15 +94,30 @@ class PrefillNodeState:
     layer_nbytes: int
     model: PrefillModel = field(default_factory=PrefillModel)
     bandwidth: float = 1e6          # bytes per ms (1 GB/s) until measured
-    queue: dict[str, float] = field(default_factory=dict)
-    queue_ms: float = 0.0
+    queue: dict[str, float] = field(default_factory=dict)  # FIFO, as the node serves it
+    queue_ms: float = 0.0           # predicted time of everything queued
+    head_since: float = 0.0         # when the head of the queue started computing
 
-    def enqueue(self, rid: str, ms: float) -> None:
+    def enqueue(self, rid: str, ms: float, now: float = 0.0) -> None:
+        if not self.queue:
+            self.head_since = now
         self.queue[rid] = ms
         self.queue_ms += ms
 
-    def dequeue(self, rid: str) -> None:
-        self.queue_ms = max(0.0, self.queue_ms - self.queue.pop(rid, 0.0))
+    def dequeue(self, rid: str, now: float = 0.0) -> None:
+        if rid not in self.queue:
+            return
+        was_head = next(iter(self.queue)) == rid
+        self.queue_ms = max(0.0, self.queue_ms - self.queue.pop(rid))
+        if was_head:
+            self.head_since = now
+
+    def remaining(self, now: float) -> float:
+        """Predicted time until the queue drains: the head has been computing a while."""
+        if not self.queue:
+            return 0.0
+        head = next(iter(self.queue.values()))
+        return self.queue_ms - min(head, max(0.0, now - self.head_since))
 
 
 @dataclass
@@ -171,11 +188,14 @@ class Scheduler:
         self.prefill: dict[str, PrefillNodeState] = {}
         self.decode: dict[str, DecodeNodeState] = {}
         self.ttft_error = ErrorTracker()
+        # per route: TTFT the models do not explain (RPC hops), learned from actual TTFTs
+        self.overhead_ms = {DISAGG: self.cfg.disagg_overhead_ms, COLOCATED: 0.0, DIRECT: 0.0}
+        self._residuals = {route: deque(maxlen=64) for route in self.overhead_ms}
         self._output_share = self.cfg.expected_output_share
 
     # -- estimates ---------------------------------------------------------------------
     def _prefill_candidate(self, p: PrefillNodeState, n: int, usable: int, local: int,
-                           store_prefix: int, use_store: bool) -> Candidate:
+                           store_prefix: int, use_store: bool, now: float) -> Candidate:
         bs, m = p.block_size, p.model
         local = min(local, usable)
         fetch_blocks, fetch_ms = 0, 0.0
@@ -196,8 +216,9 @@ class Scheduler:
         # part that outlasts the compute, and the last layer of the new blocks, add up
         prefix_ms = (local + fetch_blocks) * p.block_nbytes / p.bandwidth
         handoff_ms = max(0.0, prefix_ms - prefill_ms) + new_blocks * p.layer_nbytes / p.bandwidth
-        ttft = p.queue_ms + prefill_ms + fetch_ms + handoff_ms + self.cfg.disagg_overhead_ms
-        return Candidate(DISAGG, p.node_id, ttft, p.queue_ms, prefill_ms, fetch_ms, handoff_ms,
+        queue = p.remaining(now)
+        ttft = queue + prefill_ms + fetch_ms + handoff_ms + self.overhead_ms[DISAGG]
+        return Candidate(DISAGG, p.node_id, ttft, queue, prefill_ms, fetch_ms, handoff_ms,
                          local, fetch_blocks)
 
     def _colocated_candidate(self, d: DecodeNodeState, n: int, usable: int, local: int,
@@ -206,8 +227,9 @@ class Scheduler:
         cached = min(local, usable) * bs
         step = d.model.predict(len(d.ends), d.kv_tokens)  # a running step finishes first
         prefill_ms = d.prefill_model.predict(n - cached, cached)
-        return Candidate(route, d.node_id, d.local_queue_ms + step + prefill_ms,
-                         d.local_queue_ms + step, prefill_ms, 0.0, 0.0, min(local, usable))
+        return Candidate(route, d.node_id, d.local_queue_ms + step + prefill_ms +
+                         self.overhead_ms[route], d.local_queue_ms + step, prefill_ms, 0.0, 0.0,
+                         min(local, usable))
 
     # -- the decision ------------------------------------------------------------------
     def decide(self, r: Request, store_prefix: int | None = None) -> Decision:
@@ -243,7 +265,7 @@ class Scheduler:
             use_store = pol == "kvmesh"
             store_prefix = look.store_prefix if look else 0
             cands = [self._prefill_candidate(p, n, usable, per_node.get(p.node_id, 0),
-                                             store_prefix, use_store) for p in pick]
+                                             store_prefix, use_store, now) for p in pick]
             if pol == "cache":
                 best_local = max(c.cached_blocks for c in cands)
                 cands = [min((c for c in cands if c.cached_blocks == best_local),
@@ -323,7 +345,7 @@ class Scheduler:
         now = self.clock()
         c = d.estimate
         if d.route == DISAGG:
-            self.prefill[d.prefill_node].enqueue(r.request_id, c.prefill_ms + c.fetch_ms)
+            self.prefill[d.prefill_node].enqueue(r.request_id, c.prefill_ms + c.fetch_ms, now)
         else:
             self.decode[d.decode_node].local_queue_ms += c.prefill_ms
         dn = self.decode[d.decode_node]
@@ -332,29 +354,38 @@ class Scheduler:
         dn.admit(r.request_id, end, r.n_tokens + r.max_tokens,
                  -(-(r.n_tokens + r.max_tokens) // dn.block_size))
 
-    def prefill_done(self, r: Request, d: Decision, new: int, cached: int, ms: float,
-                     ttft_ms: float | None = None) -> None:
-        """The prompt is computed: free its queue slot, learn from the observation."""
+    def prefill_done(self, r: Request, d: Decision, new: int, cached: int,
+                     ms: float | None = None, ttft_ms: float | None = None) -> None:
+        """The prompt is computed: free its queue slot; learn from the compute time ``ms``
+        (when the caller has no better source, e.g. node reports) and from the TTFT seen:
+        the part of it no model explains (RPC hops, event loops) becomes the route's
+        learned overhead."""
         c = d.estimate
+        now = self.clock()
         if d.route == DISAGG:
             p = self.prefill.get(d.prefill_node)
             if p is not None:
-                p.dequeue(r.request_id)
-                p.model.observe(new, cached, ms)
+                p.dequeue(r.request_id, now)
+                if ms is not None:
+                    p.model.observe(new, cached, ms)
         else:
             dn = self.decode.get(d.decode_node)
             if dn is not None:
                 dn.local_queue_ms = max(0.0, dn.local_queue_ms - c.prefill_ms)
-                dn.prefill_model.observe(new, cached, ms)
+                if ms is not None:
+                    dn.prefill_model.observe(new, cached, ms)
         if ttft_ms is not None:
             self.ttft_error.add(c.ttft_ms, ttft_ms)
+            window = self._residuals[d.route]
+            window.append(ttft_ms - (c.ttft_ms - self.overhead_ms[d.route]))
+            self.overhead_ms[d.route] = min(max(statistics.median(window), 0.0), 1000.0)
 
     def request_done(self, r: Request, d: Decision, output_tokens: int | None = None) -> None:
         dn = self.decode.get(d.decode_node) if d.decode_node else None
         if dn is not None:
             dn.finish(r.request_id)
         if d.route == DISAGG and d.prefill_node in self.prefill:
-            self.prefill[d.prefill_node].dequeue(r.request_id)
+            self.prefill[d.prefill_node].dequeue(r.request_id, self.clock())
         if output_tokens is not None and r.max_tokens:
             share = min(1.0, output_tokens / r.max_tokens)
             self._output_share = 0.95 * self._output_share + 0.05 * share

@@ -326,8 +326,9 @@ class Conductor(Service):
     def _first_token_seen(self, r, d, presp, t_arrival, record) -> None:
         ttft = (time.perf_counter() - t_arrival) * 1000
         record["actual_ttft_ms"] = ttft
+        # compute times reach the models from the nodes' reports; here only the TTFT
         self.sched.prefill_done(r, d, presp.computed_tokens, presp.cached_tokens +
-                                presp.fetched_tokens, presp.prefill_ms, ttft_ms=ttft)
+                                presp.fetched_tokens, ttft_ms=ttft)
 
     def _node(self, role: str, node_id: str) -> NodeInfo:
         for n in self.view.nodes(role):
