@@ -112,3 +112,16 @@ def test_overload_rejects_early_and_accepted_requests_meet_ttft(cluster, referen
     assert ok and rejected, (len(ok), len(rejected))
     assert max(ok) <= slo_ms, sorted(ok)
     assert sorted(rejected)[len(rejected) // 2] < 200  # refused at once, not after queueing
+
+
+def test_time_models_report_their_prediction_error(cluster):
+    import urllib.request
+
+    from tests.cluster_util import status
+
+    conductor = next(n for n in status(cluster.conductor).nodes if n.role == "conductor")
+    text = urllib.request.urlopen(f"http://{conductor.metrics_address}/metrics", timeout=5).read()
+    text = text.decode()
+    assert 'kvmesh_model_prediction_error_ratio{model="prefill",node="prefill-0",quantile="0.5"}' \
+        in text or 'kvmesh_model_prediction_error_ratio{model="prefill",node="prefill-1"' in text
+    assert 'kvmesh_route_overhead_seconds{route="disaggregated"}' in text

@@ -42,7 +42,9 @@ from services.common.telemetry import record_span
 from services.conductor.cluster import ClusterView, NodeInfo
 from services.conductor.http_api import HttpApi
 from services.conductor.observe import admission_attributes, fill_status, observed
+from services.common.metrics import REGISTRY as METRICS_REGISTRY
 from services.conductor.feeds import NodeFeeds
+from services.conductor.model_metrics import ModelErrorCollector
 from services.conductor.policy import (DISAGG, POLICIES, Decision, PolicyConfig, Request,
                                        Scheduler)
 from services.engine.sampling import Sampling
@@ -139,11 +141,14 @@ class Conductor(Service):
             self.http = HttpApi(self, self.cfg.host, self.cfg.http_port)
             self.http_address = await self.http.start()
         self.membership.add_listener(self.feeds.on_member)
+        self._model_metrics = ModelErrorCollector(self.sched)
+        METRICS_REGISTRY.register(self._model_metrics)
         await self.membership.start()
 
     async def teardown(self) -> None:
         if self.http is not None:
             await self.http.stop()
+        METRICS_REGISTRY.unregister(self._model_metrics)
         await self.feeds.close()
         await self.membership.stop()
         await self.view.close()

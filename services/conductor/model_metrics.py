@@ -1,0 +1,40 @@
+"""Prometheus view of the conductor's time models: each node's prefill/decode model
+prediction error (|predicted - observed| / observed, median and p90 over its recent
+observations) and each route's learned overhead."""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client.core import GaugeMetricFamily
+
+from services.conductor.policy import Scheduler
+
+
+class ModelErrorCollector:
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        err = GaugeMetricFamily("kvmesh_model_prediction_error_ratio",
+                                "relative error of the conductor's time models over recent "
+                                "observations", labels=["node", "model", "quantile"])
+        obs = GaugeMetricFamily("kvmesh_model_observations",
+                                "observations each time model was fitted on",
+                                labels=["node", "model"])
+        overhead = GaugeMetricFamily("kvmesh_route_overhead_seconds",
+                                     "learned TTFT overhead of each route", labels=["route"])
+        models = [(n, "prefill", p.model) for n, p in self.sched.prefill.items()]
+        for n, d in self.sched.decode.items():
+            models += [(n, "decode_step", d.model), (n, "colocated_prefill", d.prefill_model)]
+        for node, kind, m in models:
+            for q, v in zip(("0.5", "0.9"), m.error_quantiles((0.5, 0.9))):
+                if not math.isnan(v):
+                    err.add_metric([node, kind, q], v)
+            obs.add_metric([node, kind], m.observations)
+        for route, ms in self.sched.overhead_ms.items():
+            overhead.add_metric([route], ms / 1000)
+        return [err, obs, overhead]
