@@ -163,3 +163,18 @@ def test_index_longest_prefix_per_node_and_drop():
     assert idx.lookup([H(0), H(1), H(2)]).per_node == {"a": 1, "b": 1}
     idx.drop_node("a")
     assert idx.lookup([H(0)]).per_node == {"b": 1}
+
+
+def test_spilled_blocks_cost_a_promotion():
+    s = make(bandwidth=1000.0)
+    s.cfg.ssd_bytes_per_ms = 500.0
+    s.index.store_stored([H(i) for i in range(4)])
+    s.index.store_stored([H(i) for i in range(4, 10)], tier="ssd")
+    look = s.index.lookup([H(i) for i in range(10)])
+    assert look.store_prefix == 10 and look.store_dram_prefix == 4
+    d = s.decide(req(160))
+    # 9 usable blocks: 4 from DRAM (4 ms) and 5 spilled (5 ms + 5 * 1000 B / 500 B/ms = 10 ms)
+    # cost 19 ms to save 14.4 ms of compute: not worth it, so recompute
+    assert d.estimate.fetch_blocks == 0
+    s.index.store_stored([H(i) for i in range(4, 10)])  # DRAM replicas appear
+    assert s.decide(req(160)).estimate.fetch_blocks == 9

@@ -139,9 +139,9 @@ class NodeFeeds:
                 self.store_live = True
                 async for ev in stream:
                     if ev.type == "stored":
-                        idx.store_stored((ev.hash,))
+                        idx.store_stored((ev.hash,), ev.tier)
                     elif ev.type == "removed":
-                        idx.store_removed((ev.hash,))
+                        idx.store_removed((ev.hash,), ev.tier)
                     backoff = 0.1
             except grpc.aio.AioRpcError as e:
                 log.debug("store event stream of %s ended (%s); retrying", n.node_id, e.code())

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 POOL = "pool"      # a node's engine KV pool (prefix cache)
-STORE = "store"    # the cluster store (any segment, DRAM or SSD)
+STORE = "store"    # the cluster store: DRAM segments, and SSD tiers behind them
 
 
 @dataclass
@@ -20,14 +20,16 @@ class Lookup:
     """Longest held prefix, in blocks: per node (own pool) and in the store."""
 
     per_node: dict[str, int] = field(default_factory=dict)
-    store_prefix: int = 0
+    store_prefix: int = 0        # any tier
+    store_dram_prefix: int = 0   # the leading part of it held in DRAM (the rest on SSD)
 
 
 class CacheIndex:
     def __init__(self) -> None:
         self._pool: dict[bytes, set[str]] = {}
         self._by_node: dict[str, set[bytes]] = {}
-        self._store: dict[bytes, int] = {}  # hash -> replica count
+        self._store: dict[bytes, int] = {}  # hash -> replica count, any tier
+        self._ssd: dict[bytes, int] = {}    # hash -> replicas on an SSD tier
 
     # -- node pools ------------------------------------------------------------------------
     def stored(self, node: str, hashes: Iterable[bytes]) -> None:
@@ -59,20 +61,23 @@ class CacheIndex:
         return len(self._by_node.get(node, ()))
 
     # -- store -----------------------------------------------------------------------------
-    def store_stored(self, hashes: Iterable[bytes]) -> None:
+    def store_stored(self, hashes: Iterable[bytes], tier: str = "dram") -> None:
         for h in hashes:
             self._store[h] = self._store.get(h, 0) + 1
+            if tier == "ssd":
+                self._ssd[h] = self._ssd.get(h, 0) + 1
 
-    def store_removed(self, hashes: Iterable[bytes]) -> None:
+    def store_removed(self, hashes: Iterable[bytes], tier: str = "dram") -> None:
         for h in hashes:
-            n = self._store.get(h, 0) - 1
-            if n > 0:
-                self._store[h] = n
-            else:
-                self._store.pop(h, None)
+            for table in ((self._store, self._ssd) if tier == "ssd" else (self._store,)):
+                n = table.get(h, 0) - 1
+                if n > 0:
+                    table[h] = n
+                else:
+                    table.pop(h, None)
 
     def store_reset(self, hashes: Iterable[bytes]) -> None:
-        self._store = {}
+        self._store, self._ssd = {}, {}
         self.store_stored(hashes)
 
     # -- queries ---------------------------------------------------------------------------
@@ -89,13 +94,15 @@ class CacheIndex:
                 break
             for n in alive:
                 per_node[n] = i + 1
-        store = self._store
-        n = 0
+        store, ssd = self._store, self._ssd
+        n = dram = 0
         for h in hashes:
             if h not in store:
                 break
             n += 1
-        out.store_prefix = n
+            if dram == n - 1 and store[h] > ssd.get(h, 0):
+                dram = n
+        out.store_prefix, out.store_dram_prefix = n, dram
         return out
 
     def __len__(self) -> int:

@@ -171,6 +171,7 @@ class PolicyConfig:
     candidates: int = 2                  # uncached prefill nodes considered, least queued first
     disagg_overhead_ms: float = 2.0      # extra RPC hops of the disaggregated route
     slo_margin: float = 1.0              # admit only if the estimate <= margin x SLO
+    ssd_bytes_per_ms: float = 5e5        # promoting a spilled block (0.5 GB/s) before the fetch
 
 
 class Scheduler:
@@ -195,14 +196,18 @@ class Scheduler:
 
     # -- estimates ---------------------------------------------------------------------
     def _prefill_candidate(self, p: PrefillNodeState, n: int, usable: int, local: int,
-                           store_prefix: int, use_store: bool, now: float) -> Candidate:
+                           store_prefix: int, use_store: bool, now: float,
+                           dram_prefix: int | None = None) -> Candidate:
         bs, m = p.block_size, p.model
         local = min(local, usable)
         fetch_blocks, fetch_ms = 0, 0.0
         if use_store:
             k = max(0, min(store_prefix, usable) - local)
             if k:
-                fetch_ms = k * p.block_nbytes / p.bandwidth
+                on_ssd = k - max(0, min(store_prefix if dram_prefix is None else dram_prefix,
+                                        usable) - local)
+                fetch_ms = (k * p.block_nbytes / p.bandwidth
+                            + on_ssd * p.block_nbytes / self.cfg.ssd_bytes_per_ms)
                 saved = m.predict(n - local * bs, local * bs) - m.predict(n - (local + k) * bs,
                                                                           (local + k) * bs)
                 if fetch_ms < saved:
@@ -246,7 +251,8 @@ class Scheduler:
         need_blocks = -(-(n + r.max_tokens) // bs)
         look = self.index.lookup(r.hashes[:usable]) if pol != "random" and pol != "load" else None
         per_node = look.per_node if look else {}
-        if look and store_prefix is not None:
+        override = store_prefix is not None
+        if look and override:
             look.store_prefix = store_prefix
 
         # prefill candidates
@@ -264,8 +270,10 @@ class Scheduler:
                 pick += [prefill[nid] for _, nid in heapq.nsmallest(self.cfg.candidates, queued)]
             use_store = pol == "kvmesh"
             store_prefix = look.store_prefix if look else 0
+            dram_prefix = look.store_dram_prefix if look and not override else None
             cands = [self._prefill_candidate(p, n, usable, per_node.get(p.node_id, 0),
-                                             store_prefix, use_store, now) for p in pick]
+                                             store_prefix, use_store, now, dram_prefix)
+                     for p in pick]
             if pol == "cache":
                 best_local = max(c.cached_blocks for c in cands)
                 cands = [min((c for c in cands if c.cached_blocks == best_local),
