@@ -19,6 +19,8 @@ import grpc
 
 from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
+from services.common.auth import api_key_from_env, bearer_metadata
+from services.common.channels import TlsFiles, configure, make_channel
 
 DEFAULT_CONDUCTOR = "127.0.0.1:50051"
 
@@ -40,10 +42,11 @@ async def _generate(args: argparse.Namespace) -> int:
                              sampling=pb.SamplingParams(temperature=args.temperature,
                                                         seed=args.seed),
                              slo=pb.SLO(ttft_ms=args.ttft_slo_ms), cache_salt=args.cache_salt)
-    async with grpc.aio.insecure_channel(args.conductor) as ch:
+    async with make_channel(args.conductor) as ch:
         try:
             last = None
-            async for r in pbg.ConductorStub(ch).Generate(req, timeout=args.timeout):
+            async for r in pbg.ConductorStub(ch).Generate(req, timeout=args.timeout,
+                                                          metadata=bearer_metadata(args.api_key)):
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
                 last = r
@@ -59,10 +62,12 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def cluster_status(conductor: str, timeout: float = 5) -> pb.ClusterStatusResponse:
-    async with grpc.aio.insecure_channel(conductor) as ch:
+async def cluster_status(conductor: str, timeout: float = 5, *, api_key: str = "",
+                         tls: TlsFiles | None = None) -> pb.ClusterStatusResponse:
+    async with make_channel(conductor, tls) as ch:
         return await pbg.ConductorStub(ch).ClusterStatus(pb.ClusterStatusRequest(),
-                                                          timeout=timeout)
+                                                          timeout=timeout,
+                                                          metadata=bearer_metadata(api_key))
 
 
 def format_status(s: pb.ClusterStatusResponse) -> str:
@@ -109,7 +114,7 @@ async def _status(args: argparse.Namespace) -> int:
     live = args.watch or (not args.once and not args.json and sys.stdout.isatty())
     while True:
         try:
-            s = await cluster_status(args.conductor)
+            s = await cluster_status(args.conductor, api_key=args.api_key)
         except grpc.aio.AioRpcError as e:
             msg = f"error: cannot reach the conductor at {args.conductor}: {e.code().name}"
             if not live:
@@ -143,6 +148,19 @@ async def _health(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def add_client_arguments(p: argparse.ArgumentParser, api_key: bool = True) -> None:
+    """TLS (and API key) options of a client command."""
+    p.add_argument("--tls-ca", default="", help="CA certificate (PEM) to verify the server "
+                                                "(turns TLS on)")
+    p.add_argument("--tls-cert", default="", help="client certificate (PEM) for mutual TLS")
+    p.add_argument("--tls-key", default="", help="private key (PEM) of --tls-cert")
+    p.add_argument("--tls-server-name", default="", help="name to check in the server's "
+                                                         "certificate instead of its address")
+    if api_key:
+        p.add_argument("--api-key", default=api_key_from_env(),
+                       help="API key sent as 'authorization: Bearer' (default: $KVMESH_API_KEY)")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     roles = ("conductor", "store-master", "prefill", "decode")
@@ -168,9 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--cache-salt", default="", help="tenant salt for prefix hashes")
     g.add_argument("--timeout", type=float, default=300.0)
     g.add_argument("-v", "--verbose", action="store_true", help="print usage to stderr")
+    add_client_arguments(g)
     st = sub.add_parser("status", help="list the nodes and their state")
     st.add_argument("--conductor", default=DEFAULT_CONDUCTOR, help="conductor host:port")
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    add_client_arguments(st)
     st.add_argument("--once", action="store_true", help="print once and exit (default when "
                                                          "stdout is not a terminal)")
     st.add_argument("--watch", action="store_true", help="refresh until interrupted (default "
@@ -182,7 +202,13 @@ def main(argv: list[str] | None = None) -> None:
     h.add_argument("--wait", type=float, default=0.0,
                    help="keep checking up to this many seconds until SERVING")
     h.add_argument("-q", "--quiet", action="store_true")
+    add_client_arguments(h, api_key=False)
     args = parser.parse_args(argv)
+    if hasattr(args, "tls_ca"):
+        try:
+            configure(TlsFiles(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name))
+        except ValueError as e:
+            parser.error(str(e))
     if args.cmd == "up":
         from services.launcher import up
 

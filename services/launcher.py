@@ -86,8 +86,9 @@ class LocalCluster:
                  prefill: int = 1, decode: int = 1, conductor_port: int = 0,
                  etcd_endpoint: str | None = None, lease_ttl: int = 10,
                  node_args: list[str] | None = None, conductor_args: list[str] | None = None,
+                 decode_args: list[str] | None = None,
                  store_args: list[str] | None = None, log_level: str = "INFO",
-                 http_port: int = 0) -> None:
+                 http_port: int = 0, tls: bool = False, api_key: str = "") -> None:
         self._own_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvmesh-")
         Path(self.workdir).mkdir(parents=True, exist_ok=True)
@@ -96,6 +97,7 @@ class LocalCluster:
         self.conductor_port = conductor_port or free_port()
         self.lease_ttl = lease_ttl
         self.node_args = node_args or []
+        self.decode_args = decode_args or []  # after node_args, for decode nodes only
         seg = self.node_args[self.node_args.index("--segment-memory") + 1] \
             if "--segment-memory" in self.node_args else "1"
         self.expect_store = seg.strip() not in ("0", "0B", "0MiB")
@@ -103,6 +105,11 @@ class LocalCluster:
         self.store_args = store_args or []
         self.log_level = log_level
         self.http_port = http_port  # conductor's OpenAI-compatible API (0 = any free port, -1 = off)
+        # tls: a throwaway CA + one certificate per service in <workdir>/tls (mutual TLS on
+        # every gRPC channel); api_key: what status()/wait_ready() send to the conductor
+        self.tls_dir = os.path.join(self.workdir, "tls") if tls else ""
+        self.api_key = api_key
+        self._pki: dict = {}
         self.etcd = None if etcd_endpoint else Etcd(os.path.join(self.workdir, "etcd"),
                                                     log_path=os.path.join(self.workdir, "etcd.log"))
         self.etcd_endpoint = etcd_endpoint or self.etcd.endpoint
@@ -115,7 +122,31 @@ class LocalCluster:
 
     def _common(self, name: str) -> list[str]:
         return ["--cluster", self.cluster, "--etcd", self.etcd_endpoint, "--node-id", name,
-                "--lease-ttl", str(self.lease_ttl), "--log-level", self.log_level]
+                "--lease-ttl", str(self.lease_ttl), "--log-level", self.log_level,
+                *self.tls_args(name)]
+
+    def tls_args(self, name: str) -> list[str]:
+        """``--tls-cert/--tls-key/--tls-ca`` of ``name`` ("client" for CLIs); [] without TLS."""
+        if not self.tls_dir:
+            return []
+        if not self._pki:
+            from services.common.pki import DevCA
+
+            self._ca = DevCA(self.tls_dir)
+            self._pki["client"] = self._ca.issue("client")
+        if name not in self._pki:
+            self._pki[name] = self._ca.issue(name)
+        ident = self._pki[name]
+        return ["--tls-cert", ident.cert, "--tls-key", ident.key, "--tls-ca", ident.ca]
+
+    def client_tls(self):
+        """The client identity (a ``channels.TlsFiles``), or None without TLS."""
+        from services.common.channels import TlsFiles
+
+        if not self.tls_dir:
+            return None
+        a = self.tls_args("client")
+        return TlsFiles(a[1], a[3], a[5])
 
     def spawn(self, name: str, role: str, extra: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
@@ -135,14 +166,15 @@ class LocalCluster:
         for i in range(self.n_prefill):
             self.spawn(f"prefill-{i}", "prefill", self.node_args)
         for i in range(self.n_decode):
-            self.spawn(f"decode-{i}", "decode", self.node_args)
+            self.spawn(f"decode-{i}", "decode", self.node_args + self.decode_args)
         self.wait_ready(timeout)
         return self
 
     def status(self, timeout: float = 2):
         from services.cli import cluster_status
 
-        return asyncio.run(cluster_status(self.conductor, timeout))
+        return asyncio.run(cluster_status(self.conductor, timeout, api_key=self.api_key,
+                                          tls=self.client_tls()))
 
     def wait_ready(self, timeout: float = 90, prefill: int | None = None,
                    decode: int | None = None) -> None:
@@ -221,6 +253,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", default=None, metavar="PROMPT",
                    help="serve this one prompt, print the completion, and stop")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens for --demo")
+    p.add_argument("--tls", action="store_true",
+                   help="mutual TLS on every gRPC channel: generates a throwaway CA and one "
+                        "certificate per service (and 'client' for CLIs) into <workdir>/tls")
+    p.add_argument("--api-keys", default="", help="client API keys of the conductor "
+                                                  "(KEY, KEY:TENANT, KEY:TENANT:shared=NS, "
+                                                  "comma-separated); empty = open")
 
 
 def _http_port(port: int) -> int:
@@ -240,7 +278,13 @@ def _http_port(port: int) -> int:
 def up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(args.workdir, prefill=args.prefill, decode=args.decode,
                            conductor_port=args.port, http_port=_http_port(args.http_port),
-                           node_args=["--model", args.model, "--block-size", str(args.block_size)])
+                           node_args=["--model", args.model, "--block-size", str(args.block_size)],
+                           tls=getattr(args, "tls", False),
+                           conductor_args=(["--api-keys", args.api_keys]
+                                           if getattr(args, "api_keys", "") else None),
+                           api_key=(getattr(args, "api_keys", "") or "").split(",")[0].split(":")[0])
+    client = " ".join(cluster.tls_args("client")) if cluster.tls_dir else ""
+    client += f" --api-key {cluster.api_key}" if cluster.api_key else ""
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -265,7 +309,7 @@ def up(args: argparse.Namespace) -> int:
 
             print(f"\n>>> {args.demo}", flush=True)
             try:
-                cli_main(["generate", args.demo, "--conductor", cluster.conductor,
+                cli_main(["generate", args.demo, "--conductor", cluster.conductor, *client.split(),
                           "--max-tokens", str(args.max_tokens), "-v"])
             except SystemExit as e:
                 return int(e.code or 0)
@@ -274,8 +318,9 @@ def up(args: argparse.Namespace) -> int:
         if http:
             print(f"OpenAI-compatible API: http://{http}/v1 (e.g. curl http://{http}/v1/models)",
                   flush=True)
-        print(f"try: kvmesh generate --conductor {cluster.conductor} \"Hello\"\n"
-              f"     kvmesh status --conductor {cluster.conductor}\nCtrl-C stops the cluster.",
+        print(f"try: kvmesh generate --conductor {cluster.conductor}{' ' + client if client else ''} \"Hello\"\n"
+              f"     kvmesh status --conductor {cluster.conductor}{' ' + client if client else ''}\n"
+              f"Ctrl-C stops the cluster.",
               flush=True)
         while True:
             time.sleep(1)

@@ -178,3 +178,15 @@ def test_spilled_blocks_cost_a_promotion():
     assert d.estimate.fetch_blocks == 0
     s.index.store_stored([H(i) for i in range(4, 10)])  # DRAM replicas appear
     assert s.decide(req(160)).estimate.fetch_blocks == 9
+
+
+def test_decode_only_cluster_prefills_long_prompts_on_the_decode_node():
+    s = make(colocate=512)
+    s.prefill.clear()
+    d = s.decide(req(1200))
+    assert d.accepted and d.route == COLOCATED and d.decode_node == "d0"
+
+
+def test_given_index_is_used():
+    idx = CacheIndex()
+    assert Scheduler(index=idx).index is idx

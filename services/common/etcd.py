@@ -118,6 +118,21 @@ class LeaseKeepAliveStream:
         self._call.cancel()
 
 
+def etcd_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials | None:
+    """TLS credentials for etcd from PEM files (``--etcd-ca/--etcd-cert/--etcd-key``);
+    None when none is set (plaintext)."""
+    if not (ca or cert):
+        return None
+
+    def read(path: str) -> bytes | None:
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+
+
 class EtcdClient:
     """Asyncio etcd v3 client.
 
@@ -138,6 +153,7 @@ class EtcdClient:
         user: str | None = None,
         password: str | None = None,
         timeout: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
     ):
         if isinstance(endpoints, str):
             endpoints = endpoints.split(",")
@@ -145,6 +161,7 @@ class EtcdClient:
         if not self.endpoints:
             raise ValueError("no etcd endpoints given")
         self.user, self.password, self.timeout = user, password, timeout
+        self.credentials = credentials  # TLS to etcd (see ``etcd_credentials``); None = plaintext
         self._idx = 0
         self._channel: grpc.aio.Channel | None = None
         self._token: str | None = None
@@ -157,7 +174,11 @@ class EtcdClient:
         if self._closed:
             raise EtcdClosed("etcd client is closed")
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.endpoints[self._idx], options=_CHANNEL_OPTIONS)
+            if self.credentials is not None:
+                self._channel = grpc.aio.secure_channel(self.endpoints[self._idx], self.credentials,
+                                                        options=_CHANNEL_OPTIONS)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.endpoints[self._idx], options=_CHANNEL_OPTIONS)
             self._kv = rpc_pb2_grpc.KVStub(self._channel)
             self._lease = rpc_pb2_grpc.LeaseStub(self._channel)
             self._watch = rpc_pb2_grpc.WatchStub(self._channel)

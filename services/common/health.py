@@ -18,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from protos import kvmesh_pb2 as pb
+from services.common.channels import make_channel
 
 ROLE_SERVICES = {
     "conductor": "Conductor",
@@ -62,7 +63,7 @@ class Health:
 async def check(address: str, service: str = "", timeout: float = 3.0) -> str:
     """The health status name of ``service`` at ``address`` (SERVING, NOT_SERVING, ...);
     raises grpc.aio.AioRpcError when unreachable."""
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with make_channel(address) as ch:
         resp = await health_pb2_grpc.HealthStub(ch).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

@@ -26,6 +26,7 @@ from services.engine.model import LlamaModel
 from services.engine.tokenizer import ByteTokenizer, HFTokenizer
 from services.store.client import StoreClient
 from services.store.segment import SegmentHost
+from services.common.channels import make_channel
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class ModelNode(Service):
                 return None
         ch = self._store_channels.get(addr)
         if ch is None:
-            ch = self._store_channels[addr] = grpc.aio.insecure_channel(addr)
+            ch = self._store_channels[addr] = make_channel(addr)
         return pbg.StoreMasterStub(ch)
 
     def load_info(self) -> dict[str, Any]:

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import grpc
 
-from services.common import metrics, telemetry
-from services.common.etcd import EtcdClient
+from services.common import channels, metrics, telemetry
+from services.common.etcd import EtcdClient, etcd_credentials
 from services.common.health import Health
 from services.common.registry import Registration, node_key
 from services.common.settings import ServiceConfig
@@ -45,8 +45,10 @@ class Service:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.node_id = cfg.default_node_id(self.role)
+        channels.configure(cfg)  # TLS / mTLS for every gRPC channel and port of this process
         interceptors = [telemetry.ServerInterceptor()] if telemetry.setup_tracing(
             self.role, self.node_id) else []
+        interceptors += self.server_interceptors()
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                                ("grpc.max_send_message_length", 64 << 20)],
                                       interceptors=interceptors)
@@ -54,13 +56,20 @@ class Service:
         self.metrics_address = ""
         self._metrics_server = None
         self.etcd = EtcdClient(cfg.etcd_endpoints, user=cfg.etcd_user or None,
-                               password=cfg.etcd_password or None)
+                               password=cfg.etcd_password or None,
+                               credentials=etcd_credentials(cfg.etcd_ca, cfg.etcd_cert,
+                                                            cfg.etcd_key))
         self.grpc_address = ""
         self.registration: Registration | None = None
         self._stop = asyncio.Event()
         self._shutting_down = False
 
     # -- hooks -----------------------------------------------------------------------
+    def server_interceptors(self) -> list:
+        """Extra gRPC server interceptors (called from ``__init__`` once ``cfg`` is set),
+        e.g. the conductor's API-key check."""
+        return []
+
     async def setup(self) -> None:
         """Adds servicers to ``self.server`` and prepares state (before the port opens)."""
 
@@ -85,7 +94,7 @@ class Service:
     # -- life --------------------------------------------------------------------------
     async def start(self) -> None:
         await self.setup()
-        port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        port = channels.add_server_port(self.server, f"{self.cfg.host}:{self.cfg.port}")
         if port == 0:
             raise RuntimeError(f"cannot bind gRPC port {self.cfg.host}:{self.cfg.port}")
         self.grpc_address = f"{self.cfg.host}:{port}"

@@ -19,6 +19,17 @@ class ServiceConfig:
     etcd: str = option("127.0.0.1:2379", "etcd endpoints, comma-separated host:port")
     etcd_user: str = option("", "etcd user name (empty = no auth)")
     etcd_password: str = option("", "etcd password")
+    etcd_ca: str = option("", "CA certificate (PEM) to verify etcd's TLS certificate; setting any "
+                              "etcd_ca/etcd_cert makes the etcd connection TLS")
+    etcd_cert: str = option("", "client certificate (PEM) presented to etcd (its --client-cert-auth)")
+    etcd_key: str = option("", "private key (PEM) of --etcd-cert")
+    tls_cert: str = option("", "certificate (PEM) of this service: its gRPC port speaks TLS, and it "
+                               "is presented as the client certificate to peers (empty = plaintext)")
+    tls_key: str = option("", "private key (PEM) of --tls-cert")
+    tls_ca: str = option("", "CA certificate (PEM): peers' certificates must be signed by it; with "
+                             "--tls-cert it turns on mutual TLS (clients must present a certificate)")
+    tls_server_name: str = option("", "name to check in peers' server certificates instead of "
+                                      "their address (empty = the address)")
     host: str = option("127.0.0.1", "address to bind and to advertise to peers")
     port: int = option(0, "gRPC port (0 = any free port)")
     node_id: str = option("", "unique id of this process in the cluster (default: <role>-<host>-<pid>)")
@@ -46,6 +57,13 @@ class ServiceConfig:
             raise ConfigError("grace_s: must be >= 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level: {self.log_level!r} is not DEBUG, INFO, WARNING or ERROR")
+        from services.common.channels import TlsFiles
+
+        TlsFiles.from_config(self).validate("tls")
+        if self.tls_ca and not self.tls_cert:
+            raise ConfigError("tls_ca: a service with a CA also needs --tls-cert/--tls-key "
+                              "(mutual TLS: it is a server and a client of its peers)")
+        TlsFiles(self.etcd_cert, self.etcd_key, self.etcd_ca).validate("etcd")
 
     @property
     def etcd_endpoints(self) -> list[str]:

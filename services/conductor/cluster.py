@@ -55,11 +55,10 @@ class ClusterView:
         return out
 
     def models(self) -> dict[str, list[str]]:
-        """model name -> fingerprints served by both a prefill and a decode node."""
-        prefill = {(n.model, n.fingerprint) for n in self.nodes("prefill")}
-        decode = {(n.model, n.fingerprint) for n in self.nodes("decode")}
+        """model name -> fingerprints served: a decode node is enough (it can prefill on
+        the colocated route); prefill nodes only add capacity."""
         out: dict[str, list[str]] = {}
-        for model, fp in sorted(prefill & decode):
+        for model, fp in sorted({(n.model, n.fingerprint) for n in self.nodes("decode")}):
             out.setdefault(model, []).append(fp)
         return out
 

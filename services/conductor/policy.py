@@ -183,7 +183,7 @@ class Scheduler:
         self.cfg = cfg or PolicyConfig()
         if self.cfg.policy not in POLICIES:
             raise ValueError(f"policy {self.cfg.policy!r} is not one of {POLICIES}")
-        self.index = index or CacheIndex()
+        self.index = index if index is not None else CacheIndex()
         self.clock = clock
         self.rng = rng or random.Random(0)
         self.prefill: dict[str, PrefillNodeState] = {}
@@ -282,13 +282,13 @@ class Scheduler:
         if pol == "kvmesh":
             for d in self.decode.values():
                 local = per_node.get(d.node_id, 0)
-                if n < self.cfg.colocate_below_tokens:
+                if n < self.cfg.colocate_below_tokens or not self.prefill:
                     cands.append(self._colocated_candidate(d, n, usable, local, COLOCATED))
                 elif usable and local >= self.cfg.direct_share * usable:
                     cands.append(self._colocated_candidate(d, n, usable, local, DIRECT))
         if not cands or not self.decode:
             return Decision(False, reason="no-nodes", candidates=cands,
-                            message="no live prefill/decode node pair for this model")
+                            message="no live node can serve this request; retry shortly")
         # the fast paths skip the transfer tax (a short prompt; a prefix the decode node
         # already holds): they are tried first, the others only if they break an SLO
         cands.sort(key=lambda c: (c.route == DISAGG, c.ttft_ms))
@@ -315,9 +315,13 @@ class Scheduler:
                     worst = worst or "kv"
                     continue
                 ends = d.ends
-                batch = len(ends) - (bisect.bisect_right(ends, at) if predict else 0)
+                now_batch = len(ends)
+                batch = now_batch - (bisect.bisect_right(ends, at) if predict else 0)
+                # KV attended at that moment: the requests still running then (their
+                # share of today's KV), plus this one
+                kv = d.kv_tokens * batch / now_batch if now_batch else 0
                 a_, b_, k_ = d.model.coef
-                tbt = a_ + b_ * (batch + 1) + k_ * (d.kv_tokens + n)
+                tbt = a_ + b_ * (batch + 1) + k_ * (kv + n)
                 if tbt > tbt_limit:
                     worst = "tbt"
                     if best_seen is None or tbt < best_seen[1]:

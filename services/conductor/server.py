@@ -158,7 +158,7 @@ class Conductor(Service):
         models = self.view.models()
         if not models:
             raise Rejected(grpc.StatusCode.UNAVAILABLE,
-                           "no model is served yet: the cluster has no prefill+decode node pair")
+                           "no model is served yet: the cluster has no live decode node")
         if not name:
             if len(models) > 1:
                 raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,

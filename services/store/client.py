@@ -32,6 +32,7 @@ from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
 from rdma import Slice, TransferEngine, TransferError
 from services.common.registry import Membership
+from services.common.channels import make_channel
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class StoreClient:
             return None
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+            ch = self._channels[addr] = make_channel(addr)
         return pbg.StoreMasterStub(ch)
 
     async def close(self) -> None:

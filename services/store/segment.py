@@ -37,6 +37,7 @@ import grpc
 
 from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
+from services.common.channels import make_channel
 from rdma import Slice, TransferEngine
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ class SegmentHost:
     def stub(self, addr: str) -> pbg.StoreMasterStub:
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+            ch = self._channels[addr] = make_channel(addr)
         return pbg.StoreMasterStub(ch)
 
     def records(self) -> list[pb.BlockRecord]:

@@ -50,6 +50,7 @@ from services.common.registry import Membership, nodes_prefix
 from services.common.service import Service, run, setup_logging
 from services.common.settings import ServiceConfig
 from services.store_master.metadata import DRAM, SSD, Block, Plan, Replica, StoreMetadata
+from services.common.channels import make_channel
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
     def node_stub(self, addr: str) -> pbg.StoreSegmentStub:
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+            ch = self._channels[addr] = make_channel(addr)
         return pbg.StoreSegmentStub(ch)
 
     async def close(self) -> None:

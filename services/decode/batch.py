@@ -1,0 +1,249 @@
+"""Continuous batching on a decode node, over one paged KV pool.
+
+States of a request here: ``running`` (decoded every step, in order of admission) ->
+done; or, when the pool runs out of blocks mid-decode, the youngest running request is
+``preempted``: its full blocks stay in the prefix cache under their hashes, the rest go
+back to the pool, and it waits in ``waiting``. When blocks free up it is resumed: its
+cached prefix is matched, the remainder recomputed (chunked), and decoding goes on from
+the same position with the same next token, so no token changes.
+
+One model computation runs at a time (``compute``, a FIFO lock): a decode step, or one
+chunk of a prompt being computed here (colocated route, decode-direct, resume). A chunk
+holds at most ``step_token_budget`` minus the running batch's tokens, so running decodes
+never wait for more than one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from services.common.hashing import prefix_hashes
+from services.engine.kv_pool import OutOfBlocks
+from services.engine.sampling import Sampling, sample
+
+log = logging.getLogger(__name__)
+_seq = itertools.count()
+
+
+@dataclass(eq=False)
+class Reservation:
+    """KV blocks held for one request, from Reserve to its end."""
+
+    request_id: str
+    prompt_tokens: int
+    blocks: list[int]
+    created: float = field(default_factory=time.monotonic)
+    kv_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    decoding: bool = False
+    prompt_ids: list[int] = field(default_factory=list)   # to cache and to recompute
+    hashes: list[bytes] = field(default_factory=list)      # of the prompt's full blocks
+    generated: list[int] = field(default_factory=list)     # first token onwards
+
+
+@dataclass(eq=False)
+class Running:
+    """A request being decoded: its next input token sits at ``position``."""
+
+    res: Reservation
+    token: int
+    position: int
+    remaining: int
+    step: int
+    sampling: Sampling
+    stop_ids: frozenset[int]
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: int = field(default_factory=lambda: next(_seq))  # admission order: youngest = max
+    preemptions: int = 0
+
+
+class BatchScheduler:
+    def __init__(self, model, pool, block_size: int, max_batch: int, step_token_budget: int,
+                 eos_ids: frozenset[int], on_step: Callable[[int, int, float], None],
+                 on_prompt: Callable[[int, int, float], None], counters: dict) -> None:
+        self.model, self.pool, self.bs = model, pool, block_size
+        self.max_batch, self.budget = max_batch, step_token_budget
+        self.eos_ids = eos_ids
+        self.on_step, self.on_prompt = on_step, on_prompt
+        self.counters = counters
+        self.running: list[Running] = []
+        self.waiting: deque[Running] = deque()
+        self.compute = asyncio.Lock()
+        self.preemptions = 0
+        self._wake = asyncio.Event()
+        self._in_step: list[Running] = []
+        self._deferred: list[Reservation] = []
+
+    # -- prompt computation ----------------------------------------------------------------
+    async def compute_prompt(self, tokens: list[int], start: int, table: list[int]):
+        """KV of ``tokens[start:]`` into ``table``, chunk by chunk; logits of the last."""
+        logits, pos, n = None, start, len(tokens)
+        t0 = time.perf_counter()
+        while pos < n:
+            chunk = max(self.bs, self.budget - len(self.running))
+            end = min(n, pos + chunk)
+            async with self.compute:
+                logits = await asyncio.to_thread(
+                    self.model.forward_prefill, torch.tensor(tokens[pos:end], dtype=torch.long),
+                    pos, self.pool, table)
+            pos = end
+        self.on_prompt(n - start, start, (time.perf_counter() - t0) * 1000)
+        return logits
+
+    def match_prefix(self, tokens: list[int], hashes: list[bytes]) -> list[int]:
+        """Blocks of the longest cached prefix (referenced), leaving >= 1 token to compute."""
+        bs = self.bs
+        usable = min(len(hashes), (len(tokens) - 1) // bs)
+        return self.pool.match(hashes[:usable], [tuple(tokens[i * bs:(i + 1) * bs])
+                                                 for i in range(usable)])
+
+    # -- blocks ------------------------------------------------------------------------------
+    def chain(self, res: Reservation) -> tuple[list[int], list[bytes]] | None:
+        """Tokens whose KV the request holds, and the hashes of their full blocks."""
+        bs = self.bs
+        if not res.prompt_ids or len(res.hashes) != len(res.prompt_ids) // bs:
+            return None
+        tokens = res.prompt_ids + res.generated[:-1]  # the last token's KV is not computed
+        hashes = list(res.hashes)
+        if hashes:
+            hashes += prefix_hashes(hashes[-1], tokens[len(hashes) * bs:], bs)
+        return tokens, hashes
+
+    def cache_blocks(self, res: Reservation) -> None:
+        """Full blocks whose KV this node holds stay findable in its prefix cache: the next
+        turn of a conversation (decode-direct) or a resumed request starts from them."""
+        got = self.chain(res) if res.kv_ready.is_set() else None
+        if got is None:
+            return
+        tokens, hashes = got
+        bs = self.bs
+        for i, h in enumerate(hashes[: len(res.blocks)]):
+            self.pool.insert(h, res.blocks[i], tokens[i * bs:(i + 1) * bs],
+                             parent_hash=hashes[i - 1] if i else None)
+
+    def free(self, res: Reservation) -> None:
+        if any(r.res is res for r in self._in_step):
+            self._deferred.append(res)  # the step thread may still write its KV
+            return
+        self.cache_blocks(res)
+        self.pool.free(res.blocks)
+        res.blocks = []
+
+    # -- admission ---------------------------------------------------------------------------
+    def admit(self, r: Running) -> None:
+        self.running.append(r)
+        self._wake.set()
+
+    def leave(self, r: Running) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+
+    def _preempt(self, victim: Running) -> None:
+        self.running.remove(victim)
+        self.free(victim.res)
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.append(victim)
+        log.info("preempted %s at position %d (pool out of blocks)", victim.res.request_id,
+                 victim.position)
+
+    async def _resume(self, r: Running) -> bool:
+        """Rebuilds a preempted request's KV; False if the pool has no room yet."""
+        got = self.chain(r.res)
+        tokens, hashes = got
+        need = r.position // self.bs + 1
+        if self.pool.num_free < need:
+            return False
+        local = self.match_prefix(tokens, hashes)
+        table = local + self.pool.allocate(need - len(local))
+        r.res.blocks = table
+        await self.compute_prompt(tokens, len(local) * self.bs, table)
+        self.running.append(r)
+        return True
+
+    def _grow(self, batch: list[Running]) -> list[Running]:
+        """A block for every request whose next position starts one; preempts the
+        youngest running request (maybe the one growing) when the pool is out."""
+        for r in batch:
+            while r in self.running and len(r.res.blocks) <= r.position // self.bs:
+                try:
+                    r.res.blocks += self.pool.allocate(1)
+                except OutOfBlocks:
+                    victim = max(self.running, key=lambda x: x.seq)
+                    if self.chain(victim.res) is None or len(self.running) == 1:
+                        self.running.remove(victim)
+                        victim.out.put_nowait(MemoryError(
+                            f"the KV pool cannot hold request {victim.res.request_id} "
+                            f"({victim.position + 1} tokens); retry on a larger node"))
+                    else:
+                        self._preempt(victim)
+        return [r for r in batch if r in self.running]
+
+    # -- the loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            while self.waiting and await self._resume(self.waiting[0]):
+                self.waiting.popleft()
+            if self.waiting and not self.running:
+                r = self.waiting.popleft()
+                r.out.put_nowait(MemoryError(f"the KV pool cannot hold request "
+                                             f"{r.res.request_id}; retry on a larger node"))
+            if not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._grow(self.running[: self.max_batch])
+            if batch:
+                await self._step(batch)
+            # round-robin so a batch larger than max_batch shares steps fairly
+            if len(self.running) > self.max_batch:
+                self.running = self.running[self.max_batch:] + self.running[: self.max_batch]
+
+    async def _step(self, batch: list[Running]) -> None:
+        tokens = torch.tensor([r.token for r in batch], dtype=torch.long)
+        positions = [r.position for r in batch]
+        tables = [r.res.blocks for r in batch]
+        self._in_step = batch
+        try:
+            async with self.compute:
+                tc = time.perf_counter()
+                logits = await asyncio.to_thread(self.model.forward_decode, tokens, positions,
+                                                 tables, self.pool)
+                self.on_step(len(batch), sum(positions) + len(batch),
+                             (time.perf_counter() - tc) * 1000)
+        except Exception as e:  # a bug, not a client's mistake: fail these requests
+            log.exception("decode step failed")
+            for r in batch:
+                r.out.put_nowait(e)
+                self.leave(r)
+            return
+        finally:
+            self._in_step = []
+            deferred, self._deferred = self._deferred, []
+            for res in deferred:
+                self.free(res)
+        for i, r in enumerate(batch):
+            if r not in self.running:  # left (client gone) while the step ran
+                continue
+            tok = sample(logits[i], r.sampling, step=r.step)
+            r.token, r.position, r.step = tok, r.position + 1, r.step + 1
+            r.res.generated.append(tok)
+            r.remaining -= 1
+            self.counters["generated"] += 1
+            reason = ""
+            if (tok in self.eos_ids and not r.sampling.ignore_eos) or tok in r.stop_ids:
+                reason = "stop"
+            elif r.remaining <= 0:
+                reason = "length"
+            r.out.put_nowait((tok, reason))
+            if reason:
+                self.running.remove(r)
