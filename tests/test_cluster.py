@@ -104,3 +104,51 @@ def test_tiny_ttft_slo_is_rejected_before_any_work(cluster):
     after = {n.node_id: n for n in status(cluster.conductor).nodes}
     assert after["prefill-0"].computed_tokens_total == before["prefill-0"].computed_tokens_total
     assert after["decode-0"].kv_blocks_free == before["decode-0"].kv_blocks_free
+
+
+def test_stop_tokens_stop_strings_and_logprobs(cluster, reference):
+    import torch
+
+    from protos import kvmesh_pb2 as pb
+
+    prompt = "Stop conditions are checked on every token."
+    ref = reference(prompt, 24)
+    k = 6  # stop at the first occurrence of the reference's 7th token
+    stop_tok = ref[k]
+    got = generate(cluster.conductor, prompt, max_tokens=24,
+                   sampling=pb.SamplingParams(stop_token_ids=[stop_tok]))
+    assert got.tokens == ref[: ref.index(stop_tok) + 1] and got.finish_reason == "stop"
+
+    text = ByteTokenizer().decode(ref)
+    printable = [i for i in range(2, len(text) - 2) if text[i:i + 2].isprintable()]
+    if printable:  # a stop string taken from the reference text cuts the text before it
+        i = printable[len(printable) // 2]
+        stop = text[i:i + 2]
+        got = generate(cluster.conductor, prompt, max_tokens=24,
+                       sampling=pb.SamplingParams(stop=[stop]))
+        assert got.finish_reason == "stop" and got.text == text[: text.index(stop)]
+
+    req = pb.GenerateRequest(prompt=prompt, max_tokens=5, sampling=pb.SamplingParams(logprobs=True))
+    import grpc as _grpc
+    from protos import kvmesh_pb2_grpc as pbg
+    with _grpc.insecure_channel(cluster.conductor) as ch:
+        msgs = list(pbg.ConductorStub(ch).Generate(req, timeout=30))
+    tokens = [t for m in msgs for t in m.token_ids]
+    lps = [lp for m in msgs for lp in m.logprobs]
+    assert tokens == ref[:5] and len(lps) == 5 and all(lp <= 0 for lp in lps)
+    model = LlamaModel.from_preset("tiny", seed=0)
+    ids = ByteTokenizer().encode(prompt)
+    want = torch.log_softmax(model.reference_logits(ids)[-1].float(), -1)[ref[0]].item()
+    assert abs(lps[0] - want) < 1e-4
+
+
+def test_bad_sampling_fields_name_the_field(cluster):
+    from protos import kvmesh_pb2 as pb
+
+    for sampling, field in [(pb.SamplingParams(temperature=-1), "sampling.temperature"),
+                            (pb.SamplingParams(top_p=2), "sampling.top_p"),
+                            (pb.SamplingParams(stop_token_ids=[10**6]), "sampling.stop_token_ids"),
+                            (pb.SamplingParams(stop=[""]), "sampling.stop")]:
+        with pytest.raises(grpc.RpcError) as e:
+            generate(cluster.conductor, "hi", max_tokens=3, sampling=sampling)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()

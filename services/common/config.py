@@ -43,6 +43,32 @@ def parse_size(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+def available_memory() -> int:
+    """Bytes of memory available to new allocations now (Linux MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def parse_memory(value: str | int) -> int:
+    """A size (``"2GiB"``) or a share of the memory available at start (``"40%"``)."""
+    text = str(value).strip()
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            raise ConfigError(f"cannot read {value!r} as a percentage; write e.g. 40%") from None
+        if not 0 < pct <= 90:
+            raise ConfigError(f"{value!r}: a memory share must be in (0%, 90%]")
+        return int(available_memory() * pct / 100)
+    return parse_size(value)
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -14,7 +14,7 @@ import torch
 from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
 from rdma import TransferEngine
-from services.common.config import parse_size
+from services.common.config import parse_memory, parse_size
 from services.common.node_events import EventHub, profile
 from services.common.registry import Membership, nodes_prefix
 from services.common.service import Service
@@ -45,7 +45,8 @@ class ModelNode(Service):
         self.model_config: ModelConfig | None = None
         self.tokenizer: ByteTokenizer | HFTokenizer | None = None
         self.fingerprint = ""
-        self.te = TransferEngine(cfg.secret.encode(), host=cfg.host, port=cfg.data_port)
+        self.te = TransferEngine(cfg.secret.encode(), host=cfg.host, port=cfg.data_port,
+                                 checksum=cfg.checksum)
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self.model: LlamaModel | None = None
         self.pool: KVPool | None = None
@@ -64,7 +65,7 @@ class ModelNode(Service):
         self.model, self.model_config = self.loaded.model, self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.fingerprint = self.loaded.fingerprint(dtype_name(self.dtype), self.cfg.block_size)
-        self.pool = KVPool.from_memory(self.model_config, parse_size(self.cfg.kv_memory),
+        self.pool = KVPool.from_memory(self.model_config, parse_memory(self.cfg.kv_memory),
                                        self.cfg.block_size, self.dtype)
         self.profile = await asyncio.to_thread(profile, self.model, self.pool,
                                                self.cfg.block_size,

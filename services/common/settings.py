@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from services.common.config import ConfigError, option, parse_size
+from services.common.config import ConfigError, option, parse_memory, parse_size
 
 DEV_SECRET = "kvmesh-dev-secret"
 
@@ -82,7 +82,8 @@ class NodeConfig(ServiceConfig):
     dtype: str = option("float32", "compute dtype: float32 or bfloat16 (never float16 on CPU)")
     seed: int = option(0, "seed of a random preset's weights; all nodes must agree")
     block_size: int = option(256, "tokens per KV block (engine block = store block)")
-    kv_memory: str = option("256MiB", "memory for this node's KV pool")
+    kv_memory: str = option("256MiB", "memory for this node's KV pool: a size (2GiB) or a "
+                                      "share of the memory available at start (40%)")
     segment_memory: str = option("256MiB", "DRAM this node lends to the cluster KV store (0 = none)")
     ssd_dir: str = option("", "directory backing the store segment with an SSD tier: blocks "
                                "evicted from DRAM spill there (empty = no SSD tier)")
@@ -90,6 +91,9 @@ class NodeConfig(ServiceConfig):
     data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
     secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
     threads: int = option(0, "torch intra-op threads (0 = torch's default)")
+    checksum: bool = option(False, "integrity checking on the data plane: every KV slice carries "
+                                   "a crc32 that the receiver checks; a damaged handoff fails "
+                                   "(the prefill is retried) and a damaged store read is a miss")
 
     def validate(self) -> None:
         super().validate()
@@ -104,7 +108,7 @@ class NodeConfig(ServiceConfig):
             raise ConfigError(f"dtype: {e}") from None
         if not 1 <= self.block_size <= 4096:
             raise ConfigError(f"block_size: {self.block_size} must be between 1 and 4096")
-        if parse_size(self.kv_memory) <= 0:
+        if parse_memory(self.kv_memory) <= 0:
             raise ConfigError("kv_memory: must be > 0")
         parse_size(self.segment_memory)
         if self.ssd_dir and parse_size(self.ssd_bytes) <= 0:

@@ -31,7 +31,7 @@ import grpc
 
 from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
-from services.common.auth import ApiKeyInterceptor, ApiKeys, tenant_seed
+from services.common.auth import ApiKeyInterceptor, ApiKeys, StrictDecoding, tenant_seed
 from services.common.config import ConfigError, load, option
 from services.common.hashing import prefix_hashes
 from services.common.registry import Membership, nodes_prefix
@@ -118,7 +118,8 @@ class Conductor(Service):
 
     def server_interceptors(self) -> list:
         self.api_keys = ApiKeys.from_config(self.cfg.api_keys, self.cfg.api_keys_file)
-        return [ApiKeyInterceptor(self.api_keys)] if self.api_keys.enabled else []
+        return [StrictDecoding(), *([ApiKeyInterceptor(self.api_keys)]
+                                    if self.api_keys.enabled else [])]
 
     def __init__(self, cfg: ConductorConfig) -> None:
         super().__init__(cfg)
@@ -267,7 +268,7 @@ class Conductor(Service):
         dnode = self._node("decode", d.decode_node)
         target = await self._reserve(dnode, rid, len(tokens), req.max_tokens)
         tok = self.tokenizer(info)
-        decoder = TextStream(tok)
+        decoder = TextStream(tok, tuple(req.sampling.stop))
         eos_ids = frozenset(info.get("eos_ids") or [tok.eos_id])
         usage = pb.Usage(prompt_tokens=len(tokens))
         route = pb.Route(decode_node=dnode.node_id, estimated_ttft_ms=d.estimate.ttft_ms)
@@ -299,7 +300,8 @@ class Conductor(Service):
                                           route, req, eos_ids)
                 else:
                     resp = self._response(rid, list(msg.token_ids), decoder, usage, None, None,
-                                          req, eos_ids, msg.finish_reason)
+                                          req, eos_ids, msg.finish_reason,
+                                          logprobs=list(msg.logprobs))
                 yield resp
                 if resp.finish_reason:
                     return
@@ -313,20 +315,26 @@ class Conductor(Service):
         finally:
             stream.cancel()
 
-    def _response(self, rid, token_ids, decoder, usage, presp, route, req, eos_ids, reason=""):
+    def _response(self, rid, token_ids, decoder, usage, presp, route, req, eos_ids, reason="",
+                  logprobs=()):
         if presp is not None:
             usage.cached_tokens = presp.cached_tokens + presp.fetched_tokens
             usage.computed_tokens = presp.computed_tokens
             first = token_ids[0]
-            if first in eos_ids and not req.sampling.ignore_eos:
+            if ((first in eos_ids and not req.sampling.ignore_eos)
+                    or first in req.sampling.stop_token_ids):
                 reason = "stop"
             elif req.max_tokens == 1:
                 reason = "length"
+            if req.sampling.logprobs:
+                logprobs = [presp.first_logprob]
         usage.completion_tokens += len(token_ids)
         text = decoder.push(token_ids, final=bool(reason))
+        if decoder.stopped:
+            reason = "stop"
         return pb.GenerateResponse(request_id=rid, token_ids=token_ids, text=text,
                                    finish_reason=reason, usage=usage if reason else None,
-                                   route=route)
+                                   route=route, logprobs=list(logprobs))
 
     def _first_token_seen(self, r, d, presp, t_arrival, record) -> None:
         ttft = (time.perf_counter() - t_arrival) * 1000

@@ -27,7 +27,7 @@ import torch
 
 from services.common.hashing import prefix_hashes
 from services.engine.kv_pool import OutOfBlocks
-from services.engine.sampling import Sampling, sample
+from services.engine.sampling import Sampling, sample_with_logprob
 
 log = logging.getLogger(__name__)
 _seq = itertools.count()
@@ -234,7 +234,7 @@ class BatchScheduler:
         for i, r in enumerate(batch):
             if r not in self.running:  # left (client gone) while the step ran
                 continue
-            tok = sample(logits[i], r.sampling, step=r.step)
+            tok, lp = sample_with_logprob(logits[i], r.sampling, step=r.step)
             r.token, r.position, r.step = tok, r.position + 1, r.step + 1
             r.res.generated.append(tok)
             r.remaining -= 1
@@ -244,6 +244,6 @@ class BatchScheduler:
                 reason = "stop"
             elif r.remaining <= 0:
                 reason = "length"
-            r.out.put_nowait((tok, reason))
+            r.out.put_nowait((tok, reason, lp))
             if reason:
                 self.running.remove(r)

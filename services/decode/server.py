@@ -36,7 +36,7 @@ from services.common.service import run, setup_logging
 from services.common.settings import NodeConfig
 from services.decode.batch import BatchScheduler, Reservation, Running
 from services.engine.kv_pool import OutOfBlocks
-from services.engine.sampling import Sampling, sample
+from services.engine.sampling import Sampling, sample_with_logprob
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class DecodeServicer(pbg.DecodeNodeServicer):
         res.generated = [first]
         t_decode, n_out = time.time_ns(), 0
         r = Running(res, first, res.prompt_tokens, req.max_tokens - 1, step, sampling,
-                    frozenset(req.stop_token_ids))
+                    frozenset(req.stop_token_ids) | sampling.stop_token_ids)
         node.batch.admit(r)
         try:
             while True:
@@ -133,9 +133,10 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
                 if isinstance(item, Exception):
                     await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {item}")
-                tok, reason = item
+                tok, reason, lp = item
                 n_out += 1
-                yield pb.DecodeResponse(token_ids=[tok], finish_reason=reason)
+                yield pb.DecodeResponse(token_ids=[tok], finish_reason=reason,
+                                        logprobs=[lp] if sampling.logprobs else [])
                 if reason:
                     return
         finally:
@@ -235,11 +236,12 @@ class DecodeNode(ModelNode):
         start = k * bs
         logits = await self.batch.compute_prompt(tokens, start, res.blocks)
         res.kv_ready.set()
-        first = sample(logits, sampling, step=0)
+        first, first_lp = sample_with_logprob(logits, sampling, step=0)
         self.counters["computed"] += n - start
         self.counters["cached"] += start
         return first, pb.PrefillResponse(first_token=first, computed_tokens=n - start,
                                          cached_tokens=start,
+                                         first_logprob=first_lp if sampling.logprobs else 0.0,
                                          prefill_ms=(time.perf_counter() - t0) * 1000)
 
     def retire(self, r: Running) -> None:

@@ -17,14 +17,24 @@ class Sampling:
     top_k: int = 0
     seed: int = 0
     ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
 
     @classmethod
     def from_proto(cls, p) -> "Sampling":
         return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                   ignore_eos=p.ignore_eos)
+                   ignore_eos=p.ignore_eos, stop_token_ids=frozenset(p.stop_token_ids),
+                   stop=tuple(p.stop), logprobs=p.logprobs)
 
     def validate(self, vocab_size: int) -> str | None:
         """A message naming the bad field, or None."""
+        if len(self.stop_token_ids) > 64:
+            return "sampling.stop_token_ids: at most 64 ids"
+        if any(t < 0 or t >= vocab_size for t in self.stop_token_ids):
+            return f"sampling.stop_token_ids must be in [0, {vocab_size})"
+        if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
+            return "sampling.stop: at most 16 non-empty strings of at most 256 characters"
         if not self.temperature >= 0 or self.temperature > 100:
             return f"sampling.temperature must be in [0, 100], got {self.temperature}"
         if not 0 <= self.top_p <= 1:

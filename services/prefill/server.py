@@ -35,7 +35,7 @@ from services.common.telemetry import record_span
 from services.common.model_node import ModelNode
 from services.common.service import run, setup_logging
 from services.common.settings import NodeConfig
-from services.engine.sampling import Sampling, sample
+from services.engine.sampling import Sampling, sample_with_logprob
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class PrefillNode(ModelNode):
             compute_ms = (time.perf_counter() - tc) * 1000
             t_computed = time.time_ns()
             await asyncio.sleep(0)  # run the layer callbacks queued before the result
-            first = sample(logits, Sampling.from_proto(req.sampling), step=0)
+            first, first_lp = sample_with_logprob(logits, Sampling.from_proto(req.sampling), 0)
             for tr in transfers:
                 await tr
             await self.te.notify(target.data_address, b"kv:" + req.request_id.encode())
@@ -205,7 +205,8 @@ class PrefillNode(ModelNode):
         return pb.PrefillResponse(first_token=first, computed_tokens=n - start,
                                   cached_tokens=len(local) * bs,
                                   fetched_tokens=len(fetched) * bs,
-                                  prefill_ms=prefill_ms, queue_ms=queue_ms)
+                                  prefill_ms=prefill_ms, queue_ms=queue_ms,
+                                  first_logprob=first_lp if req.sampling.logprobs else 0.0)
 
     async def _fetch(self, chain: list[bytes], chain_tokens: list[tuple], have: int) -> list[int]:
         """Pulls the longest present run of ``chain[have:]`` from the store into new pool
