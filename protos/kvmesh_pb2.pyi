@@ -433,6 +433,52 @@ class ReportBlocksResponse(_message.Message):
     rejected: int
     def __init__(self, accepted: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
 
+class PutLocalRequest(_message.Message):
+    __slots__ = ("node_id", "region_id", "hashes", "offsets", "sizes", "reserve_size", "reserve_count", "reserve_spare", "release_offsets", "release_sizes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_SPARE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_SIZES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    region_id: int
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    reserve_size: int
+    reserve_count: int
+    reserve_spare: int
+    release_offsets: _containers.RepeatedScalarFieldContainer[int]
+    release_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., region_id: _Optional[int] = ..., hashes: _Optional[_Iterable[bytes]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., reserve_size: _Optional[int] = ..., reserve_count: _Optional[int] = ..., reserve_spare: _Optional[int] = ..., release_offsets: _Optional[_Iterable[int]] = ..., release_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PutLocalResponse(_message.Message):
+    __slots__ = ("status", "reserved")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    status: _containers.RepeatedScalarFieldContainer[int]
+    reserved: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Iterable[int]] = ..., reserved: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StoreHelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StoreHelloResponse(_message.Message):
+    __slots__ = ("master_id", "lease_ms", "fast_address")
+    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    FAST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    master_id: str
+    lease_ms: int
+    fast_address: str
+    def __init__(self, master_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., fast_address: _Optional[str] = ...) -> None: ...
+
 class SpillRequest(_message.Message):
     __slots__ = ("blocks",)
     BLOCKS_FIELD_NUMBER: _ClassVar[int]

@@ -221,6 +221,16 @@ class StoreMasterStub:
                 request_serializer=protos_dot_kvmesh__pb2.ReportBlocksRequest.SerializeToString,
                 response_deserializer=protos_dot_kvmesh__pb2.ReportBlocksResponse.FromString,
                 _registered_method=True)
+        self.PutLocal = channel.unary_unary(
+                '/kvmesh.v1.StoreMaster/PutLocal',
+                request_serializer=protos_dot_kvmesh__pb2.PutLocalRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh__pb2.PutLocalResponse.FromString,
+                _registered_method=True)
+        self.StoreHello = channel.unary_unary(
+                '/kvmesh.v1.StoreMaster/StoreHello',
+                request_serializer=protos_dot_kvmesh__pb2.StoreHelloRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh__pb2.StoreHelloResponse.FromString,
+                _registered_method=True)
 
 
 class StoreMasterServicer:
@@ -307,6 +317,23 @@ class StoreMasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutLocal(self, request, context):
+        """Local put in one call: a writer that lends a segment reserves slots in it ahead of
+        time, copies values into them itself, then commits keys -> slots here (visible only
+        now, after the bytes are written); the same call reserves more slots.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreHello(self, request, context):
+        """What this store-master offers: its incarnation id, the read lease and the address
+        of its optional raw-TCP control path for the hot calls (see services/store_master).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreMasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -369,6 +396,16 @@ def add_StoreMasterServicer_to_server(servicer, server):
                     servicer.ReportBlocks,
                     request_deserializer=protos_dot_kvmesh__pb2.ReportBlocksRequest.FromString,
                     response_serializer=protos_dot_kvmesh__pb2.ReportBlocksResponse.SerializeToString,
+            ),
+            'PutLocal': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutLocal,
+                    request_deserializer=protos_dot_kvmesh__pb2.PutLocalRequest.FromString,
+                    response_serializer=protos_dot_kvmesh__pb2.PutLocalResponse.SerializeToString,
+            ),
+            'StoreHello': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreHello,
+                    request_deserializer=protos_dot_kvmesh__pb2.StoreHelloRequest.FromString,
+                    response_serializer=protos_dot_kvmesh__pb2.StoreHelloResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -697,6 +734,60 @@ class StoreMaster:
             '/kvmesh.v1.StoreMaster/ReportBlocks',
             protos_dot_kvmesh__pb2.ReportBlocksRequest.SerializeToString,
             protos_dot_kvmesh__pb2.ReportBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutLocal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.StoreMaster/PutLocal',
+            protos_dot_kvmesh__pb2.PutLocalRequest.SerializeToString,
+            protos_dot_kvmesh__pb2.PutLocalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreHello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.StoreMaster/StoreHello',
+            protos_dot_kvmesh__pb2.StoreHelloRequest.SerializeToString,
+            protos_dot_kvmesh__pb2.StoreHelloResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -222,3 +222,61 @@ def test_ssd_tier_spill_promote_corrupt(tmp_path):
         assert s.promotions >= 5
     finally:
         c.stop()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["raw-tcp", "grpc"])
+def test_client_lends_own_segment(store, fast):
+    """A client that lends memory (as Mooncake Store clients do) puts locally in one
+    call per put/batch and gets its own blocks by a memory copy; another client reads
+    them over the transfer engine; both control paths (raw TCP and gRPC) agree."""
+    async def body():
+        te = TransferEngine(DEV_SECRET.encode())
+        te2 = TransferEngine(DEV_SECRET.encode())
+        await te.start()
+        await te2.start()
+        cl = StoreClient(te, store.master, f"lender-{int(fast)}", rpc_timeout=3,
+                         fast_path=fast)
+        other = StoreClient(te2, store.master, "reader", rpc_timeout=3, fast_path=fast)
+        segments = store.stats().segments
+        try:
+            await cl.lend(4 << 20)
+            keys = [os.urandom(16) for _ in range(40)]
+            vals = {k: value(k, 4096) for k in keys}
+            assert await cl.put(keys[0], vals[keys[0]])
+            assert await cl.put(keys[0], vals[keys[0]])          # present: still True
+            assert all(await cl.batch_put(keys[1:], [vals[k] for k in keys[1:]]))
+            assert cl.stats["local_puts"] == 40
+            assert (cl._fast is not None) == fast
+            got = await cl.batch_get(keys)
+            assert all(intact(k, v) for k, v in zip(keys, got))
+            assert cl.stats["local_gets"] >= 40
+            assert await cl.exists(keys) == [True] * 40
+            assert await cl.prefix_len(keys + [b"x" * 16]) == 40
+            # a reader without a segment reads the lender's blocks over the transfer engine
+            got2 = await other.batch_get(keys[:8])
+            assert all(intact(k, v) for k, v in zip(keys[:8], got2))
+            # zero-copy put_from/get_into through registered buffers, also local
+            src = bytearray(2 * 8192)
+            src[:8192] = value(b"zc-a" * 4, 8192)
+            src[8192:] = value(b"zc-b" * 4, 8192)
+            rid = te.register(src)
+            zk = [b"zc-a" * 4, b"zc-b" * 4]
+            assert await cl.put_from(zk, rid, [0, 8192], [8192, 8192]) == [True, True]
+            dst = bytearray(2 * 8192)
+            did = te.register(dst)
+            assert await cl.get_into(zk, did, [0, 8192]) == [8192, 8192]
+            assert dst == src
+            # mixed sizes go through PutStart, still placed locally (local-first)
+            mk = [os.urandom(16), os.urandom(16)]
+            assert await cl.batch_put(mk, [b"a" * 100, b"b" * 300]) == [True, True]
+            assert await cl.batch_get(mk) == [b"a" * 100, b"b" * 300]
+            assert await cl.remove(keys + zk + mk) == 44
+            assert await cl.batch_get(keys[:2]) == [None, None]
+        finally:
+            await other.close()
+            await cl.close()
+            await te2.close()
+            await te.close()
+        # the lender's segment left with it
+        store.wait(lambda s: s.segments == segments, 10, "lender's segment unmounted")
+    asyncio.run(body())

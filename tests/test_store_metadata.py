@@ -168,3 +168,38 @@ def test_generic_sizes():
     m.mount("a", "a:1", 0, 64 * KB)
     placed, _ = m.put_start("a", [b"k", b"x" * 256], [100, 5000])
     assert [b.size for b in placed] == [100, 5000]
+
+
+def test_local_put_slots_reserve_commit_release():
+    """PutLocal: slots reserved in the writer's own segment count as used, are never
+    evicted, become COMPLETE blocks only at commit, survive a re-report and are freed
+    when the lender re-mounts."""
+    from services.store_master.metadata import BlockState, StoreMetadata
+
+    m = StoreMetadata(high_watermark=0.9, low_watermark=0.8)
+    m.mount("w", "w:1", 0, 16 * 4096)
+    m.mount("x", "x:1", 0, 16 * 4096)
+    assert m.reserve("nobody", 0, 4096, 2) == []          # the writer lends nothing
+    slots = m.reserve("w", 0, 4096, 2, spare=2)
+    assert len(slots) == 4 and m.segments["w/0"].used == 4 * 4096
+    assert not m.present([b"k1"])[0]                       # nothing visible yet
+    st = m.commit_local("w", 0, [(b"k1", slots[0], 4096), (b"k2", 999, 4096),
+                                 (b"k3", slots[1], 8192)])
+    assert st == [1, 0, 0]                                 # unknown slot / wrong size
+    blk = m.blocks[b"k1"]
+    assert blk.visible and blk.replicas[0].state is BlockState.COMPLETE
+    assert blk.segment.segment_id == "w/0" and blk.offset == slots[0]
+    assert m.commit_local("w", 0, [(b"k1", slots[1], 4096)]) == [2]   # present: kept
+    assert m.release_reserved("w", 0, [(slots[1], 4096), (12345, 4096)]) == 1
+    assert m.commit_local("w", 0, [(b"k9", slots[1], 4096)]) == [0]   # released
+    # eviction never takes reserved slots; a re-report keeps them allocated
+    got, _ = m.get_replicas([b"k1"])
+    assert got
+    m.report("w", 0, [(b"k1", slots[0], 4096, "dram")])
+    assert m.segments["w/0"].reserved == {slots[2]: 4096, slots[3]: 4096}
+    again = m.reserve("w", 0, 4096, 1)
+    assert again and again[0] not in (slots[0], slots[2], slots[3])
+    # the lender re-mounts: its reservations are freed, its blocks stay
+    m.mount("w", "w:1", 0, 16 * 4096)
+    assert m.segments["w/0"].reserved == {} and m.segments["w/0"].used == 4096
+    assert m.present([b"k1"]) == [True]

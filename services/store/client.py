@@ -1,15 +1,28 @@
 """StoreClient: the cluster KV store from a process's point of view, in Mooncake Store's
 shape - ``put``/``get``/``batch_put``/``batch_get``/``exists``/``remove`` on bytes, and
 zero-copy ``put_from``/``get_into`` between transfer-engine registered buffers and the
-segments that hold the blocks. Control goes to the store-master over gRPC; bytes move
-only over the transfer engine.
+segments that hold the blocks. Control goes to the store-master (gRPC, or its raw-TCP
+control path when it advertises one in ``StoreHello``); bytes move over the transfer
+engine - or, for a replica in the client's *own* segment, by a memory copy.
 
 Keys are bytes: 16-byte block hashes for KV, or any key of 1..256 bytes.
 
+Topology: a client may lend memory itself (``await lend(size)``, as Mooncake Store
+clients do, or ``segment=`` a :class:`SegmentHost` its node already lends). Then
+  * puts are local-first: the client keeps a small pool of slots it *reserved* in its
+    own segment (``PutLocal``); a put copies the value into a slot and commits key ->
+    slot in ONE call, which also refills the pool. A block is visible only after that
+    commit, i.e. after its bytes are written. Slots belong to one mount of the segment:
+    the segment re-mounts only after bumping ``SegmentHost.epoch``, which empties the
+    pool, and the master frees a segment's reservations when it is re-mounted;
+  * gets of a replica in the own segment copy from it (the master prefers the reader's
+    own replica); other replicas are read with the transfer engine as before.
+
 Semantics a caller can rely on:
-  * a put is all-or-nothing per key: ``PutStart`` -> transfer-engine write -> ``PutEnd``;
-    a failed write aborts the key, and a key whose placement vanished meanwhile (its node
-    died, the put was reclaimed) is reported as not stored;
+  * a put is all-or-nothing per key: ``PutStart`` -> transfer-engine write -> ``PutEnd``,
+    or (local) copy into a reserved slot -> ``PutLocal`` commit; a failed write aborts
+    the key, and a key whose placement vanished meanwhile (its node died, the put was
+    reclaimed, the master restarted) is reported as not stored;
   * a get never returns bytes read after its read lease ended: the lease deadline is
     computed locally as (time the ``GetReplicas`` request was *sent*) + ``lease_ms``, so
     clock skew cannot extend it; a late read is a miss (``stats["lease_expired"]``) and
@@ -24,46 +37,72 @@ import asyncio
 import json
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 
 from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
 from rdma import Slice, TransferEngine, TransferError
-from services.common.registry import Membership
 from services.common.channels import make_channel
+from services.common.registry import Membership
+from services.store.fastconn import CallError, FastConn, FastConnError
+from services.store_master import wire
 
 log = logging.getLogger(__name__)
 
 MAX_KEY_LEN = 256
+_PB_RESP = {"PutStart": pb.PutStartResponse, "PutEnd": pb.PutEndResponse,
+            "Pin": pb.PinResponse, "Unpin": pb.PinResponse, "Stats": pb.StoreStatsResponse}
+# a located replica: (key index, data address, region id, node id, offset, size)
+Loc = tuple[int, str, int, str, int, int]
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    out = [bytes(k) for k in keys]
+    out = [k if type(k) is bytes else bytes(k) for k in keys]
     for k in out:
         if not 1 <= len(k) <= MAX_KEY_LEN:
             raise ValueError(f"store keys must be 1..{MAX_KEY_LEN} bytes, got {len(k)}")
     return out
 
 
+def _bytes_view(v) -> memoryview:
+    mv = memoryview(v)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
 class StoreClient:
     """``te`` must be started; ``master`` is a store-master gRPC address or a started
-    :class:`Membership` of the cluster (any live store-master is used)."""
+    :class:`Membership` of the cluster (any live store-master is used). ``segment``: the
+    :class:`SegmentHost` this node lends (enables the local paths); or call :meth:`lend`.
+    ``fast_path``: use the master's raw-TCP control path when it offers one."""
 
     def __init__(self, te: TransferEngine, master: str | Membership, node_id: str = "",
-                 rpc_timeout: float = 5.0, staging_bytes: int = 4 << 20) -> None:
+                 rpc_timeout: float = 5.0, staging_bytes: int = 4 << 20,
+                 segment=None, fast_path: bool = True, pool_bytes: int = 32 << 20,
+                 pool_slots: int = 64) -> None:
         self.te = te
         self.master = master
         self.node_id = node_id
         self.rpc_timeout = rpc_timeout
+        self.segment = segment
+        self.fast_path = fast_path
+        self.pool_bytes, self.pool_slots = pool_bytes, pool_slots
+        self._own_segment = False
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._staging: bytearray | None = None
         self._staging_region = -1
         self._staging_min = staging_bytes
         self._staging_lock = asyncio.Lock()
+        self._fast: FastConn | None = None
+        self._fast_addr = ""           # master address the connection belongs to
+        self._fast_retry = 0.0
+        self._fast_connecting: asyncio.Future | None = None
+        self._pool: dict[int, list[int]] = {}     # size -> reserved slot offsets
+        self._pool_epoch = -1
         self.stats = {"puts": 0, "put_failed": 0, "gets": 0, "misses": 0,
-                      "lease_expired": 0, "read_failed": 0, "master_errors": 0}
+                      "lease_expired": 0, "read_failed": 0, "master_errors": 0,
+                      "local_puts": 0, "local_gets": 0}
 
     # -- plumbing --------------------------------------------------------------------------
     def master_address(self) -> str | None:
@@ -85,7 +124,36 @@ class StoreClient:
             ch = self._channels[addr] = make_channel(addr)
         return pbg.StoreMasterStub(ch)
 
+    async def lend(self, size: int, timeout: float | None = None) -> None:
+        """Lends ``size`` bytes of this process's memory to the store (untracked: see
+        :class:`SegmentHost`), so puts land locally and gets of them are memory copies."""
+        from services.store.segment import SegmentHost
+
+        if self.segment is not None:
+            raise RuntimeError("this client already has a segment")
+        addr = self.master_address()
+        if addr is None:
+            raise RuntimeError("no store-master to lend to")
+        host = SegmentHost(self.te, self.node_id, size, track=False)
+        host.register()
+        host.follow(addr)
+        self.segment, self._own_segment = host, True
+        try:
+            await asyncio.wait_for(host.mounted.wait(), timeout or self.rpc_timeout)
+        except asyncio.TimeoutError:
+            log.warning("store: segment not mounted yet; puts go remote until it is")
+
     async def close(self) -> None:
+        if self._own_segment and self.segment is not None:
+            host, self.segment = self.segment, None
+            await self._call("UnmountSegment", pb.UnmountSegmentRequest(node_id=self.node_id),
+                             fast=False)
+            await host.close()
+            if host.region >= 0:
+                self.te.unregister(host.region)
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -93,7 +161,62 @@ class StoreClient:
             self.te.unregister(self._staging_region)
             self._staging_region = -1
 
-    async def _call(self, name: str, req, timeout: float | None = None):
+    async def _conn(self) -> FastConn | None:
+        """The raw-TCP connection to the current master, when it offers one."""
+        if not self.fast_path:
+            return None
+        addr = self.master_address()
+        c = self._fast
+        if c is not None and not c.closed and self._fast_addr == addr:
+            return c
+        if addr is None or time.monotonic() < self._fast_retry:
+            return None
+        if self._fast_connecting is not None:
+            return await asyncio.shield(self._fast_connecting)
+        fut = self._fast_connecting = asyncio.get_running_loop().create_future()
+        conn = None
+        try:
+            self._fast_retry = time.monotonic() + 2.0
+            if c is not None:
+                c.close()
+            self._fast = None
+            stub = self.stub()
+            hello = await stub.StoreHello(pb.StoreHelloRequest(), timeout=self.rpc_timeout)
+            if hello.fast_address:
+                conn = await FastConn.connect(hello.fast_address, self.rpc_timeout)
+                self._fast, self._fast_addr = conn, addr
+        except (grpc.aio.AioRpcError, OSError, asyncio.TimeoutError) as e:
+            log.debug("store fast path unavailable: %s", e)
+        finally:
+            self._fast_connecting = None
+            fut.set_result(conn)
+        return conn
+
+    async def _fast_call(self, method: int, body: bytes) -> bytes | None | bool:
+        """The body of the answer; None after an error; False when there is no fast path
+        (the caller uses gRPC)."""
+        c = self._fast
+        if c is None or c.closed or self._fast_addr != self.master_address():
+            c = await self._conn()
+            if c is None:
+                return False
+        try:
+            return await c.call(method, body, self.rpc_timeout)
+        except FastConnError as e:
+            self.stats["master_errors"] += 1
+            log.warning("store fast call failed: %s", e)
+            return None
+        except CallError as e:
+            self.stats["master_errors"] += 1
+            log.warning("store fast call refused: %s", e)
+            return None
+
+    async def _call(self, name: str, req, timeout: float | None = None, fast: bool = True):
+        if fast and name in _PB_RESP:
+            i = wire.PB_METHODS.index(name)
+            body = await self._fast_call(wire.PB_BASE + i, req.SerializeToString())
+            if body is not False:
+                return None if body is None else _PB_RESP[name].FromString(body)
         stub = self.stub()
         if stub is None:
             self.stats["master_errors"] += 1
@@ -105,14 +228,128 @@ class StoreClient:
             log.warning("store %s failed: %s %s", name, e.code(), e.details())
             return None
 
-    def _stage(self, nbytes: int) -> tuple[memoryview, int]:
-        if self._staging is None or len(self._staging) < nbytes:
-            if self._staging_region >= 0:
-                self.te.unregister(self._staging_region)
-            size = max(nbytes, self._staging_min, 2 * len(self._staging or b""))
-            self._staging = bytearray(size)
-            self._staging_region = self.te.register(self._staging)
-        return memoryview(self._staging), self._staging_region
+    # -- hot calls (raw TCP when offered, else gRPC) ---------------------------------------
+    async def _get_replicas(self, keys: list[bytes], any_order: bool
+                            ) -> tuple[int, list[Loc]] | None:
+        body = await self._fast_call(wire.GET, wire.pack_get(keys, self.node_id, any_order))
+        if body is not False:
+            return None if body is None else wire.unpack_get_resp(body)
+        resp = await self._call("GetReplicas", pb.GetReplicasRequest(
+            hashes=keys, node_id=self.node_id, any_order=any_order))
+        if resp is None:
+            return None
+        out, i = [], 0
+        for p in resp.replicas:
+            while keys[i] != p.hash:
+                i += 1
+            out.append((i, p.data_address, p.region_id, p.node_id, p.offset, p.size))
+            i += 1
+        return resp.lease_ms, out
+
+    async def _exists(self, keys: list[bytes], any_order: bool
+                      ) -> tuple[int, list[bool]] | None:
+        body = await self._fast_call(wire.EXISTS, wire.pack_exists(keys, any_order))
+        if body is not False:
+            if body is None:
+                return None
+            return wire._U32.unpack_from(body, 0)[0], [bool(b) for b in body[4:]]
+        resp = await self._call("Exists", pb.ExistsRequest(hashes=keys, any_order=any_order))
+        return None if resp is None else (resp.prefix_blocks, list(resp.present))
+
+    async def _put_local_call(self, region: int, keys: list[bytes], slots: list[tuple[int, int]],
+                              rsize: int, rcount: int, rspare: int
+                              ) -> tuple[list[int], list[int]] | None:
+        body = await self._fast_call(wire.PUT_LOCAL, wire.pack_put_local(
+            self.node_id, region, keys, slots, rsize, rcount, rspare, []))
+        if body is not False:
+            return None if body is None else wire.unpack_put_local_resp(body, len(keys))
+        resp = await self._call("PutLocal", pb.PutLocalRequest(
+            node_id=self.node_id, region_id=region, hashes=keys,
+            offsets=[o for o, _ in slots], sizes=[z for _, z in slots], reserve_size=rsize,
+            reserve_count=rcount, reserve_spare=rspare))
+        return None if resp is None else (list(resp.status), list(resp.reserved))
+
+    # -- local segment -----------------------------------------------------------------------
+    def _local_region(self) -> int:
+        seg = self.segment
+        if seg is None or seg.region < 0 or not seg.mounted.is_set():
+            return -1
+        return seg.region
+
+    def _is_local(self, addr: str, region: int) -> bool:
+        seg = self.segment
+        return seg is not None and region == seg.region and addr == self.te.address
+
+    def _region_view(self, region_id: int, offset: int, size: int) -> memoryview | None:
+        """A view of one of this engine's registered regions (local copies)."""
+        try:
+            return self.te._regions.view(region_id, offset, size)
+        except Exception:
+            return None
+
+    def _pool_for(self, size: int) -> list[int]:
+        seg = self.segment
+        if self._pool_epoch != seg.epoch:   # re-mounted: older slots are not ours any more
+            self._pool.clear()
+            self._pool_epoch = seg.epoch
+        return self._pool.setdefault(size, [])
+
+    def _pool_target(self, size: int) -> int:
+        return max(1, min(self.pool_slots, self.pool_bytes // size))
+
+    async def _put_local(self, keys: list[bytes], sizes: Sequence[int],
+                         src: Callable[[int], memoryview], ok: list[bool]) -> list[int]:
+        """Puts what it can through reserved slots of the own segment (one ``PutLocal``
+        call, plus one to reserve when the pool lacks slots); returns the indices left
+        for the remote path."""
+        region = self._local_region()
+        if region < 0:
+            return list(range(len(keys)))
+        size = sizes[0]
+        if any(s != size for s in sizes):
+            return list(range(len(keys)))   # mixed sizes: PutStart places them locally
+        n = len(keys)
+        epoch = self.segment.epoch
+        if len(self._pool_for(size)) < n:
+            missing = n - len(self._pool_for(size))
+            r = await self._put_local_call(region, [], [], size, missing,
+                                           self._pool_target(size))
+            if r is None or self.segment is None:
+                return list(range(n))
+            if self.segment.epoch == epoch:
+                self._pool_for(size).extend(r[1])
+        seg = self.segment
+        if seg is None or seg.epoch != epoch:
+            return list(range(n))
+        pool = self._pool_for(size)
+        take = min(n, len(pool))
+        if take == 0:
+            return list(range(n))
+        slots = [pool.pop() for _ in range(take)]
+        view = seg.view
+        # no await between taking the slots (same mount epoch) and copying into them
+        for i in range(take):
+            off = slots[i]
+            view[off:off + size] = src(i)
+        want = self._pool_target(size) - len(pool)
+        spare = want if want > self._pool_target(size) // 2 else 0
+        r = await self._put_local_call(region, keys[:take], [(o, size) for o in slots],
+                                       size if spare else 0, 0, spare)
+        if r is None:
+            for i in range(take):
+                ok[i] = False
+            return list(range(take, n))
+        status, reserved = r
+        same = self.segment is not None and self.segment.epoch == epoch
+        pool = self._pool_for(size) if same else []
+        for i in range(take):
+            ok[i] = status[i] in (1, 2)
+            if status[i] == 2 and same:
+                pool.append(slots[i])      # key was present: the slot is still ours
+        if same:
+            pool.extend(reserved)
+        self.stats["local_puts"] += sum(1 for i in range(take) if status[i] == 1)
+        return list(range(take, n))
 
     # -- zero-copy -------------------------------------------------------------------------
     async def put_from(self, keys: Sequence[bytes], region_id: int, offsets: Sequence[int],
@@ -125,17 +362,41 @@ class StoreClient:
             raise ValueError("put_from: keys, offsets and sizes must have one entry each")
         if not keys:
             return []
+        ok = [False] * len(keys)
+        rest = list(range(len(keys)))
+        if self._local_region() >= 0 and self._region_view(region_id, offsets[0], 1) is not None:
+            def src(i: int) -> memoryview:
+                return self._region_view(region_id, offsets[i], sizes[i])
+            rest = await self._put_local(keys, sizes, src, ok)
+        if rest:
+            sub = await self._put_placed([keys[i] for i in rest], region_id,
+                                         [offsets[i] for i in rest], [sizes[i] for i in rest])
+            for i, v in zip(rest, sub):
+                ok[i] = v
+        self.stats["puts"] += sum(ok)
+        self.stats["put_failed"] += len(ok) - sum(ok)
+        return ok
+
+    async def _put_placed(self, keys: list[bytes], region_id: int, offsets: Sequence[int],
+                          sizes: Sequence[int]) -> list[bool]:
+        """PutStart -> write (transfer engine; a copy for a placement in the own
+        segment) -> PutEnd."""
         same = all(s == sizes[0] for s in sizes)
         resp = await self._call("PutStart", pb.PutStartRequest(
             node_id=self.node_id, hashes=keys, size=sizes[0] if same else 0,
             sizes=[] if same else list(sizes)))
         if resp is None:
-            self.stats["put_failed"] += len(keys)
             return [False] * len(keys)
         where = {k: i for i, k in enumerate(keys)}
         ok = {bytes(h) for h in resp.already_present}
         by_peer: dict[str, list[pb.Placement]] = {}
+        failed: list[bytes] = []
         for p in resp.placements:
+            if self._is_local(p.data_address, p.region_id):
+                src = self._region_view(region_id, offsets[where[p.hash]], p.size)
+                if src is not None:
+                    self.segment.view[p.offset:p.offset + p.size] = src
+                    continue
             by_peer.setdefault(p.data_address, []).append(p)
 
         async def write(peer: str, ps: list[pb.Placement]) -> list[bytes]:
@@ -147,9 +408,11 @@ class StoreClient:
                 log.warning("store put to %s failed (%s); aborting %d key(s)", peer, e, len(ps))
                 return [p.hash for p in ps]
 
-        failed = [h for hs in await asyncio.gather(*(write(a, ps) for a, ps in by_peer.items()))
-                  for h in hs]
-        written = [p.hash for p in resp.placements if p.hash not in set(failed)]
+        if by_peer:
+            failed = [h for hs in await asyncio.gather(
+                *(write(a, ps) for a, ps in by_peer.items())) for h in hs]
+        bad_write = set(failed)
+        written = [p.hash for p in resp.placements if p.hash not in bad_write]
         if failed:
             await self._call("PutEnd", pb.PutEndRequest(hashes=failed, abort=True))
         if written:
@@ -157,10 +420,7 @@ class StoreClient:
             if end is not None:
                 bad = set(end.failed)
                 ok.update(bytes(h) for h in written if h not in bad)
-        out = [k in ok for k in keys]
-        self.stats["puts"] += sum(out)
-        self.stats["put_failed"] += len(out) - sum(out)
-        return out
+        return [k in ok for k in keys]
 
     async def get_into(self, keys: Sequence[bytes], region_id: int, offsets: Sequence[int],
                        capacities: Sequence[int] | None = None, prefix: bool = False
@@ -175,34 +435,39 @@ class StoreClient:
         if not keys:
             return out
         sent = time.monotonic()
-        resp = await self._call("GetReplicas", pb.GetReplicasRequest(
-            hashes=keys, node_id=self.node_id, any_order=not prefix))
-        if resp is None:
+        got = await self._get_replicas(keys, not prefix)
+        if got is None:
             self.stats["misses"] += len(keys)
             return out
-        deadline = sent + (resp.lease_ms or 0) / 1000
-        idx: dict[bytes, list[int]] = {}
-        for i, k in enumerate(keys):
-            idx.setdefault(k, []).append(i)
-        by_peer: dict[str, list[tuple[int, pb.Placement]]] = {}
-        for p in resp.replicas:
-            for i in idx.get(bytes(p.hash), ()):
-                if capacities is not None and p.size > capacities[i]:
+        lease_ms, locs = got
+        deadline = sent + lease_ms / 1000
+        by_peer: dict[str, list[Loc]] = {}
+        for loc in locs:
+            i, addr, region, _, off, size = loc
+            if capacities is not None and size > capacities[i]:
+                continue
+            if self._is_local(addr, region):
+                dst = self._region_view(region_id, offsets[i], size)
+                if dst is not None:
+                    dst[:] = self.segment.view[off:off + size]
+                    out[i] = size
+                    self.stats["local_gets"] += 1
                     continue
-                by_peer.setdefault(p.data_address, []).append((i, p))
+            by_peer.setdefault(addr, []).append(loc)
 
-        async def read(peer: str, items: list[tuple[int, pb.Placement]]) -> None:
+        async def read(peer: str, items: list[Loc]) -> None:
             try:
-                await self.te.read(peer, [Slice(region_id, offsets[i], p.region_id, p.offset,
-                                                p.size) for i, p in items])
+                await self.te.read(peer, [Slice(region_id, offsets[i], region, off, size)
+                                          for i, _, region, _, off, size in items])
             except (TransferError, OSError) as e:
                 self.stats["read_failed"] += len(items)
                 log.warning("store read from %s failed (%s): a miss", peer, e)
                 return
-            for i, p in items:
-                out[i] = p.size
+            for i, *_, size in items:
+                out[i] = size
 
-        await asyncio.gather(*(read(a, it) for a, it in by_peer.items()))
+        if by_peer:
+            await asyncio.gather(*(read(a, it) for a, it in by_peer.items()))
         if time.monotonic() > deadline:
             # the master may have reused the space: what we read cannot be trusted
             self.stats["lease_expired"] += 1
@@ -223,63 +488,96 @@ class StoreClient:
     async def batch_put(self, keys: Sequence[bytes], values: Sequence) -> list[bool]:
         if len(keys) != len(values):
             raise ValueError("batch_put: one value per key")
-        sizes = [len(memoryview(v).cast("B")) for v in values]
+        views = [_bytes_view(v) for v in values]
+        sizes = [len(v) for v in views]
         if any(s == 0 for s in sizes):
             raise ValueError("batch_put: values must not be empty")
-        async with self._staging_lock:
-            buf, region = self._stage(sum(sizes))
-            offs, pos = [], 0
-            for v, s in zip(values, sizes):
-                buf[pos:pos + s] = memoryview(v).cast("B")
-                offs.append(pos)
-                pos += s
-            return await self.put_from(keys, region, offs, sizes)
+        keys = _check_keys(keys)
+        if not keys:
+            return []
+        ok = [False] * len(keys)
+        rest = list(range(len(keys)))
+        if self._local_region() >= 0:
+            rest = await self._put_local(keys, sizes, views.__getitem__, ok)
+        if rest:
+            async with self._staging_lock:
+                buf, region = self._stage(sum(sizes[i] for i in rest))
+                offs, pos = [], 0
+                for i in rest:
+                    buf[pos:pos + sizes[i]] = views[i]
+                    offs.append(pos)
+                    pos += sizes[i]
+                sub = await self._put_placed([keys[i] for i in rest], region, offs,
+                                             [sizes[i] for i in rest])
+            for i, v in zip(rest, sub):
+                ok[i] = v
+        self.stats["puts"] += sum(ok)
+        self.stats["put_failed"] += len(ok) - sum(ok)
+        return ok
+
+    def _stage(self, nbytes: int) -> tuple[memoryview, int]:
+        if self._staging is None or len(self._staging) < nbytes:
+            if self._staging_region >= 0:
+                self.te.unregister(self._staging_region)
+            size = max(nbytes, self._staging_min, 2 * len(self._staging or b""))
+            self._staging = bytearray(size)
+            self._staging_region = self.te.register(self._staging)
+        return memoryview(self._staging), self._staging_region
 
     async def get(self, key: bytes) -> bytes | None:
         return (await self.batch_get([key]))[0]
 
     async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Values of ``keys`` (None = miss). Sizes come from the master, so this asks it
-        once for placements and reads into a staging buffer."""
+        once for placements, copies replicas in the own segment and reads the others
+        into a staging buffer."""
         keys = _check_keys(keys)
         if not keys:
             return []
-        async with self._staging_lock:
-            sent = time.monotonic()
-            resp = await self._call("GetReplicas", pb.GetReplicasRequest(
-                hashes=keys, node_id=self.node_id, any_order=True))
-            if resp is None:
-                self.stats["misses"] += len(keys)
-                return [None] * len(keys)
-            deadline = sent + resp.lease_ms / 1000
-            place = {bytes(p.hash): p for p in resp.replicas}
-            buf, region = self._stage(sum(p.size for p in place.values()) or 1)
-            offs: dict[bytes, int] = {}
-            pos = 0
-            for h, p in place.items():
-                offs[h] = pos
-                pos += p.size
-            by_peer: dict[str, list[pb.Placement]] = {}
-            for p in place.values():
-                by_peer.setdefault(p.data_address, []).append(p)
-            good: set[bytes] = set()
+        out: list[bytes | None] = [None] * len(keys)
+        sent = time.monotonic()
+        got = await self._get_replicas(keys, True)
+        if got is None:
+            self.stats["misses"] += len(keys)
+            return out
+        lease_ms, locs = got
+        deadline = sent + lease_ms / 1000
+        remote: list[Loc] = []
+        seg = self.segment
+        for loc in locs:
+            i, addr, region, _, off, size = loc
+            if seg is not None and region == seg.region and addr == self.te.address:
+                out[i] = seg.view[off:off + size].tobytes()
+            else:
+                remote.append(loc)
+        nlocal = len(locs) - len(remote)
+        if remote:
+            async with self._staging_lock:
+                buf, sregion = self._stage(sum(loc[5] for loc in remote))
+                offs, pos = [], 0
+                for loc in remote:
+                    offs.append(pos)
+                    pos += loc[5]
+                by_peer: dict[str, list[int]] = {}
+                for j, loc in enumerate(remote):
+                    by_peer.setdefault(loc[1], []).append(j)
 
-            async def read(peer: str, ps: list[pb.Placement]) -> None:
-                try:
-                    await self.te.read(peer, [Slice(region, offs[bytes(p.hash)], p.region_id,
-                                                    p.offset, p.size) for p in ps])
-                    good.update(bytes(p.hash) for p in ps)
-                except (TransferError, OSError) as e:
-                    self.stats["read_failed"] += len(ps)
-                    log.warning("store read from %s failed (%s): a miss", peer, e)
+                async def read(peer: str, js: list[int]) -> None:
+                    try:
+                        await self.te.read(peer, [Slice(sregion, offs[j], remote[j][2],
+                                                        remote[j][4], remote[j][5]) for j in js])
+                        for j in js:
+                            out[remote[j][0]] = bytes(buf[offs[j]:offs[j] + remote[j][5]])
+                    except (TransferError, OSError) as e:
+                        self.stats["read_failed"] += len(js)
+                        log.warning("store read from %s failed (%s): a miss", peer, e)
 
-            await asyncio.gather(*(read(a, ps) for a, ps in by_peer.items()))
-            if time.monotonic() > deadline:
-                self.stats["lease_expired"] += 1
-                good.clear()
-            out = [bytes(buf[offs[k]:offs[k] + place[k].size]) if k in good else None
-                   for k in keys]
+                await asyncio.gather(*(read(a, js) for a, js in by_peer.items()))
+        if time.monotonic() > deadline:
+            self.stats["lease_expired"] += 1
+            out = [None] * len(keys)
         hits = sum(1 for v in out if v is not None)
+        self.stats["local_gets"] += nlocal if hits else 0
         self.stats["gets"] += hits
         self.stats["misses"] += len(out) - hits
         return out
@@ -288,17 +586,20 @@ class StoreClient:
         """One key -> bool; a list of keys -> one bool per key."""
         single = isinstance(keys, (bytes, bytearray))
         ks = _check_keys([keys] if single else keys)
-        resp = await self._call("Exists", pb.ExistsRequest(hashes=ks, any_order=True))
-        present = list(resp.present) if resp is not None else [False] * len(ks)
+        r = await self._exists(ks, True)
+        present = r[1] if r is not None else [False] * len(ks)
         return present[0] if single else present
 
     async def prefix_len(self, chain: Sequence[bytes]) -> int:
         """How many blocks of a hash chain, from the first, the store holds."""
-        resp = await self._call("Exists", pb.ExistsRequest(hashes=_check_keys(chain)))
-        return resp.prefix_blocks if resp is not None else 0
+        r = await self._exists(_check_keys(chain), False)
+        return r[0] if r is not None else 0
 
     async def remove(self, keys: bytes | Sequence[bytes]) -> int:
         ks = _check_keys([keys] if isinstance(keys, (bytes, bytearray)) else keys)
+        body = await self._fast_call(wire.REMOVE, wire.pack_keys(ks))
+        if body is not False:
+            return 0 if body is None else wire._U32.unpack_from(body, 0)[0]
         resp = await self._call("Remove", pb.RemoveRequest(hashes=ks))
         return resp.removed if resp is not None else 0
 

@@ -140,8 +140,17 @@ class SegmentHost:
     and the loops that keep every live store-master informed."""
 
     def __init__(self, te: TransferEngine, node_id: str, size: int, ssd_dir: str = "",
-                 ssd_bytes: int = 0) -> None:
+                 ssd_bytes: int = 0, track: bool = True) -> None:
+        """``track=False``: a lender that keeps no index (e.g. a StoreClient lending its
+        own memory, as Mooncake Store clients do): no event stream, no CRCs, nothing to
+        re-report - after a store-master restart it re-mounts empty (its blocks are
+        misses and get recomputed). It notices a restart by polling ``StoreHello``."""
         self.te, self.node_id, self.size = te, node_id, size
+        self.track = track
+        # bumped (synchronously) before every MountSegment: a StoreClient sharing this
+        # segment drops the slots it reserved under an older mount (see StoreClient)
+        self.epoch = 0
+        self.mounted = asyncio.Event()
         self.buf = bytearray(size)   # calloc'd: pages are touched only when written
         self.view = memoryview(self.buf)
         self.region = -1
@@ -178,6 +187,13 @@ class SegmentHost:
             old.cancel()
         self._masters[key] = asyncio.get_running_loop().create_task(self._follow(addr))
 
+    def follow(self, addr: str) -> None:
+        """Lends the segment to the store-master at ``addr`` (without etcd membership)."""
+        old = self._masters.pop(addr, None)
+        if old:
+            old.cancel()
+        self._masters[addr] = asyncio.get_running_loop().create_task(self._follow(addr))
+
     def stub(self, addr: str) -> pbg.StoreMasterStub:
         ch = self._channels.get(addr)
         if ch is None:
@@ -205,10 +221,24 @@ class SegmentHost:
         while True:
             try:
                 stub = self.stub(addr)
+                master_id = ""
+                if not self.track:
+                    master_id = (await stub.StoreHello(pb.StoreHelloRequest(), timeout=5)
+                                 ).master_id
+                self.epoch += 1
                 await stub.MountSegment(pb.MountSegmentRequest(
                     node_id=self.node_id, data_address=self.te.address, region_id=self.region,
                     size=self.size, grpc_address=self.grpc_address,
                     ssd_bytes=self.ssd.capacity if self.ssd else 0), timeout=5)
+                self.mounted.set()
+                if not self.track:
+                    log.info("lent %d bytes (untracked) to store-master %s", self.size, addr)
+                    backoff = 0.2
+                    while (await stub.StoreHello(pb.StoreHelloRequest(), timeout=5)
+                           ).master_id == master_id:
+                        await asyncio.sleep(1.0)
+                    log.info("store-master %s restarted: re-mounting", addr)
+                    continue
                 recs = await asyncio.to_thread(self.records)
                 if recs:
                     r = await stub.ReportBlocks(pb.ReportBlocksRequest(

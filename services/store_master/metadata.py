@@ -49,6 +49,8 @@ class Segment:
         self.free_slots: dict[int, list[int]] = {}
         self.load = 0.0          # decayed count of reads served (replica choice)
         self.load_t = 0.0
+        # slots its own node reserved for local puts: offset -> size (counted in used)
+        self.reserved: dict[int, int] = {}
 
     def allocate(self, size: int) -> int | None:
         slots = self.free_slots.get(size)
@@ -118,7 +120,12 @@ class Block:
     pinned: bool = False
 
     def complete(self, tier: str | None = DRAM) -> list[Replica]:
-        return [r for r in self.replicas if r.state is BlockState.COMPLETE
+        reps = self.replicas
+        if len(reps) == 1:   # the common case, without a comprehension
+            r = reps[0]
+            return [r] if r.state is BlockState.COMPLETE and (tier is None or r.tier == tier) \
+                else []
+        return [r for r in reps if r.state is BlockState.COMPLETE
                 and (tier is None or r.tier == tier)]
 
     @property
@@ -193,6 +200,11 @@ class StoreMetadata:
         old = self.segments.get(seg_id)
         if old and old.data_address == data_address and old.size == size:
             old.grpc_address, old.ssd_bytes = grpc_address or old.grpc_address, ssd_bytes
+            # the lender re-mounts only after forgetting its reserved slots (their puts
+            # fail at commit): free them
+            for off, sz in old.reserved.items():
+                old.release(off, sz)
+            old.reserved.clear()
             return old
         if old:
             self.unmount_segment(seg_id)
@@ -232,6 +244,7 @@ class StoreMetadata:
         ok = bad = 0
         taken: list[tuple[int, int]] = [(r.offset, b.size) for b in self.blocks.values()
                                         for r in b.replicas if r.segment is seg and r.tier == DRAM]
+        taken += list(seg.reserved.items())   # a writer may be copying into these
         recs = sorted(records, key=lambda r: (r[3] != DRAM, r[1]))
         spans = sorted(taken)
         for h, off, size, tier in recs:
@@ -320,6 +333,74 @@ class StoreMetadata:
                 done.append(h)
         return done, failed
 
+    # -- local puts: reserved slots in the writer's own segment -----------------------------
+    def local_segment(self, writer: str, region_id: int) -> Segment | None:
+        return self.segments.get(f"{writer}/{region_id}")
+
+    def reserve(self, writer: str, region_id: int, size: int, count: int, spare: int = 0
+                ) -> list[int]:
+        """Reserves slots of ``size`` bytes in the writer's own segment for local puts:
+        ``count`` of them evicting LRU blocks if needed, then up to ``spare`` more only
+        from free space below the high watermark. A reserved slot is the writer's until
+        it commits a key into it (:meth:`commit_local`) or releases it; only its node
+        writes there, so it needs no timeout (it goes with the segment)."""
+        seg = self.local_segment(writer, region_id)
+        out: list[int] = []
+        if seg is None or size <= 0 or size > seg.size:
+            return out
+        if count and self.over_high(size * count):
+            self.evict(target_used=int(self.low * self.capacity))
+        for i in range(count + spare):
+            spare_one = i >= count
+            if spare_one and self.over_high(size):
+                break
+            off = seg.allocate(size)
+            if off is None and not spare_one:
+                self.evict(target_used=self.used - size, only=seg)
+                off = seg.allocate(size)
+            if off is None:
+                break
+            seg.reserved[off] = size
+            out.append(off)
+        return out
+
+    def release_reserved(self, writer: str, region_id: int,
+                         slots: Iterable[tuple[int, int]]) -> int:
+        """Frees reserved (offset, size) slots; unknown ones are ignored (a restarted
+        master never reserved them)."""
+        seg = self.local_segment(writer, region_id)
+        n = 0
+        for off, size in slots:
+            if seg is not None and seg.reserved.get(off) == size:
+                del seg.reserved[off]
+                seg.release(off, size)
+                n += 1
+        return n
+
+    def commit_local(self, writer: str, region_id: int,
+                     items: Iterable[tuple[bytes, int, int]]) -> list[int]:
+        """Publishes (key, offset, size) whose bytes the writer has already copied into
+        its reserved slot at ``offset``: 1 stored (COMPLETE at once), 2 the key is
+        present or being put (the slot stays reserved), 0 no such reserved slot."""
+        seg = self.local_segment(writer, region_id)
+        now = self.clock()
+        out = []
+        for h, off, size in items:
+            if seg is None or seg.reserved.get(off) != size:
+                out.append(0)
+                continue
+            if h in self.blocks:
+                out.append(2)
+                continue
+            del seg.reserved[off]
+            blk = Block(h, size, last_access=now, pinned=h in self.pins)
+            rep = Replica(seg, off, DRAM, BlockState.COMPLETE)
+            blk.replicas.append(rep)
+            self.blocks[h] = blk
+            self._emit("stored", blk, rep)
+            out.append(1)
+        return out
+
     def reclaim_abandoned(self) -> int:
         now = self.clock()
         stale = [(b, r) for b in self.blocks.values() for r in b.replicas
@@ -391,40 +472,54 @@ class StoreMetadata:
         now = self.clock()
         until = now + self.lease_s
         out = []
+        blocks = self.blocks
+        exp = math.exp
+        window = self.hot_window_s
         for h in hashes:
-            blk = self.blocks.get(h)
-            reps = blk.complete(DRAM) if blk is not None else []
+            blk = blocks.get(h)
+            reps = blk.complete(DRAM) if blk is not None else ()
             if not reps:
                 if any_order:
                     continue
                 break
-            own = [r for r in reps if r.segment.node_id == reader]
-            rep = own[0] if own else min(reps, key=lambda r: r.segment.load * math.exp(
-                -(now - r.segment.load_t)))
+            if len(reps) == 1:
+                rep = reps[0]
+            else:
+                own = [r for r in reps if r.segment.node_id == reader]
+                rep = own[0] if own else min(reps, key=lambda r: r.segment.load * exp(
+                    -(now - r.segment.load_t)))
             rep.segment.touch_load(now)
-            blk.lease_until = max(blk.lease_until, until)
+            if blk.lease_until < until:
+                blk.lease_until = until
             blk.last_access = now
-            blk.heat = blk.heat * math.exp(-(now - blk.heat_t) / self.hot_window_s) + 1.0
+            blk.heat = blk.heat * exp(-(now - blk.heat_t) / window) + 1.0
             blk.heat_t = now
-            self.blocks.move_to_end(h)
+            blocks.move_to_end(h)
             out.append((blk, rep))
         return out, until
 
     def plan_replications(self, blocks: Iterable[Block]) -> list[Plan]:
         """Hot blocks (decayed reads over ``hot_reads``) below ``max_replicas`` DRAM
         replicas get one more, on the most-free segment of a node that lacks one."""
-        plans = []
+        plans: list[Plan] = []
         now = self.clock()
-        for blk in blocks:
-            if blk.heat < self.hot_reads or blk.in_flight:
+        hot = [b for b in blocks if b.heat >= self.hot_reads]
+        if not hot:
+            return plans
+        targets = sorted((s for s in self.segments.values() if s.grpc_address),
+                         key=lambda s: -s.free_ratio)
+        if not targets:
+            return plans
+        for blk in hot:
+            if blk.in_flight:
                 continue
             reps = blk.complete(DRAM)
             if not reps or len(reps) >= self.max_replicas:
                 continue
             have = {r.segment.node_id for r in blk.replicas}
-            cands = sorted((s for s in self.segments.values()
-                            if s.node_id not in have and s.grpc_address),
-                           key=lambda s: -s.free_ratio)
+            cands = [s for s in targets if s.node_id not in have]
+            if not cands:
+                continue
             for seg in cands:
                 if (seg.used + blk.size) / seg.size <= self.high:
                     off = seg.allocate(blk.size)

@@ -50,7 +50,9 @@ from services.common.registry import Membership, nodes_prefix
 from services.common.service import Service, run, setup_logging
 from services.common.settings import ServiceConfig
 from services.store_master.metadata import DRAM, SSD, Block, Plan, Replica, StoreMetadata
+from services.common import channels
 from services.common.channels import make_channel
+from services.store_master import wire
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,9 @@ class StoreMasterConfig(ServiceConfig):
     hot_reads: float = option(8.0, "a block read this often within hot_window_s gets another replica")
     hot_window_s: float = option(2.0, "time constant of the decayed read count of a block")
     max_replicas: int = option(3, "most DRAM replicas a hot block gets (1 = no replication)")
+    fast_path: bool = option(True, "also serve the hot calls on a raw-TCP control path "
+                             "(advertised in StoreHello; only when gRPC runs without TLS)")
+    fast_port: int = option(0, "port of the raw-TCP control path (0 = any free port)")
 
     def validate(self) -> None:
         super().validate()
@@ -151,6 +156,7 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._evicting: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.fast_address = ""      # the raw-TCP control path, when it listens
 
     # -- node side -----------------------------------------------------------------------
     def node_stub(self, addr: str) -> pbg.StoreSegmentStub:
@@ -279,21 +285,72 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         m = self.meta
         hashes = list(req.hashes)
         # blocks present only on SSD are promoted into DRAM before the answer
-        if req.any_order:
-            cand = [b for h in hashes if (b := m.blocks.get(h)) is not None]
-        else:
-            cand = m.prefix(hashes, (DRAM, SSD))
-        if any(not b.complete(DRAM) for b in cand):
-            if plans := m.plan_promotions(cand):
-                await self._copy(plans, "promote")
-        got, until = m.get_replicas(hashes, req.node_id, req.any_order)
-        if m.max_replicas > 1 and got:
-            if plans := m.plan_replications(b for b, _ in got):
-                self._spawn(self._copy(plans, "replicate"))
+        if cand := self._needs_promotion(hashes, req.any_order):
+            await self._promote(cand)
+        got, until = self._get_now(hashes, req.node_id, req.any_order)
         expires_ms = int((time.time() + (until - m.clock())) * 1000)
         return pb.GetReplicasResponse(replicas=[_placement(b, r) for b, r in got],
                                       lease_expires_unix_ms=expires_ms,
                                       lease_ms=int(m.lease_s * 1000))
+
+    # -- the hot calls' synchronous cores (shared by gRPC and the raw-TCP path) -----------
+    def _needs_promotion(self, hashes: list[bytes], any_order: bool) -> list[Block]:
+        """The candidate blocks when one of them is only on SSD (promote first), else []."""
+        m = self.meta
+        if any_order:
+            cand = [b for h in hashes if (b := m.blocks.get(h)) is not None]
+        else:
+            cand = m.prefix(hashes, (DRAM, SSD))
+        return cand if any(not b.complete(DRAM) for b in cand) else []
+
+    async def _promote(self, cand: list[Block]) -> None:
+        if plans := self.meta.plan_promotions(cand):
+            await self._copy(plans, "promote")
+
+    def _get_now(self, hashes: list[bytes], node_id: str, any_order: bool):
+        m = self.meta
+        got, until = m.get_replicas(hashes, node_id, any_order)
+        if m.max_replicas > 1 and got:
+            if plans := m.plan_replications(b for b, _ in got):
+                self._spawn(self._copy(plans, "replicate"))
+        return got, until
+
+    def _put_local_now(self, req) -> pb.PutLocalResponse:
+        m = self.meta
+        if req.release_offsets:
+            m.release_reserved(req.node_id, req.region_id,
+                               zip(req.release_offsets, req.release_sizes))
+        status = m.commit_local(req.node_id, req.region_id,
+                                zip(req.hashes, req.offsets, req.sizes))
+        reserved = []
+        if req.reserve_size and (req.reserve_count or req.reserve_spare):
+            reserved = m.reserve(req.node_id, req.region_id, req.reserve_size,
+                                 req.reserve_count, req.reserve_spare)
+        return pb.PutLocalResponse(status=status, reserved=reserved)
+
+    @staticmethod
+    def _put_local_error(req) -> str | None:
+        if err := _check_hashes(req.hashes, "PutLocal"):
+            return err
+        if not len(req.hashes) == len(req.offsets) == len(req.sizes):
+            return "PutLocal: offsets and sizes must have one entry per key"
+        if len(req.release_offsets) != len(req.release_sizes):
+            return "PutLocal: release_offsets and release_sizes must pair up"
+        if req.reserve_count + req.reserve_spare > MAX_HASHES:
+            return f"PutLocal: at most {MAX_HASHES} slots per call"
+        return None
+
+    async def PutLocal(self, req, context):
+        if err := self._put_local_error(req):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        if req.reserve_count and self.meta.over_high(req.reserve_size * req.reserve_count):
+            await self.run_eviction(req.reserve_size * req.reserve_count)
+        return self._put_local_now(req)
+
+    async def StoreHello(self, req, context):
+        return pb.StoreHelloResponse(master_id=self.bus.master_id,
+                                     lease_ms=int(self.meta.lease_s * 1000),
+                                     fast_address=self.fast_address)
 
     async def Exists(self, req, context):
         if err := _check_hashes(req.hashes, "Exists"):
@@ -370,9 +427,16 @@ class StoreMaster(Service):
         self.servicer = StoreMasterServicer(self.meta)
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self._reaper: asyncio.Task | None = None
+        self._fast: asyncio.base_events.Server | None = None
 
     async def setup(self) -> None:
         pbg.add_StoreMasterServicer_to_server(self.servicer, self.server)
+        # before the gRPC port opens, so every StoreHello already advertises it
+        if self.cfg.fast_path and not channels.current().enabled:
+            from services.store_master.fastpath import serve_fast_path
+            self._fast, self.servicer.fast_address = await serve_fast_path(
+                self.servicer, self.cfg.host, self.cfg.fast_port)
+            log.info("raw-TCP control path on %s", self.servicer.fast_address)
 
     async def after_start(self) -> None:
         self.membership.add_listener(self._on_member)
@@ -404,6 +468,8 @@ class StoreMaster(Service):
     async def teardown(self) -> None:
         if self._reaper:
             self._reaper.cancel()
+        if self._fast is not None:
+            self._fast.close()
         await self.membership.stop()
         for node, q in list(self.servicer.bus.subs):
             self.servicer.bus.cut(node, q)

@@ -1,0 +1,170 @@
+"""The store-master's raw-TCP control path: framing and compact codecs of the hot calls.
+
+gRPC (``StoreMaster`` in protos/kvmesh.proto) stays the reference API; this path serves
+the same metadata object, for clients that found its address in ``StoreHello``. It
+exists because a grpc.aio unary call costs ~0.3-0.5 ms of Python on each side, more
+than a whole 4 KiB local get should take.
+
+Frames (little-endian)::
+
+    request:  u32 body_len | u32 req_id | u8 method | body
+    response: u32 body_len | u32 req_id | u8 status | body   (status 0 = ok, else a
+              grpc.StatusCode value and body = the error text in UTF-8)
+
+Methods with a compact body (the hot ones): GET (GetReplicas), EXISTS, PUT_LOCAL, REMOVE.
+Others carry the serialized protobuf request/response of the gRPC method (PB_BASE + i).
+Keys: u32 count | u16 key length (0 = each key is u16 length + bytes) | keys.
+Strings: u8 length + UTF-8.
+"""
+
+from __future__ import annotations
+
+import struct
+
+HEAD = struct.Struct("<IIB")
+HEAD_SIZE = HEAD.size
+MAX_FRAME = 64 << 20
+
+GET, EXISTS, PUT_LOCAL, REMOVE = 1, 2, 3, 4
+PB_BASE = 16
+PB_METHODS = ("PutStart", "PutEnd", "Pin", "Unpin", "Stats")
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_KEYS = struct.Struct("<IH")
+_REP = struct.Struct("<IHQQ")      # key index, segment index, offset, size
+_SEG = struct.Struct("<IH")        # region id, address length
+_SLOT = struct.Struct("<QQ")
+
+
+def pack_str(s: str) -> bytes:
+    b = s.encode()
+    return _U8.pack(len(b)) + b
+
+
+def unpack_str(buf, pos: int) -> tuple[str, int]:
+    n = buf[pos]
+    return bytes(buf[pos + 1:pos + 1 + n]).decode(), pos + 1 + n
+
+
+def pack_keys(keys: list[bytes]) -> bytes:
+    if not keys:
+        return _KEYS.pack(0, 0)
+    n = len(keys[0])
+    if all(len(k) == n for k in keys):
+        return _KEYS.pack(len(keys), n) + b"".join(keys)
+    return _KEYS.pack(len(keys), 0) + b"".join(_U16.pack(len(k)) + k for k in keys)
+
+
+def unpack_keys(buf, pos: int) -> tuple[list[bytes], int]:
+    count, n = _KEYS.unpack_from(buf, pos)
+    pos += _KEYS.size
+    if n:
+        raw = bytes(buf[pos:pos + n * count])
+        if len(raw) != n * count:
+            raise ValueError("short key list")
+        return [raw[i:i + n] for i in range(0, n * count, n)], pos + n * count
+    out = []
+    for _ in range(count):
+        (k,) = _U16.unpack_from(buf, pos)
+        out.append(bytes(buf[pos + 2:pos + 2 + k]))
+        pos += 2 + k
+    return out, pos
+
+
+# -- GET: flags(u8: 1 any_order) | node_id | keys
+#    ->  u32 lease_ms | u16 n_segments | (u32 region | u16 len + data address | node_id)*
+#        | u32 n | (u32 key index | u16 segment index | u64 offset | u64 size)*
+def pack_get(keys: list[bytes], node_id: str, any_order: bool) -> bytes:
+    return _U8.pack(1 if any_order else 0) + pack_str(node_id) + pack_keys(keys)
+
+
+def unpack_get(buf) -> tuple[list[bytes], str, bool]:
+    node, pos = unpack_str(buf, 1)
+    keys, _ = unpack_keys(buf, pos)
+    return keys, node, bool(buf[0] & 1)
+
+
+def pack_get_resp(lease_ms: int, got: list[tuple[int, object, int, int]]) -> bytes:
+    """``got``: (key index, segment, offset, size); segments have data_address,
+    region_id and node_id."""
+    segs: dict[int, int] = {}
+    seg_parts: list[bytes] = []
+    reps: list[bytes] = []
+    for i, seg, off, size in got:
+        j = segs.get(id(seg))
+        if j is None:
+            j = segs[id(seg)] = len(seg_parts)
+            addr = seg.data_address.encode()
+            seg_parts.append(_SEG.pack(seg.region_id, len(addr)) + addr + pack_str(seg.node_id))
+        reps.append(_REP.pack(i, j, off, size))
+    return b"".join([_U32.pack(lease_ms), _U16.pack(len(seg_parts)), *seg_parts,
+                     _U32.pack(len(reps)), *reps])
+
+
+def unpack_get_resp(buf) -> tuple[int, list[tuple[int, str, int, str, int, int]]]:
+    """-> (lease_ms, [(key index, data_address, region_id, node_id, offset, size)])."""
+    (lease_ms,) = _U32.unpack_from(buf, 0)
+    (nseg,) = _U16.unpack_from(buf, 4)
+    pos = 6
+    segs = []
+    for _ in range(nseg):
+        region, alen = _SEG.unpack_from(buf, pos)
+        pos += _SEG.size
+        addr = bytes(buf[pos:pos + alen]).decode()
+        node, pos = unpack_str(buf, pos + alen)
+        segs.append((addr, region, node))
+    (n,) = _U32.unpack_from(buf, pos)
+    pos += 4
+    out = []
+    for i, j, off, size in _REP.iter_unpack(bytes(buf[pos:pos + n * _REP.size])):
+        addr, region, node = segs[j]
+        out.append((i, addr, region, node, off, size))
+    return lease_ms, out
+
+
+# -- EXISTS: flags(u8: 1 any_order) | keys  ->  u32 prefix | n bytes present (0/1)
+def pack_exists(keys: list[bytes], any_order: bool) -> bytes:
+    return _U8.pack(1 if any_order else 0) + pack_keys(keys)
+
+
+# -- PUT_LOCAL: node_id | u32 region | keys | (u64 offset, u64 size) per key
+#               | u64 reserve_size | u32 reserve_count | u32 reserve_spare
+#               | u32 n_release | (u64 offset, u64 size)*
+#    -> n bytes status | u32 n | u64 offset*
+_RES = struct.Struct("<QII")
+
+
+def pack_put_local(node_id: str, region: int, keys: list[bytes], slots: list[tuple[int, int]],
+                   reserve_size: int, reserve_count: int, reserve_spare: int,
+                   release: list[tuple[int, int]]) -> bytes:
+    return b"".join([pack_str(node_id), _U32.pack(region), pack_keys(keys),
+                     *(_SLOT.pack(o, s) for o, s in slots),
+                     _RES.pack(reserve_size, reserve_count, reserve_spare),
+                     _U32.pack(len(release)), *(_SLOT.pack(o, s) for o, s in release)])
+
+
+def unpack_put_local(buf):
+    node, pos = unpack_str(buf, 0)
+    (region,) = _U32.unpack_from(buf, pos)
+    keys, pos = unpack_keys(buf, pos + 4)
+    n = len(keys)
+    slots = list(_SLOT.iter_unpack(bytes(buf[pos:pos + n * _SLOT.size])))
+    pos += n * _SLOT.size
+    rsize, rcount, rspare = _RES.unpack_from(buf, pos)
+    pos += _RES.size
+    (nrel,) = _U32.unpack_from(buf, pos)
+    pos += 4
+    release = list(_SLOT.iter_unpack(bytes(buf[pos:pos + nrel * _SLOT.size])))
+    return node, region, keys, slots, rsize, rcount, rspare, release
+
+
+def pack_put_local_resp(status: list[int], reserved: list[int]) -> bytes:
+    return bytes(status) + _U32.pack(len(reserved)) + struct.pack(f"<{len(reserved)}Q", *reserved)
+
+
+def unpack_put_local_resp(buf, n: int) -> tuple[list[int], list[int]]:
+    status = list(buf[:n])
+    (m,) = _U32.unpack_from(buf, n)
+    return status, list(struct.unpack_from(f"<{m}Q", buf, n + 4))
