@@ -13,6 +13,11 @@ Mooncake's TransferEngine (TCP transport, P2P handshake) runs the same points
 side by side in two more processes (a client and its peer); otherwise its
 rows fall back to the reference figures below (batched only).  The wheel is
 never a kvmesh dependency and is imported only in those child processes.
+
+The three contenders are interleaved repetition by repetition (kvmesh, then
+Mooncake, then one plain-stream run, the first two swapping order every
+repetition), so load from other processes on a shared host hits them alike;
+the stream baseline is the median of all its runs spread over the benchmark.
 GB/s = 1e9 bytes/s; RSS is the measuring process's peak (ru_maxrss).
 
     python -m loadtest.bench_transfer [--total-mib 256] [--reps 3] [--no-mooncake]
@@ -119,12 +124,14 @@ def _mooncake_peer_main(total: int) -> None:
     print(json.dumps({"peak_rss_mib": _peak_rss_mib()}), flush=True)
 
 
-def _mooncake_client_main(total: int, reps: int, max_point_s: float) -> None:
-    """Spawn a Mooncake peer, measure every point, print one JSON line."""
+def _mooncake_client_main(total: int, max_point_s: float) -> None:
+    """Spawn a Mooncake peer, then measure one repetition per stdin command
+    (``{"bs", "op", "mode"}`` -> ``{"gbps"}``); EOF ends it with RSS figures."""
     peer_proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--mooncake-peer",
          "--total-mib", str(total // MiB)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, text=True)
+    res: dict = {}
     try:
         peer = json.loads(peer_proc.stdout.readline())
         te = _mooncake_engine()
@@ -135,42 +142,40 @@ def _mooncake_client_main(total: int, reps: int, max_point_s: float) -> None:
         target = f"127.0.0.1:{peer['port']}"
         if te.batch_transfer_sync_write(target, [base], [rbase], [total]) != 0:
             raise RuntimeError("mooncake warm-up write failed")
-        out: dict = {op: {m: {} for m in MODES} for op in OPS}
-        for bs in BLOCKS:
-            n = max(1, total // bs)
-            offs = [i * bs for i in range(n)]
-            for op in OPS:
-                batch = te.batch_transfer_sync_write if op == "write" else te.batch_transfer_sync_read
-                one = te.transfer_sync_write if op == "write" else te.transfer_sync_read
+        print(json.dumps({"ready": True}), flush=True)
 
-                def batched():
-                    # Mooncake's TCP lane rejects very large batches ("queue-full"),
-                    # so submit at most MOONCAKE_MAX_BATCH entries per call.
-                    for i in range(0, n, MOONCAKE_MAX_BATCH):
-                        part = offs[i:i + MOONCAKE_MAX_BATCH]
-                        if batch(target, [base + o for o in part],
-                                 [rbase + o for o in part], [bs] * len(part)) != 0:
-                            raise RuntimeError(f"mooncake batched {op} failed")
-                    return n * bs
+        def batched(op: str, offs: list[int], bs: int) -> int:
+            batch = te.batch_transfer_sync_write if op == "write" else te.batch_transfer_sync_read
+            # Mooncake's TCP lane rejects very large batches ("queue-full"),
+            # so submit at most MOONCAKE_MAX_BATCH entries per call.
+            for i in range(0, len(offs), MOONCAKE_MAX_BATCH):
+                part = offs[i:i + MOONCAKE_MAX_BATCH]
+                if batch(target, [base + o for o in part],
+                         [rbase + o for o in part], [bs] * len(part)) != 0:
+                    raise RuntimeError(f"mooncake batched {op} failed")
+            return len(offs) * bs
 
-                def single():
-                    t0, done = time.perf_counter(), 0
-                    for o in offs:
-                        if one(target, base + o, rbase + o, bs) != 0:
-                            raise RuntimeError(f"mooncake {op} failed")
-                        done += bs
-                        if time.perf_counter() - t0 > max_point_s:
-                            break
-                    return done
+        def single(op: str, offs: list[int], bs: int) -> int:
+            one = te.transfer_sync_write if op == "write" else te.transfer_sync_read
+            t0, done = time.perf_counter(), 0
+            for o in offs:
+                if one(target, base + o, rbase + o, bs) != 0:
+                    raise RuntimeError(f"mooncake {op} failed")
+                done += bs
+                if time.perf_counter() - t0 > max_point_s:
+                    break
+            return done
 
-                for mode, fn in (("batched", batched), ("single", single)):
-                    rates = []
-                    for _ in range(reps):
-                        t0 = time.perf_counter()
-                        nbytes = fn()
-                        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
-                    out[op][mode][bs] = statistics.median(rates)
-        res = {"rates": out, "peak_rss_mib": _peak_rss_mib()}
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            bs = int(cmd["bs"])
+            offs = [i * bs for i in range(max(1, total // bs))]
+            fn = batched if cmd["mode"] == "batched" else single
+            t0 = time.perf_counter()
+            nbytes = fn(cmd["op"], offs, bs)
+            print(json.dumps({"gbps": nbytes / (time.perf_counter() - t0) / 1e9}),
+                  flush=True)
+        res["peak_rss_mib"] = _peak_rss_mib()
     finally:
         peer_proc.stdin.close()
         try:
@@ -183,57 +188,90 @@ def _mooncake_client_main(total: int, reps: int, max_point_s: float) -> None:
     print(json.dumps(res), flush=True)
 
 
-def _run_mooncake(total: int, reps: int, max_point_s: float) -> tuple[dict | None, str]:
-    """Mooncake results, or (None, reason) when the wheel is missing/broken."""
+class _Mooncake:
+    """Driver of the Mooncake client child process (one repetition per call)."""
+
+    TIMEOUT_S = 120.0
+
+    def __init__(self, total: int, max_point_s: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--mooncake-client",
+             "--total-mib", str(total // MiB), "--max-point-s", str(max_point_s)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True)
+        self._reply()  # {"ready": true}
+
+    def _reply(self) -> dict:
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            raise RuntimeError("mooncake client died or timed out")
+        return json.loads(line)
+
+    def rep(self, bs: int, op: str, mode: str) -> float:
+        self.proc.stdin.write(json.dumps({"bs": bs, "op": op, "mode": mode}) + "\n")
+        self.proc.stdin.flush()
+        return float(self._reply()["gbps"])
+
+    def close(self) -> dict:
+        try:
+            self.proc.stdin.close()
+            out = self._reply()
+            self.proc.wait(10)
+            return out
+        except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            return {}
+
+
+def _start_mooncake(total: int, max_point_s: float) -> tuple[_Mooncake | None, str]:
+    """A Mooncake driver, or (None, reason) when the wheel is missing/broken."""
     if importlib.util.find_spec("mooncake") is None:
         return None, ("mooncake-transfer-engine-non-cuda is not installed; using the "
                       "hard-coded reference figures (batched only)")
     try:
-        out = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--mooncake-client",
-             "--total-mib", str(total // MiB), "--reps", str(reps),
-             "--max-point-s", str(max_point_s)],
-            capture_output=True, text=True, timeout=600)
-        res = json.loads(out.stdout.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
-        return None, f"Mooncake run failed ({e!r}); using the reference figures"
-    res["rates"] = {op: {m: {int(k): v for k, v in d.items()} for m, d in md.items()}
-                    for op, md in res["rates"].items()}
-    return res, "Mooncake TransferEngine (tcp, P2PHANDSHAKE) measured in this run"
+        return _Mooncake(total, max_point_s), ("Mooncake TransferEngine (tcp, "
+                                               "P2PHANDSHAKE) measured in this run, "
+                                               "interleaved with kvmesh")
+    except (RuntimeError, ValueError, OSError) as e:
+        return None, f"Mooncake start failed ({e!r}); using the reference figures"
 
 
 # -- measuring side ---------------------------------------------------------------
-def _stream_rate(port: int, total: int, reps: int) -> float:
-    """Median GB/s of ``reps`` single-connection sendall -> recv_into runs."""
-    src = memoryview(os.urandom(STREAM_BUF))
-    rates = []
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(reps + 1):  # first rep warms up
-            t0 = time.perf_counter()
-            s.sendall(struct.pack("!Q", total))
-            left = total
-            while left:
-                n = min(left, STREAM_BUF)
-                s.sendall(src[:n])
-                left -= n
-            assert s.recv(1) == b"k"
-            rates.append(total / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates[1:])
+def _stream_once(s: socket.socket, src: memoryview, total: int) -> float:
+    """GB/s of one sendall -> recv_into run of ``total`` bytes."""
+    t0 = time.perf_counter()
+    s.sendall(struct.pack("!Q", total))
+    left = total
+    while left:
+        n = min(left, STREAM_BUF)
+        s.sendall(src[:n])
+        left -= n
+    assert s.recv(1) == b"k"
+    return total / (time.perf_counter() - t0) / 1e9
 
 
 async def _engine_rates(peer: dict, total: int, reps: int, conns: int,
-                        chunk: int, max_point_s: float) -> dict:
+                        chunk: int, max_point_s: float, mc: _Mooncake | None) -> dict:
     eng = TransferEngine(SECRET, conns_per_peer=conns, chunk_bytes=chunk)
     await eng.start()
     local = np.random.default_rng(0).integers(0, 256, size=total, dtype=np.uint8)
     rid = eng.register(local)
     addr, rrid = peer["address"], peer["region"]
     out: dict = {op: {m: {} for m in MODES} for op in OPS}
+    mc_out: dict = {op: {m: {} for m in MODES} for op in OPS}
     rss: dict = {}
+    stream_runs: list[float] = []
+    src = memoryview(os.urandom(STREAM_BUF))
+    stream = socket.create_connection(("127.0.0.1", peer["stream_port"]))
+    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    mc_error = None
     try:
         # warm-up: open the connections and fault in both regions
         await eng.write(addr, [Slice(rid, 0, rrid, 0, total)])
+        _stream_once(stream, src, total)
         for bs in BLOCKS:
             n = max(1, total // bs)
             slices = [Slice(rid, i * bs, rrid, i * bs, bs) for i in range(n)]
@@ -254,12 +292,29 @@ async def _engine_rates(peer: dict, total: int, reps: int, conns: int,
                     return done
 
                 for mode, fn in (("batched", batched), ("single", single)):
-                    rates = []
-                    for _ in range(reps):
+                    rates, mc_rates = [], []
+
+                    async def kv_rep():
                         t0 = time.perf_counter()
                         nbytes = await fn()
                         rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+
+                    for rep in range(reps):
+                        if mc is not None and mc_error is None and rep % 2:
+                            try:
+                                mc_rates.append(await asyncio.to_thread(mc.rep, bs, kind, mode))
+                            except (RuntimeError, ValueError, OSError) as e:
+                                mc_error = repr(e)
+                        await kv_rep()
+                        if mc is not None and mc_error is None and not rep % 2:
+                            try:
+                                mc_rates.append(await asyncio.to_thread(mc.rep, bs, kind, mode))
+                            except (RuntimeError, ValueError, OSError) as e:
+                                mc_error = repr(e)
+                        stream_runs.append(_stream_once(stream, src, total))
                     out[kind][mode][bs] = statistics.median(rates)
+                    if mc_rates:
+                        mc_out[kind][mode][bs] = statistics.median(mc_rates)
                     rss[(kind, mode, bs)] = _peak_rss_mib()
         # sanity: what we read back is what we wrote
         check = np.zeros(MiB, dtype=np.uint8)
@@ -267,8 +322,10 @@ async def _engine_rates(peer: dict, total: int, reps: int, conns: int,
         assert np.array_equal(check, local[5 * MiB:6 * MiB]), "data mismatch"
         bw = eng.bandwidth(addr)
     finally:
+        stream.close()
         await eng.close()
-    return {"rates": out, "rss": rss, "bandwidth": bw}
+    return {"rates": out, "mooncake": mc_out, "mooncake_error": mc_error, "rss": rss,
+            "bandwidth": bw, "stream_runs": stream_runs}
 
 
 def _label(bs: int) -> str:
@@ -297,10 +354,14 @@ def main() -> None:
         _mooncake_peer_main(total)
         return
     if args.mooncake_client:
-        _mooncake_client_main(total, args.reps, args.max_point_s)
+        _mooncake_client_main(total, args.max_point_s)
         return
 
     t_start = time.perf_counter()
+    if args.no_mooncake:
+        mc, mc_note = None, "--no-mooncake: using the hard-coded reference figures"
+    else:
+        mc, mc_note = _start_mooncake(total, args.max_point_s)
     proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--peer", "--total-mib",
          str(args.total_mib), "--conns", str(args.conns), "--chunk-mib", str(args.chunk_mib)],
@@ -308,13 +369,10 @@ def main() -> None:
     peer_rss = None
     try:
         peer = json.loads(proc.stdout.readline())
-        # baseline before and after the engine runs (the host may be noisy)
-        stream_runs = [_stream_rate(peer["stream_port"], total, args.reps)]
         kv = asyncio.run(_engine_rates(peer, total, args.reps, args.conns, chunk,
-                                       args.max_point_s))
-        stream_runs.append(_stream_rate(peer["stream_port"], total, args.reps))
-        stream = statistics.median(stream_runs)
+                                       args.max_point_s, mc))
     finally:
+        mc_rss = mc.close() if mc is not None else {}
         proc.stdin.close()
         try:
             tail = proc.stdout.read().strip().splitlines()
@@ -323,18 +381,22 @@ def main() -> None:
         except (subprocess.TimeoutExpired, ValueError):
             proc.kill()
     kv_rss = _peak_rss_mib()
-
-    if args.no_mooncake:
-        mc, mc_note = None, "--no-mooncake: using the hard-coded reference figures"
-    else:
-        mc, mc_note = _run_mooncake(total, args.reps, args.max_point_s)
-    mc_rates = mc["rates"] if mc else {op: {"batched": MOONCAKE[op], "single": {}}
-                                       for op in OPS}
+    stream_runs = kv["stream_runs"]
+    stream = statistics.median(stream_runs)
+    if kv["mooncake_error"] is not None:
+        mc_note = (f"Mooncake failed mid-run ({kv['mooncake_error']}); points without "
+                   "a Mooncake figure use the reference figures")
+    mc_rates = {op: {m: dict(kv["mooncake"][op][m]) for m in MODES} for op in OPS}
+    measured = mc is not None and kv["mooncake_error"] is None
+    if not measured:
+        for op in OPS:
+            for bs, ref in MOONCAKE[op].items():
+                mc_rates[op]["batched"].setdefault(bs, ref)
 
     rows = []
     print(f"plain python socket stream (1 conn, {STREAM_BUF // MiB} MiB buffers): "
-          f"{stream:.2f} GB/s (before/after: "
-          f"{' / '.join(f'{x:.2f}' for x in stream_runs)})")
+          f"{stream:.2f} GB/s (median of {len(stream_runs)} runs interleaved with the "
+          f"points; min {min(stream_runs):.2f}, max {max(stream_runs):.2f})")
     print(f"mooncake: {mc_note}")
     hdr = (f"{'block':>8} | {'op':5} | {'mode':7} | {'kvmesh':>6} | {'mooncake':>8} | "
            f"{'/mooncake':>9} | {'/stream':>7} | {'RSS MiB':>7}")
@@ -349,7 +411,7 @@ def main() -> None:
                 rows.append({"op": kind, "mode": mode, "block_bytes": bs,
                              "gbps": round(r, 3), "ratio_stream": round(r / stream, 3),
                              "mooncake_gbps": None if ref is None else round(ref, 3),
-                             "mooncake_measured": mc is not None,
+                             "mooncake_measured": bs in kv["mooncake"][kind][mode],
                              "ratio_mooncake": None if not ref else round(r / ref, 3),
                              "peak_rss_mib": round(rss, 1)})
                 print(f"{_label(bs):>8} | {kind:5} | {mode:7} | {r:6.2f} | "
@@ -357,10 +419,10 @@ def main() -> None:
                       + f" | {r / stream:6.2f}x | {rss:7.0f}")
     rss_line = {"kvmesh_client": round(kv_rss, 1),
                 "kvmesh_peer": None if peer_rss is None else round(peer_rss, 1)}
-    if mc:
-        rss_line["mooncake_client"] = round(mc["peak_rss_mib"], 1)
-        rss_line["mooncake_peer"] = (None if mc.get("peer_peak_rss_mib") is None
-                                     else round(mc["peer_peak_rss_mib"], 1))
+    if mc_rss.get("peak_rss_mib") is not None:
+        rss_line["mooncake_client"] = round(mc_rss["peak_rss_mib"], 1)
+        rss_line["mooncake_peer"] = (None if mc_rss.get("peer_peak_rss_mib") is None
+                                     else round(mc_rss["peer_peak_rss_mib"], 1))
     print("peak RSS MiB: " + ", ".join(f"{k} {v}" for k, v in rss_line.items()))
     elapsed = time.perf_counter() - t_start
     print(f"total benchmark time {elapsed:.1f} s")

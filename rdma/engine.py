@@ -3,7 +3,8 @@
 :class:`TransferEngine` owns the registered memory regions, cuts batched
 one-sided requests into ``chunk_bytes`` work requests, hands them to a
 :class:`~rdma.transport.Transport` (TCP by default), and bridges completion
-back to the event loop with ``loop.call_soon_threadsafe``.
+back to the event loop with ``loop.call_soon_threadsafe`` (or resolves the
+awaiters directly when the transport completes on the loop thread itself).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +24,17 @@ from .transport import (Op, RegionTable, RemoteAccessError, TransferError,
 __all__ = ["Slice", "Transfer", "TransferEngine", "TransferError", "TransferStatus"]
 
 log = logging.getLogger(__name__)
+
+# TEST-ONLY fault injection, off by default: with KVMESH_FAULT_CORRUPT_EVERY=N (N > 0) in
+# a process's environment, every N-th WRITE/READ its engines issue arms ``_corrupt_next``
+# (one byte of the next data payload this engine sends is flipped after its crc32 was
+# computed).  Used by loadtest.faults / tests.test_faults to check that a damaged KV
+# handoff or store read is detected (``--checksum``) and never yields a wrong token.
+# Read once at import; never set it in production.
+try:
+    _FAULT_CORRUPT_EVERY = max(0, int(os.environ.get("KVMESH_FAULT_CORRUPT_EVERY", "0") or 0))
+except ValueError:
+    _FAULT_CORRUPT_EVERY = 0
 
 BW_MIN_BYTES = 256 << 10   # busy periods moving less than this give no sample
 BW_MAX_WINDOW = 0.5        # seconds: a long busy period is sampled this often
@@ -56,16 +69,21 @@ class Transfer:
     call :meth:`wait` from another thread.
     """
 
+    __slots__ = ("kind", "peer", "bytes", "error", "_status", "_loop", "_loop_tid",
+                 "_waiters", "_done", "_lock", "_remaining", "_callbacks")
+
     def __init__(self, loop: asyncio.AbstractEventLoop, kind: str, peer: str,
-                 nbytes: int) -> None:
+                 nbytes: int, loop_tid: int | None = None) -> None:
         self.kind = kind
         self.peer = peer
         self.bytes = nbytes
         self.error: str | None = None
         self._status = TransferStatus.PENDING
         self._loop = loop
-        self._future: asyncio.Future = loop.create_future()
-        self._event = threading.Event()
+        self._loop_tid = loop_tid  # thread running ``loop`` (None: unknown)
+        self._waiters: list[asyncio.Future] | None = None  # loop thread only
+        self._done = threading.Lock()  # held until finished (cheaper than an Event)
+        self._done.acquire()
         self._lock = threading.Lock()
         self._remaining = 0
         self._callbacks: list[Callable[[Transfer], None]] = []
@@ -80,11 +98,24 @@ class Transfer:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block the calling thread (never the event loop's) until done."""
-        return self._event.wait(timeout)
+        if self._status is not TransferStatus.PENDING:
+            return True
+        if not self._done.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            return False
+        self._done.release()  # let other waiters through
+        return True
 
     def __await__(self):
-        if not self._event.is_set():
-            yield from asyncio.shield(self._future).__await__()
+        if self._status is TransferStatus.PENDING:
+            # One future per awaiter (resolved together by _resolve): cancelling
+            # one awaiter cannot disturb another, as with asyncio.shield, but
+            # without shield's extra future and extra event-loop hop.
+            waiter = self._loop.create_future()
+            if self._waiters is None:
+                self._waiters = [waiter]
+            else:
+                self._waiters.append(waiter)
+            yield from waiter
         if self._status is TransferStatus.FAILED:
             raise TransferError(self.error)
         return self
@@ -122,20 +153,26 @@ class Transfer:
             self._status = (TransferStatus.FAILED if self.error is not None
                             else TransferStatus.DONE)
             callbacks, self._callbacks = self._callbacks, []
-        self._event.set()
+        self._done.release()
         for cb in callbacks:
             try:
                 cb(self)
             except Exception:  # pragma: no cover - defensive
                 log.exception("transfer callback failed")
+        if self._loop_tid is not None and threading.get_ident() == self._loop_tid:
+            self._resolve()  # already on the loop: no self-pipe wakeup needed
+            return
         try:
             self._loop.call_soon_threadsafe(self._resolve)
         except RuntimeError:
             pass  # loop closed; wait()/status still work
 
     def _resolve(self) -> None:
-        if not self._future.done():
-            self._future.set_result(None)
+        waiters, self._waiters = self._waiters, None
+        if waiters:
+            for w in waiters:
+                if not w.done():  # cancelled awaiters are skipped
+                    w.set_result(None)
 
     def _add_callback(self, cb: Callable[["Transfer"], None]) -> None:
         """Run ``cb(self)`` in the completing thread (now if already done)."""
@@ -201,6 +238,7 @@ class TransferEngine:
         self._regions = RegionTable()
         self._handlers: list[Callable[[bytes], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_tid: int | None = None
         self._address = ""
         self._closed = False
         self._lock = threading.Lock()
@@ -213,6 +251,11 @@ class TransferEngine:
         self._bw: dict[str, float] = {}
         self._bw_inflight: dict[str, int] = {}
         self._bw_window: dict[str, list] = {}  # peer -> [start, bytes]
+        self._fault_every = _FAULT_CORRUPT_EVERY  # test-only, see KVMESH_FAULT_CORRUPT_EVERY
+        self._fault_count = 0
+        if self._fault_every:
+            log.warning("TEST-ONLY fault injection on: one data-plane byte in every %d "
+                        "transfers is corrupted (KVMESH_FAULT_CORRUPT_EVERY)", self._fault_every)
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -220,6 +263,7 @@ class TransferEngine:
         if self._loop is not None:
             raise RuntimeError("engine already started")
         self._loop = asyncio.get_running_loop()
+        self._loop_tid = threading.get_ident()
         self._address = await self._transport.start(self._regions, self._on_notify)
 
     async def close(self) -> None:
@@ -275,7 +319,7 @@ class TransferEngine:
         Notifies to one peer are delivered in issue order."""
         loop = self._require_started()
         payload = bytes(payload)
-        t = Transfer(loop, "notify", peer, len(payload))
+        t = Transfer(loop, "notify", peer, len(payload), self._loop_tid)
         self._count("notifies_sent")
         with self._lock:
             writes = list(self._pending_writes.get(peer, ()))
@@ -342,7 +386,7 @@ class TransferEngine:
         loop = self._require_started()
         total = sum(s.length for s in slices)
         kind = "write" if op is Op.WRITE else "read"
-        t = Transfer(loop, kind, peer, total)
+        t = Transfer(loop, kind, peer, total, self._loop_tid)
         with self._lock:
             self._stats["writes" if op is Op.WRITE else "reads"] += 1
             n = self._bw_inflight.get(peer, 0)
@@ -368,6 +412,12 @@ class TransferEngine:
             t._fail_now(f"local {e}")
             return t
         t._expect(len(reqs))
+        if self._fault_every and reqs:  # test-only fault injection (off by default)
+            with self._lock:
+                self._fault_count += 1
+                arm = self._fault_count % self._fault_every == 0
+            if arm:
+                self._corrupt_next = True
         self._transport.submit(peer, reqs)
         return t
 

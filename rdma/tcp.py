@@ -9,6 +9,12 @@ requests by id and ``recv_into`` s READ data straight into local memory).  The
 server side runs one thread per accepted connection that ``recv_into`` s WRITE
 payloads straight into the registered region and coalesces acks.
 
+Latency path: a single small WRITE/READ (up to ``FAST_MAX_BYTES``) submitted
+on the event-loop thread goes over a per-peer *fast lane* instead: one more
+authenticated connection that the event loop drives itself (non-blocking
+``sendmsg``, reply parsed in an ``add_reader`` callback), so the request costs
+no thread handoff at all; see :class:`_FastLane`.
+
 Wire format (network byte order), after the handshake in :mod:`rdma.wire`::
 
     request: op u8 | flags u8 | rsv u16 | crc32 u32 | region u32 | req_id u64
@@ -24,6 +30,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 import zlib
 from typing import Callable
 
@@ -47,6 +54,28 @@ MAX_PENDING_ACKS = 64       # server flushes replies at least this often...
 MAX_PENDING_REPLY_BYTES = 1 << 20  # ...or once this much READ data is queued
 MAX_NOTIFY_BYTES = 64 << 20
 SCRATCH_BYTES = 64 << 10
+FAST_MAX_BYTES = 256 << 10  # loop-thread requests up to this size use the fast lane
+FAST_MAX_INFLIGHT = 2       # ...while it has fewer than this many in flight
+FAST_RETRY_S = 1.0          # after a failed fast-lane connect, use the channels this long
+
+
+def _open_socket(tr: "TcpTransport", peer: str) -> socket.socket:
+    """Connect to ``peer`` and authenticate; returns a blocking socket."""
+    host, port = split_address(peer)
+    family, stype, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, stype, proto)
+    try:
+        configure_socket(sock, tr.sock_buf_bytes)  # before connect: window scale
+        sock.settimeout(tr.connect_timeout)
+        sock.connect(addr)
+        client_handshake(sock, tr.secret)
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    tr.counters.add("connects")
+    return sock
 
 
 class _Conn:
@@ -235,22 +264,7 @@ class _Channel:
             return batch
 
     def _connect(self) -> _Conn:
-        tr = self.transport
-        host, port = split_address(self.peer)
-        family, stype, proto, _, addr = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, stype, proto)
-        try:
-            configure_socket(sock, tr.sock_buf_bytes)  # before connect: window scale
-            sock.settimeout(tr.connect_timeout)
-            sock.connect(addr)
-            client_handshake(sock, tr.secret)
-            sock.settimeout(None)
-        except BaseException:
-            sock.close()
-            raise
-        tr.counters.add("connects")
-        return _Conn(self, sock)
+        return _Conn(self, _open_socket(self.transport, self.peer))
 
     def _fail_queued(self, exc: BaseException) -> None:
         with self.cv:
@@ -294,6 +308,218 @@ class _Channel:
                 r.complete(TransferError("transfer engine closed"))
 
 
+class _FastLane:
+    """Per-peer connection driven by the event loop itself, for small
+    WRITE/READ requests issued *on* the loop thread (one slice per call,
+    awaited one at a time: the latency-bound case).
+
+    The thread path costs two cross-thread handoffs per request (loop ->
+    sender thread, receiver thread -> loop via the self-pipe).  Here the loop
+    thread does a non-blocking ``sendmsg`` right away and parses the reply in
+    an ``add_reader`` callback (READ data goes straight into local memory with
+    ``recv_into``), completing the request on the loop thread: no thread
+    switch at all.  The socket is an ordinary authenticated connection, so the
+    server side is unchanged; requests lost with it are retried on the
+    peer's channels under the usual ``MAX_ATTEMPTS`` policy.
+    """
+
+    def __init__(self, transport: "TcpTransport", peer: str, chan: "_Channel",
+                 loop) -> None:
+        self.tr = transport
+        self.peer = peer
+        self.chan = chan  # retries go here
+        self.loop = loop
+        self.sock: socket.socket | None = None
+        self.fd = -1
+        self.connecting = False
+        self.retry_at = 0.0
+        self.ids = itertools.count(1)
+        self.inflight: collections.deque = collections.deque()  # (rid, req)
+        self.out: list = []  # unsent buffers (writer registered while non-empty)
+        self.hdr = bytearray(REP.size)
+        self.hmv = memoryview(self.hdr)
+        self.hpos = 0
+        self.body: memoryview | None = None  # READ data / error text being received
+        self.bpos = 0
+        self.berr = -1   # status of the reply whose error text is in ``body``
+        self.bcrc = 0
+
+    # -- connection -----------------------------------------------------------
+    def usable(self) -> bool:
+        """Ready for a request now; otherwise starts (re)connecting if due."""
+        if self.sock is not None:
+            return not self.out and len(self.inflight) < FAST_MAX_INFLIGHT
+        if not self.connecting and time.monotonic() >= self.retry_at:
+            self.connecting = True
+            threading.Thread(target=self._connect, daemon=True,
+                             name=f"kvmesh-fast-{self.peer}").start()
+        return False
+
+    def _connect(self) -> None:
+        try:
+            sock = _open_socket(self.tr, self.peer)
+        except Exception:  # noqa: BLE001 - the channels report real errors
+            sock = None
+        try:
+            self.loop.call_soon_threadsafe(self._install, sock)
+        except RuntimeError:  # loop closed
+            if sock is not None:
+                sock.close()
+
+    def _install(self, sock: socket.socket | None) -> None:
+        self.connecting = False
+        if sock is None or self.tr.closed:
+            self.retry_at = time.monotonic() + FAST_RETRY_S
+            if sock is not None:
+                sock.close()
+            return
+        sock.setblocking(False)
+        self.sock, self.fd = sock, sock.fileno()
+        self.hpos, self.body = 0, None
+        self.loop.add_reader(self.fd, self._on_readable)
+
+    def _drop(self) -> list[WorkRequest]:
+        sock, self.sock = self.sock, None
+        if sock is None:
+            return []
+        self.loop.remove_reader(self.fd)
+        if self.out:
+            self.loop.remove_writer(self.fd)
+            self.out = []
+        sock.close()
+        self.retry_at = time.monotonic() + FAST_RETRY_S
+        reqs = [r for _, r in self.inflight]
+        self.inflight.clear()
+        return reqs
+
+    def fail(self, exc: BaseException) -> None:
+        """Socket lost: its requests get the channels' retry policy."""
+        reqs = self._drop()
+        if reqs:
+            self.chan.on_conn_failed(reqs, exc)
+
+    def close(self) -> None:
+        for r in self._drop():
+            r.complete(TransferError("transfer engine closed"))
+
+    # -- requests (loop thread) ---------------------------------------------
+    def submit(self, r: WorkRequest) -> None:
+        rid = next(self.ids)
+        flags = crc = 0
+        if r.op is Op.WRITE:
+            if self.tr.checksum:
+                flags, crc = F_CRC, zlib.crc32(r.local)
+            bufs = [REQ.pack(r.op, flags, 0, crc, r.region, rid, r.offset, r.length)]
+            if r.length:
+                bufs.append(r.local)
+        else:
+            if self.tr.checksum:
+                flags = F_CRC
+            bufs = [REQ.pack(r.op, flags, 0, 0, r.region, rid, r.offset, r.length)]
+        r.sent = True
+        self.inflight.append((rid, r))
+        self._send(bufs)
+
+    def _send(self, bufs: list) -> None:
+        try:
+            sent = self.sock.sendmsg(bufs)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as e:
+            self.fail(e)
+            return
+        for i, b in enumerate(bufs):
+            n = len(b)
+            if sent < n:
+                rest = bufs[i:]
+                if sent:
+                    rest[0] = memoryview(b)[sent:]
+                if not self.out:
+                    self.loop.add_writer(self.fd, self._on_writable)
+                self.out = rest
+                return
+            sent -= n
+        if self.out:
+            self.out = []
+            self.loop.remove_writer(self.fd)
+
+    def _on_writable(self) -> None:
+        if self.sock is not None and self.out:
+            self._send(self.out)
+
+    def _on_readable(self) -> None:
+        sock = self.sock
+        try:
+            while sock is self.sock:
+                body = self.body
+                if body is not None:
+                    got = sock.recv_into(body[self.bpos:])
+                    if not got:
+                        raise ConnectionError("connection closed by peer")
+                    self.bpos += got
+                    if self.bpos < len(body):
+                        continue
+                    self.body = None
+                    self._finish_body(body)
+                    continue
+                if not self.inflight:
+                    return  # nothing expected; EOF/garbage shows up next time
+                got = sock.recv_into(self.hmv[self.hpos:])
+                if not got:
+                    raise ConnectionError("connection closed by peer")
+                self.hpos += got
+                if self.hpos < REP.size:
+                    continue
+                self.hpos = 0
+                _, status, _, crc, rid, length = REP.unpack_from(self.hdr)
+                if self.inflight[0][0] != rid:
+                    raise ConnectionError(f"reply for unknown request {rid}")
+                r = self.inflight[0][1]
+                if status == ST_OK:
+                    if r.op is Op.READ:
+                        if length != r.length:
+                            raise ConnectionError("READ reply has wrong length")
+                        if length:
+                            self.body, self.bpos, self.berr, self.bcrc = r.local, 0, -1, crc
+                            continue
+                        self.bcrc = crc
+                        self._finish_body(r.local)
+                        continue
+                    self.inflight.popleft()
+                    r.complete(None)
+                else:
+                    if length > MAX_NOTIFY_BYTES:
+                        raise ConnectionError("error reply too long")
+                    self.body = memoryview(bytearray(length))
+                    self.bpos, self.berr = 0, status
+                    if not length:
+                        self.body = None
+                        self._finish_body(memoryview(b""))
+        except (BlockingIOError, InterruptedError):
+            return
+        except Exception as e:  # noqa: BLE001 - any failure kills this socket
+            if sock is self.sock:
+                self.fail(e)
+
+    def _finish_body(self, body: memoryview) -> None:
+        tr = self.tr
+        _, r = self.inflight.popleft()
+        status, self.berr = self.berr, -1
+        if status < 0:  # READ data landed in local memory
+            if tr.checksum and zlib.crc32(body) != self.bcrc:
+                tr.counters.add("checksum_failures")
+                r.complete(TransferError(
+                    f"checksum mismatch reading {r.length} bytes from "
+                    f"{self.peer} region {r.region} offset {r.offset}"))
+            else:
+                r.complete(None)
+            return
+        if status == ST_CHECKSUM:
+            tr.counters.add("checksum_failures")
+        msg = bytes(body).decode("utf-8", "replace")
+        r.complete(TransferError(f"peer {self.peer}: {msg}"))
+
+
 class TcpTransport(Transport):
     """The TCP transport: authenticated, pipelined, multi-connection.
 
@@ -329,13 +555,21 @@ class TcpTransport(Transport):
         self._server_threads: set[threading.Thread] = set()
         self._regions: RegionTable | None = None
         self._on_notify: Callable[[bytes], None] | None = None
+        self._loop = None
+        self._loop_tid: int | None = None
+        self._lanes: dict[str, _FastLane] = {}  # loop thread only
+        self.fast_requests = 0
         self.address = ""
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self, regions: RegionTable,
                     on_notify: Callable[[bytes], None]) -> str:
+        import asyncio
+
         self._regions = regions
         self._on_notify = on_notify
+        self._loop = asyncio.get_running_loop()
+        self._loop_tid = threading.get_ident()
         family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
         ls = socket.socket(family, socket.SOCK_STREAM)
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -368,6 +602,16 @@ class TcpTransport(Transport):
             socks = list(self._server_socks)
         for c in channels:
             c.close()
+        lanes = list(self._lanes.values())
+        self._lanes.clear()
+        for lane in lanes:
+            if threading.get_ident() == self._loop_tid:
+                lane.close()
+            else:  # lanes belong to the loop thread
+                try:
+                    self._loop.call_soon_threadsafe(lane.close)
+                except RuntimeError:
+                    pass
         for s in socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -410,6 +654,16 @@ class TcpTransport(Transport):
             return
         if len(requests) == 1:
             r = requests[0]
+            if (r.length <= FAST_MAX_BYTES and r.op is not Op.NOTIFY
+                    and threading.get_ident() == self._loop_tid
+                    and not self.corrupt_next and not self.closed):
+                lane = self._lanes.get(peer)
+                if lane is None:
+                    lane = self._lanes[peer] = _FastLane(self, peer, chans[0], self._loop)
+                if lane.usable():
+                    self.fast_requests += 1  # loop thread only: no lock needed
+                    lane.submit(r)
+                    return
             if r.op is Op.NOTIFY:
                 chans[0].enqueue(requests)  # one ordered channel for notifies
             else:
@@ -561,4 +815,7 @@ class TcpTransport(Transport):
                 raise ConnectionError(f"bad opcode {op}")  # unrecoverable framing
 
     def stats(self) -> dict[str, int]:
-        return self.counters.snapshot()
+        out = self.counters.snapshot()
+        if self.fast_requests:
+            out["fast_lane_requests"] = self.fast_requests
+        return out

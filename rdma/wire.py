@@ -39,12 +39,19 @@ def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, role + a + b, hashlib.sha256).digest()
 
 
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> int:
-    """``recv_into`` until ``view`` is full; ConnectionError on EOF."""
+    """``recv_into`` until ``view`` is full; ConnectionError on EOF.
+
+    ``MSG_WAITALL`` lets the kernel fill the whole view in one system call on
+    a blocking socket (one GIL round trip instead of one per TCP segment
+    burst); a short return (signal, timeout socket) just loops."""
     n = len(view)
     pos = 0
     while pos < n:
-        got = sock.recv_into(view[pos:] if pos else view)
+        got = sock.recv_into(view[pos:] if pos else view, n - pos, _WAITALL)
         if not got:
             raise ConnectionError("connection closed by peer")
         pos += got

@@ -115,6 +115,7 @@ class LocalCluster:
         self.etcd_endpoint = etcd_endpoint or self.etcd.endpoint
         self.procs: dict[str, subprocess.Popen] = {}
         self._stopped: set[str] = set()
+        self._spawn_args: dict[str, tuple[str, list[str]]] = {}
 
     @property
     def conductor(self) -> str:
@@ -154,6 +155,8 @@ class LocalCluster:
                               *extra], stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.procs[name] = p
+        self._spawn_args[name] = (role, list(extra))
+        self._stopped.discard(name)
         return p
 
     def start(self, timeout: float = 90) -> "LocalCluster":
@@ -211,6 +214,17 @@ class LocalCluster:
                 p.kill()
                 p.wait()
         return p.returncode
+
+    def restart_process(self, name: str, sig: int = signal.SIGTERM,
+                        down_s: float = 0.0) -> subprocess.Popen:
+        """Stops ``name`` with ``sig`` (if it still runs), waits ``down_s``, and spawns it
+        again with the same role and arguments (same ports where they were fixed, e.g.
+        the conductor's)."""
+        self.stop_process(name, sig)
+        if down_s > 0:
+            time.sleep(down_s)
+        role, extra = self._spawn_args[name]
+        return self.spawn(name, role, extra)
 
     def stop(self) -> None:
         order = [n for n in self.procs if n.startswith(("prefill", "decode"))] + \

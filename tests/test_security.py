@@ -130,6 +130,15 @@ def _generate(c: LocalCluster, key: str | None, prompt: str = PROMPT, tls="clien
     return last.usage
 
 
+def _in_thread(coro):
+    """Runs ``coro`` on its own loop in its own thread (the transfer engine's I/O threads
+    and loop state stay out of this process's later grpc.aio loops)."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        return ex.submit(asyncio.run, coro).result(60)
+
+
 def _status_code(fn) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as e:
         fn()
@@ -257,8 +266,8 @@ def test_data_plane_refuses_wrong_secret(cluster):
             await te.close()
 
     with pytest.raises(TransferError, match="secret"):
-        asyncio.run(attempt(b"a-wrong-secret"))
-    asyncio.run(attempt(DEV_SECRET.encode()))  # the control: the right secret reads
+        _in_thread(attempt(b"a-wrong-secret"))
+    _in_thread(attempt(DEV_SECRET.encode()))  # the control: the right secret reads
     # the node keeps serving
     assert _generate(cluster, "ka", "still serving? " * 3, max_tokens=3).completion_tokens == 3
     assert all(p.poll() is None for p in cluster.procs.values())

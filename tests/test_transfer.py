@@ -305,6 +305,139 @@ async def test_closed_engine_peer_fails_fast(pair):
         await asyncio.wait_for(a.write(b.address, [Slice(r_src, 0, r_dst, 0, 1000)]), 10)
 
 
+async def _warm_fast_lane(a: TransferEngine, peer: str, region: int, remote: int) -> None:
+    """Issue single small reads until the loop-driven fast lane carries them."""
+    deadline = time.monotonic() + 10
+    while a.stats.get("fast_lane_requests", 0) == 0:
+        assert time.monotonic() < deadline, "fast lane never came up"
+        await a.read(peer, [Slice(region, 0, remote, 0, 1)])
+        await asyncio.sleep(0.01)
+
+
+async def test_single_small_ops_fast_lane_keeps_semantics(pair):
+    a, b = pair
+    rng = np.random.default_rng(7)
+    size = 4 * MiB
+    src = rng.integers(0, 256, size=size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    back = np.zeros(size, dtype=np.uint8)
+    r_src, r_dst, r_back = a.register(src), b.register(dst), a.register(back)
+    await _warm_fast_lane(a, b.address, r_back, r_dst)
+    before = a.stats["fast_lane_requests"]
+    # one slice per call, awaited one at a time, sizes around the lane limit
+    for i in range(150):
+        n = int(rng.choice([1, 100, 4096, 65536, 65537, 256 << 10, (256 << 10) + 1, 700_000]))
+        off = int(rng.integers(0, size - n))
+        await a.write(b.address, [Slice(r_src, off, r_dst, off, n)])
+        assert np.array_equal(dst[off:off + n], src[off:off + n])
+        roff = int(rng.integers(0, size - n))
+        await a.read(b.address, [Slice(r_back, roff, r_dst, off, n)])
+        assert np.array_equal(back[roff:roff + n], src[off:off + n])
+    assert a.stats["fast_lane_requests"] - before >= 150  # most went over the lane
+    # error statuses come back over the lane; the lane keeps working
+    with pytest.raises(TransferError, match="unknown region 4242"):
+        await a.write(b.address, [Slice(r_src, 0, 4242, 0, 16)])
+    with pytest.raises(TransferError, match="out of bounds"):
+        await a.write(b.address, [Slice(r_src, 0, r_dst, size - 10, 100)])
+    with pytest.raises(TransferError, match="out of bounds"):
+        await a.read(b.address, [Slice(r_back, 0, r_dst, size - 10, 100)])
+    n0 = a.stats["fast_lane_requests"]
+    await a.write(b.address, [Slice(r_src, 0, r_dst, 0, 1000)])
+    assert a.stats["fast_lane_requests"] == n0 + 1
+    # notify after a lane write still sees the data
+    got: list[bool] = []
+    seen = asyncio.Event()
+
+    def handler(payload: bytes) -> None:
+        got.append(bool(np.array_equal(dst[:5000], src[5000:10000])))
+        seen.set()
+
+    b.add_notify_handler(handler)
+    a.write(b.address, [Slice(r_src, 5000, r_dst, 0, 5000)])  # not awaited
+    await a.notify(b.address, b"n")
+    await asyncio.wait_for(seen.wait(), 10)
+    assert got == [True]
+    # many concurrent small ops (lane + channels) and a call from another thread
+    ws = [a.write(b.address, [Slice(r_src, k * 9000, r_dst, k * 9000, 9000)]) for k in range(60)]
+    await asyncio.gather(*ws)
+    assert np.array_equal(dst[:540_000], src[:540_000])
+    t = await asyncio.to_thread(a.read, b.address, [Slice(r_back, 0, r_dst, 0, 3000)])
+    await t
+    assert np.array_equal(back[:3000], src[:3000])
+    assert a.stats["transfers_failed"] == 3
+
+
+async def test_fast_lane_checksum_and_corruption():
+    a = TransferEngine(SECRET, checksum=True)
+    b = TransferEngine(SECRET, checksum=True)
+    await a.start()
+    await b.start()
+    try:
+        src = np.random.default_rng(8).integers(0, 256, size=MiB, dtype=np.uint8)
+        dst, back = np.zeros_like(src), np.zeros_like(src)
+        r_src, r_dst, r_back = a.register(src), b.register(dst), a.register(back)
+        await _warm_fast_lane(a, b.address, r_back, r_dst)
+        await a.write(b.address, [Slice(r_src, 0, r_dst, 0, 60_000)])
+        await a.read(b.address, [Slice(r_back, 0, r_dst, 0, 60_000)])
+        assert np.array_equal(back[:60_000], src[:60_000])
+        n0 = a.stats["fast_lane_requests"]
+        b._corrupt_next = True  # server flips a READ byte after its crc
+        with pytest.raises(TransferError, match="checksum mismatch"):
+            await a.read(b.address, [Slice(r_back, 0, r_dst, 0, 60_000)])
+        assert a.stats["fast_lane_requests"] == n0 + 1  # detected on the lane
+        a._corrupt_next = True  # client flips a WRITE byte after its crc
+        with pytest.raises(TransferError, match="checksum mismatch"):
+            await a.write(b.address, [Slice(r_src, 0, r_dst, 0, 60_000)])
+        assert a.stats["checksum_failures"] == 2
+        await a.write(b.address, [Slice(r_src, 0, r_dst, 0, 60_000)])
+        await a.read(b.address, [Slice(r_back, 0, r_dst, 0, 60_000)])
+        assert np.array_equal(back[:60_000], src[:60_000])
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_fast_lane_lost_connection_retries_then_peer_gone_fails(pair, monkeypatch):
+    import rdma.tcp as tcp
+
+    monkeypatch.setattr(tcp, "FAST_RETRY_S", 0.0)
+    a, b = pair
+    src = np.random.default_rng(9).integers(0, 256, size=MiB, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    r_src, r_dst = a.register(src), b.register(dst)
+    await _warm_fast_lane(a, b.address, r_src, r_dst)
+    lane = a._transport._lanes[b.address]
+    n0, retries0 = a.stats["fast_lane_requests"], a.stats.get("retries", 0)
+    lane.sock.shutdown(socket.SHUT_WR)  # the lane breaks; the loop has not noticed
+    t = a.write(b.address, [Slice(r_src, 0, r_dst, 0, 50_000)])
+    assert a.stats["fast_lane_requests"] == n0 + 1  # tried on the lane...
+    await asyncio.wait_for(t, 10)  # ...and retried on a channel
+    assert np.array_equal(dst[:50_000], src[:50_000])
+    assert a.stats["retries"] == retries0 + 1
+    await _warm_fast_lane(a, b.address, r_src, r_dst)  # reconnects
+    await b.close()
+    with pytest.raises(TransferError):
+        await asyncio.wait_for(a.write(b.address, [Slice(r_src, 0, r_dst, 0, 1000)]), 10)
+    with pytest.raises(TransferError):
+        await asyncio.wait_for(a.read(b.address, [Slice(r_src, 0, r_dst, 0, 1000)]), 10)
+
+
+async def test_cancelled_awaiter_does_not_disturb_others(pair):
+    a, b = pair
+    src = np.random.default_rng(11).integers(0, 256, size=32 * MiB, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    r_src, r_dst = a.register(src), b.register(dst)
+    t = a.write(b.address, [Slice(r_src, 0, r_dst, 0, 32 * MiB)])
+    assert t.wait(0) is False or t.done()
+    other = asyncio.ensure_future(asyncio.wait_for(t, 20))
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(t, 0.0001)  # cancels only this awaiter
+    assert await other is t
+    assert await t is t and t.status is TransferStatus.DONE
+    assert await asyncio.to_thread(t.wait, 5) is True and t.wait(0) is True
+    assert np.array_equal(src, dst)
+
+
 PEER_SCRIPT = textwrap.dedent("""
     import asyncio, sys
     import numpy as np

@@ -220,3 +220,57 @@ def _with_principal(handler, principal: Principal):
 def api_key_from_env() -> str:
     """The client's API key from ``KVMESH_API_KEY`` (CLI default)."""
     return os.environ.get("KVMESH_API_KEY", "")
+
+
+class _Undecodable:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class StrictDecoding(grpc.aio.ServerInterceptor):
+    """The client API answers bytes that are not a valid request message (truncated
+    frames, wrong wire types, non-UTF-8 strings) with INVALID_ARGUMENT instead of gRPC's
+    UNKNOWN/INTERNAL and its logged stack trace."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if (handler is None or not _protected(details.method)
+                or handler.request_deserializer is None):
+            return handler
+        deserialize = handler.request_deserializer
+        method = details.method
+
+        def safe(data: bytes):
+            try:
+                return deserialize(data)
+            except Exception as e:  # google.protobuf.message.DecodeError and kin
+                return _Undecodable(e)
+
+        def refuse_message(req: _Undecodable) -> str:
+            return (f"the request is not a valid {method.rsplit('/', 1)[-1]} message "
+                    f"({type(req.error).__name__}: {str(req.error)[:200]})")
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, ctx):
+                if isinstance(request, _Undecodable):
+                    await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, refuse_message(request))
+                return await inner(request, ctx)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, request_deserializer=safe,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            inner_s = handler.unary_stream
+
+            async def unary_stream(request, ctx):
+                if isinstance(request, _Undecodable):
+                    await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, refuse_message(request))
+                async for item in inner_s(request, ctx):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, request_deserializer=safe,
+                response_serializer=handler.response_serializer)
+        return handler

@@ -12,6 +12,9 @@ OpenTelemetry tracer provider only when one of these is set:
       a directory (or ends with "/"), each process writes ``<role>-<pid>.jsonl`` in it.
 
 Otherwise the OpenTelemetry API stays a no-op and no interceptor is installed.
+The same call starts the OpenTelemetry *metrics* export (``services.common.otel_metrics``:
+the Prometheus registry bridged to OTel instruments) under the same OTLP variables, or
+KVMESH_METRICS_FILE; ``shutdown_tracing`` flushes both.
 
 Context crosses processes as W3C ``traceparent`` in gRPC metadata: a client interceptor
 (added to every ``grpc.aio.insecure_channel`` of the process) starts a CLIENT span per
@@ -113,23 +116,53 @@ def read_spans(path: str) -> list[dict[str, Any]]:
     return out
 
 
-def _otlp_exporter():
-    try:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    except ImportError:
+_OTLP_MODULES = {  # signal -> (module suffix, exporter class)
+    "traces": ("trace_exporter", "OTLPSpanExporter"),
+    "metrics": ("metric_exporter", "OTLPMetricExporter"),
+}
+
+
+def otlp_exporter(signal: str = "traces"):
+    """The OTLP exporter of ``signal`` ("traces" or "metrics"), or None if its package is
+    missing. OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL choose it
+    ("grpc" or "http/protobuf"); unset, gRPC is tried first, then HTTP."""
+    import importlib
+
+    proto = (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+             or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "").strip().lower()
+    kinds = ["http"] if proto.startswith("http") else ["grpc"] if proto == "grpc" else ["grpc", "http"]
+    module, cls = _OTLP_MODULES[signal]
+    for kind in kinds:
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            mod = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{kind}.{module}")
         except ImportError:
-            log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but no OTLP exporter is installed "
-                        "(pip install opentelemetry-exporter-otlp-proto-grpc); not exporting")
-            return None
-    return OTLPSpanExporter()
+            continue
+        return getattr(mod, cls)()
+    pkg = " or ".join(f"opentelemetry-exporter-otlp-proto-{k}" for k in kinds)
+    log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but no OTLP exporter (%s) is installed "
+                "(pip install %s); not exporting %s", proto or "grpc/http", pkg, signal)
+    return None
+
+
+def _otlp_exporter():
+    return otlp_exporter("traces")
+
+
+def _setup_metrics(role: str, node_id: str) -> None:
+    """OpenTelemetry export of the kvmesh_* metrics (``services.common.otel_metrics``)."""
+    try:
+        from services.common import otel_metrics
+
+        otel_metrics.setup_metrics(role, node_id)
+    except Exception as e:  # metrics export is optional; never block a service
+        log.warning("OpenTelemetry metrics not started: %s", e)
 
 
 def setup_tracing(role: str, node_id: str) -> bool:
     """Installs the tracer provider and the gRPC client interceptors if an exporter is
     configured (see the module doc); returns whether tracing is on. Idempotent."""
     global _enabled, _provider
+    _setup_metrics(role, node_id)
     if _enabled:
         return True
     trace_file = os.environ.get("KVMESH_TRACE_FILE", "")
@@ -159,6 +192,9 @@ def setup_tracing(role: str, node_id: str) -> bool:
 
 
 def shutdown_tracing() -> None:
+    from services.common import otel_metrics
+
+    otel_metrics.shutdown_metrics()
     if _provider is not None:
         try:
             _provider.shutdown()

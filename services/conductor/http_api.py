@@ -22,7 +22,9 @@ Errors follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``
 -> 400 ``invalid_request_error``; early rejection (the TTFT SLO cannot be met, or no KV
 room) -> 429 with ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``;
 no node for the model -> 503; a failure after streaming began ends the SSE stream with
-an ``error`` event.
+an ``error`` event. With conductor ``--api-keys`` every /v1 endpoint wants
+``Authorization: Bearer <key>`` (missing or wrong -> 401 ``authentication_error``); the
+key's tenant salts the request's prefix hashes (see ``services.common.auth``).
 
 Chat template: the checkpoint's ``chat_template`` from ``tokenizer_config.json`` (found
 through the nodes' ``model_path``) rendered with jinja2 when both exist; otherwise the

@@ -368,6 +368,24 @@ class Conductor(Service):
         except grpc.aio.AioRpcError as e:
             log.warning("releasing %s on %s failed: %s", rid, d.node_id, e.code())
 
+    async def _unless_gone(self, node: NodeInfo, call, poll_s: float = 0.25):
+        """Awaits the unary ``call`` to ``node``, cancelling it with UNAVAILABLE once the
+        node leaves the membership (lease expired: e.g. cut off by the network, where the
+        call would otherwise hang until its deadline with no RST to end it)."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
+                if done:
+                    return task.result()
+                if all(n.node_id != node.node_id for n in self.view.nodes(node.role)):
+                    raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                                   f"{node.role} node {node.node_id} left the cluster "
+                                   f"mid-request")
+        finally:
+            if not task.done():
+                task.cancel()
+
     async def _prefill(self, r: Request, d: Decision, tokens, target, req):
         """Prefill on the chosen node; a node that fails is skipped for the next
         disaggregated candidate (at most three tries)."""
@@ -377,9 +395,11 @@ class Conductor(Service):
         for node_id in order[:3]:
             try:
                 node = self._node("prefill", node_id)
-                resp = await self.view.prefill_stub(node).Prefill(pb.PrefillRequest(
-                    request_id=r.request_id, token_ids=tokens, block_hashes=r.hashes,
-                    target=target, sampling=req.sampling), timeout=self.cfg.request_timeout_s)
+                resp = await self._unless_gone(node, self.view.prefill_stub(node).Prefill(
+                    pb.PrefillRequest(request_id=r.request_id, token_ids=tokens,
+                                      block_hashes=r.hashes, target=target,
+                                      sampling=req.sampling),
+                    timeout=self.cfg.request_timeout_s))
                 return resp, node
             except grpc.aio.AioRpcError as e:
                 last = f"{node_id}: {e.code().name} {e.details()}"
@@ -388,6 +408,7 @@ class Conductor(Service):
                 log.warning("prefill on %s failed (%s); trying the next node", node_id, last)
             except Rejected as e:
                 last = e.message
+                log.warning("prefill on %s failed (%s); trying the next node", node_id, last)
         raise Rejected(grpc.StatusCode.UNAVAILABLE, f"prefill failed on every candidate "
                                                     f"(last: {last}); retry the request")
 

@@ -5,9 +5,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-import torch
+if TYPE_CHECKING:
+    import torch
+else:
+    class _LazyTorch:
+        """torch on first use: the conductor validates Sampling without ever sampling,
+        and importing torch would add seconds to its (re)start."""
+
+        def __getattr__(self, name):
+            import torch as _torch
+
+            globals()["torch"] = _torch
+            return getattr(_torch, name)
+
+    torch = _LazyTorch()
 
 
 @dataclass(frozen=True)
