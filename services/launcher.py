@@ -48,7 +48,9 @@ class Etcd:
             [binary, "--name", "kvmesh", "--data-dir", self.data_dir,
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"kvmesh={peer}", "--log-level", "error"],
+             "--initial-cluster", f"kvmesh={peer}", "--log-level", "error",
+             # a single member: elect itself fast after a restart
+             "--heartbeat-interval", "50", "--election-timeout", "500"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
