@@ -367,8 +367,11 @@ class HttpApi:
 
     async def _run(self, request: web.Request, req: pb.GenerateRequest, opts: dict,
                    chat: bool) -> web.StreamResponse:
-        from services.conductor.server import Rejected
+        from services.common.auth import current_principal
+        from services.conductor.server import Rejected, client_id
 
+        client_id.set(current_principal.get().tenant if self.c.api_keys.enabled
+                      else (request.remote or ""))
         created = int(time.time())
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         agen = observed(self.c, req)

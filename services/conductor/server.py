@@ -21,6 +21,8 @@ fails afterwards ends the stream with UNAVAILABLE (the client retries).
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextvars
 import logging
 import time
 import uuid
@@ -31,7 +33,8 @@ import grpc
 
 from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
-from services.common.auth import ApiKeyInterceptor, ApiKeys, StrictDecoding, tenant_seed
+from services.common.auth import (ApiKeyInterceptor, ApiKeys, StrictDecoding,
+                                  current_principal, tenant_seed)
 from services.common.config import ConfigError, load, option
 from services.common.hashing import prefix_hashes
 from services.common.registry import Membership, nodes_prefix
@@ -69,6 +72,13 @@ class ConductorConfig(ServiceConfig):
                                      "the SLO (room for estimate error)")
     report_interval_ms: float = option(200.0, "period of the nodes' load reports")
     request_timeout_s: float = option(300.0, "longest a request may run end to end")
+    max_prompt_tokens: int = option(0, "longest prompt accepted, in tokens (0 = the model's "
+                                       "context)")
+    max_tokens_limit: int = option(4096, "largest max_tokens a request may ask for")
+    max_streams_per_client: int = option(64, "concurrent Generate streams per client (API "
+                                             "key, else peer address)")
+    drain_timeout_s: float = option(20.0, "on shutdown, how long in-flight streams may take "
+                                          "to finish before they end with UNAVAILABLE")
     http_port: int = option(8000, "OpenAI-compatible HTTP API port on --host (0 = any free port, "
                                   "advertised in etcd as \"http\"; -1 = off)")
     api_keys: str = option("", "client API keys, comma-separated entries KEY, KEY:TENANT or "
@@ -89,6 +99,10 @@ class ConductorConfig(ServiceConfig):
             raise ConfigError("colocate_below_tokens must be >= 0 and direct_share in (0, 1]")
 
 
+# who is calling, for the per-client stream limit: the API key's tenant, or the peer address
+client_id: contextvars.ContextVar[str] = contextvars.ContextVar("kvmesh_client", default="")
+
+
 class Rejected(Exception):
     def __init__(self, code: grpc.StatusCode, message: str,
                  metadata: tuple[tuple[str, str], ...] = ()) -> None:
@@ -101,6 +115,9 @@ class ConductorServicer(pbg.ConductorServicer):
         self.c = c
 
     async def Generate(self, req, context):
+        principal = current_principal.get()
+        client_id.set(principal.tenant if self.c.api_keys.enabled
+                      else (context.peer() or "").rsplit(":", 1)[0])
         try:
             async for resp in observed(self.c, req):
                 yield resp
@@ -135,6 +152,9 @@ class Conductor(Service):
         self.request_stats = RequestStats()
         self.http: HttpApi | None = None
         self.decisions: deque[dict] = deque(maxlen=1024)
+        self._streams: collections.Counter[str] = collections.Counter()
+        self._draining = False        # no new requests
+        self._abort_streams = False   # in-flight streams end with UNAVAILABLE
 
     async def setup(self) -> None:
         pbg.add_ConductorServicer_to_server(ConductorServicer(self), self.server)
@@ -145,6 +165,17 @@ class Conductor(Service):
         self._model_metrics = ModelErrorCollector(self.sched)
         METRICS_REGISTRY.register(self._model_metrics)
         await self.membership.start()
+
+    async def drain(self) -> None:
+        """In-flight streams get ``drain_timeout_s`` to finish; the rest end with a status."""
+        self._draining = True
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._abort_streams = True
+        deadline = time.monotonic() + 2
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def teardown(self) -> None:
         if self.http is not None:
@@ -191,6 +222,12 @@ class Conductor(Service):
             raise Rejected(bad, "the prompt is empty: give prompt text or token_ids")
         if req.max_tokens <= 0:
             raise Rejected(bad, f"max_tokens must be > 0, got {req.max_tokens}")
+        if req.max_tokens > self.cfg.max_tokens_limit:
+            raise Rejected(bad, f"max_tokens is {req.max_tokens}; this cluster allows at most "
+                                f"{self.cfg.max_tokens_limit}")
+        if self.cfg.max_prompt_tokens and len(tokens) > self.cfg.max_prompt_tokens:
+            raise Rejected(bad, f"the prompt has {len(tokens)} tokens; this cluster accepts at "
+                                f"most {self.cfg.max_prompt_tokens}")
         ctx = int(info.get("max_context", 0))
         if len(tokens) + req.max_tokens > ctx:
             raise Rejected(bad, f"the prompt has {len(tokens)} tokens and max_tokens is "
@@ -225,6 +262,32 @@ class Conductor(Service):
 
     # -- the request's life --------------------------------------------------------------
     async def generate(self, req: pb.GenerateRequest):
+        """The request's life (module docstring), within the per-client stream limit and
+        the shutdown drain."""
+        if self._draining:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "this conductor is shutting down; "
+                                                        "retry on another conductor")
+        client = client_id.get()
+        if self._streams[client] >= self.cfg.max_streams_per_client:
+            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"client {client!r} already has {self._streams[client]} streams "
+                           f"open (limit {self.cfg.max_streams_per_client}); retry when one "
+                           f"ends", (("retry-after-ms", "1000"),
+                                     ("kvmesh-reject-reason", "client_streams")))
+        self._streams[client] += 1
+        try:
+            async for resp in self._generate(req):
+                if self._abort_streams:
+                    raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                                   "this conductor shut down before the stream ended; retry "
+                                   "the request")
+                yield resp
+        finally:
+            self._streams[client] -= 1
+            if not self._streams[client]:
+                del self._streams[client]
+
+    async def _generate(self, req: pb.GenerateRequest):
         t_arrival = time.perf_counter()
         model, fp = self._resolve_model(req.model)
         info = next(n.raw for n in self.view.nodes("prefill") + self.view.nodes("decode")
@@ -236,7 +299,9 @@ class Conductor(Service):
                                tokens, bs)  # the tenant's namespace first: see common.auth
         ttft_slo = min(req.slo.ttft_ms or self.cfg.ttft_slo_ms, self.cfg.ttft_slo_ms)
         tbt_slo = min(req.slo.tbt_ms or self.cfg.tbt_slo_ms, self.cfg.tbt_slo_ms)
-        r = Request(rid, len(tokens), hashes, req.max_tokens, ttft_slo, tbt_slo)
+        # the time this request already spent here (parsing, hashing, lookups) counts too
+        spent_ms = (time.perf_counter() - t_arrival) * 1000
+        r = Request(rid, len(tokens), hashes, req.max_tokens, ttft_slo - spent_ms, tbt_slo)
         t_admit = time.time_ns()
         d = await self._decide(r, fp)
         record_span("conductor.admission", t_admit, attributes=admission_attributes(r, d))

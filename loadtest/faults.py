@@ -1,0 +1,723 @@
+"""Fault suite and overload run on a real local cluster (issue 9).
+
+    python -m loadtest.faults              # every fault, ~6-8 min on 2 cores
+    python -m loadtest.faults --quick      # shorter phases
+    python -m loadtest.faults --only kill-decode,conductor-restart
+    python -m loadtest.faults --overload   # 3x capacity for a minute (capacity measured first)
+
+Each fault runs under a steady, bounded load: ``--concurrency`` closed-loop clients send
+greedy requests whose exact outputs are known beforehand (``LlamaModel.reference_generate``
+of the ``tiny`` preset, computed here from scratch). A client retries a request on
+UNAVAILABLE, DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED (after its ``retry-after-ms``) until
+the request's deadline. For each fault we check:
+
+- zero wrong tokens: every finished output equals the reference, and every partial output
+  of a failed attempt is a prefix of it;
+- every request ends with its full output or a retriable status within its deadline, and
+  none hangs (each attempt has a gRPC deadline; a request still open ``HANG_SLACK_S`` after
+  its deadline counts as hung);
+- recovery: the time from the fault until the last failed attempt ended (after which every
+  attempt succeeded), and the time until the cluster is whole again (the victim left the
+  conductor's view, or the restarted service is back), both against the lease TTL + 5 s.
+
+Faults: SIGKILL of a prefill node, of a decode node, of the node holding the most store
+blocks; conductor, store-master and etcd restarts; a network cut and heal between a prefill
+node in its own network namespace (joined by a veth pair) and the rest of the cluster; KV
+bytes flipped on the data plane (``KVMESH_FAULT_CORRUPT_EVERY``, nodes run ``--checksum``).
+
+Results: ``loadtest/results/faults.md`` and ``faults.json`` (``overload.md/json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from protos import kvmesh_pb2 as pb  # noqa: E402
+from protos import kvmesh_pb2_grpc as pbg  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RETRIABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
+EOS = 257
+TTL = 3
+HANG_SLACK_S = 5.0
+NODE_ARGS = ["--model", "tiny", "--block-size", "16", "--kv-memory", "16MiB",
+             "--segment-memory", "16MiB", "--threads", "1"]
+DISAGG_ONLY = ["--colocate-below-tokens", "0", "--direct-share", "1.0"]
+
+
+# -- requests with known outputs ------------------------------------------------------------
+def make_prompts(n: int = 24, seed: int = 7) -> list[list[int]]:
+    """``n`` prompts of byte tokens: 3 shared 32-token "system prompts" (two full blocks of
+    16, so the prefix cache and the store are used) + a distinct 12..44-token suffix."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(32, 127) for _ in range(32)] for _ in range(3)]
+    return [systems[i % 3] + [rng.randrange(32, 127) for _ in range(rng.randrange(12, 45))]
+            for i in range(n)]
+
+
+def expected_outputs(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import torch
+
+    from services.engine.model import LlamaModel
+
+    torch.set_num_threads(1)  # the cluster shares these cores
+    model = LlamaModel.from_preset("tiny", seed=0)
+    return [model.reference_generate(p, max_tokens, eos_id=EOS) for p in prompts]
+
+
+@dataclass
+class Attempt:
+    t_start: float
+    t_end: float = 0.0
+    code: str = "OK"
+    tokens: int = 0
+    detail: str = ""
+    prefill: str = ""
+    decode: str = ""
+
+
+@dataclass
+class Req:
+    idx: int
+    t_start: float
+    deadline_s: float
+    t_end: float = 0.0
+    outcome: str = ""          # ok | wrong | failed (retriable, deadline) | error | hung
+    attempts: list[Attempt] = field(default_factory=list)
+    wrong_partial: bool = False
+    last_code: str = ""
+    ttft_s: float | None = None
+    tbt_s: list[float] = field(default_factory=list)
+
+
+async def run_request(stub, idx: int, prompt: list[int], expect: list[int], max_tokens: int,
+                      t0: float, deadline_s: float, *, slo: tuple[float, float] | None = None,
+                      retry: bool = True, attempt_timeout_s: float | None = None,
+                      salt: str = "") -> Req:
+    """One request to its end: retries retriable statuses until ``deadline_s``."""
+    start = time.perf_counter()
+    req = Req(idx, start - t0, deadline_s)
+    backoff = 0.1
+    while True:
+        left = deadline_s - (time.perf_counter() - start)
+        if left <= 0.05:
+            req.outcome = "failed"
+            break
+        att = Attempt(time.perf_counter() - t0)
+        req.attempts.append(att)
+        g = pb.GenerateRequest(token_ids=prompt, max_tokens=max_tokens,
+                               sampling=pb.SamplingParams(temperature=0.0), cache_salt=salt)
+        if slo:
+            g.slo.ttft_ms, g.slo.tbt_ms = slo
+        got: list[int] = []
+        retry_after = 0.0
+        a0, last_t = time.perf_counter(), None
+        times: list[float] = []
+        try:
+            call = stub.Generate(g, timeout=min(left, attempt_timeout_s or left))
+            async for r in call:
+                if r.HasField("route"):
+                    att.prefill, att.decode = r.route.prefill_node, r.route.decode_node
+                if r.token_ids:
+                    now = time.perf_counter()
+                    times.append(now - a0)
+                    got.extend(r.token_ids)
+                if r.finish_reason:
+                    break
+            att.code = "OK"
+        except grpc.aio.AioRpcError as e:
+            att.code = e.code().name
+            att.detail = (e.details() or "")[:200]
+            for k, v in (e.trailing_metadata() or ()):
+                if k == "retry-after-ms":
+                    try:
+                        retry_after = float(v) / 1000
+                    except ValueError:
+                        pass
+        att.t_end = time.perf_counter() - t0
+        att.tokens = len(got)
+        req.last_code = att.code
+        if got != expect[:len(got)]:
+            req.wrong_partial = True
+        if att.code == "OK":
+            req.outcome = "ok" if got == expect else "wrong"
+            if times:
+                req.ttft_s = times[0]
+                req.tbt_s = [b - a for a, b in zip(times, times[1:])]
+            break
+        if att.code not in RETRIABLE:
+            req.outcome = "error"
+            break
+        if not retry:
+            req.outcome = "failed"
+            break
+        wait = retry_after if att.code == "RESOURCE_EXHAUSTED" and retry_after else backoff
+        backoff = min(backoff * 2, 1.0)
+        left = deadline_s - (time.perf_counter() - start)
+        if wait >= left:
+            req.outcome = "failed"
+            break
+        await asyncio.sleep(wait)
+    req.t_end = time.perf_counter() - t0
+    return req
+
+
+class Load:
+    """``concurrency`` closed-loop clients over the prompt set until stopped."""
+
+    def __init__(self, conductor: str, prompts, expect, max_tokens: int, concurrency: int,
+                 deadline_s: float, think_s: float = 0.05) -> None:
+        self.conductor, self.prompts, self.expect = conductor, prompts, expect
+        self.max_tokens, self.concurrency = max_tokens, concurrency
+        self.deadline_s, self.think_s = deadline_s, think_s
+        self.reqs: list[Req] = []
+        self.hung = 0
+        self._stop = asyncio.Event()
+        self.t0 = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def _client(self, stub, k: int) -> None:
+        i = k
+        while not self._stop.is_set():
+            idx = i % len(self.prompts)
+            # every other request gets a fresh cache salt: nothing of it is cached, so it
+            # takes the prefill node -> decode node route (the others hit the caches)
+            salt = f"s{i}-{random.random()}" if (i // self.concurrency) % 2 == 0 else ""
+            i += self.concurrency
+            try:
+                r = await asyncio.wait_for(
+                    run_request(stub, idx, self.prompts[idx], self.expect[idx],
+                                self.max_tokens, self.t0, self.deadline_s, salt=salt),
+                    self.deadline_s + HANG_SLACK_S)
+            except asyncio.TimeoutError:
+                self.hung += 1
+                r = Req(idx, self.now() - self.deadline_s - HANG_SLACK_S, self.deadline_s,
+                        self.now(), "hung")
+            self.reqs.append(r)
+            await asyncio.sleep(self.think_s)
+
+    async def run(self, body) -> None:
+        """Runs the clients while ``body(load)`` (a coroutine function) runs."""
+        self.t0 = time.perf_counter()
+        async with grpc.aio.insecure_channel(self.conductor) as ch:
+            stub = pbg.ConductorStub(ch)
+            clients = [asyncio.create_task(self._client(stub, k))
+                       for k in range(self.concurrency)]
+            try:
+                await body(self)
+            finally:
+                self._stop.set()
+                await asyncio.gather(*clients, return_exceptions=True)
+
+
+def summarize(name: str, load: Load, t_fault: float, extra: dict) -> dict:
+    reqs = load.reqs
+    count = lambda o: sum(1 for r in reqs if r.outcome == o)  # noqa: E731
+    atts = [a for r in reqs for a in r.attempts]
+    failed_atts = [a for a in atts if a.code != "OK"]
+    after = [a for a in failed_atts if a.t_end >= t_fault - 0.5]
+    last_fail = max((a.t_end for a in after), default=t_fault)
+    ok_after = sum(1 for a in atts if a.code == "OK" and a.t_start > last_fail)
+    codes: dict[str, int] = {}
+    for a in failed_atts:
+        codes[a.code] = codes.get(a.code, 0) + 1
+    routed: dict[str, dict[str, int]] = {}   # attempts per node before / after the fault
+    for a in atts:
+        for node in filter(None, (a.prefill, a.decode)):
+            d = routed.setdefault(node, {"before": 0, "after": 0})
+            w = "before" if a.t_start < t_fault else "after"
+            if "t_heal" in extra and t_fault <= a.t_start < extra["t_heal"]:
+                w = "during"
+            d[w] = d.get(w, 0) + 1
+    # the longest stretch after the fault with no request completing (a stall shows here
+    # even when nothing fails), and the slowest attempt in flight across the fault
+    ends = sorted(a.t_end for a in atts if a.code == "OK" and a.t_end >= t_fault)
+    marks = [t_fault, *ends]
+    gap = max((b - a for a, b in zip(marks, marks[1:])), default=0.0)
+    slowest = max((a.t_end - a.t_start for a in atts if a.t_end >= t_fault), default=0.0)
+    over = [r for r in reqs if r.t_end - r.t_start > r.deadline_s + 0.5 and r.outcome != "hung"]
+    return {
+        "fault": name, "requests": len(reqs), "completed": count("ok"),
+        "retried": sum(1 for r in reqs if len(r.attempts) > 1),
+        "completed_after_retry": sum(1 for r in reqs if r.outcome == "ok" and len(r.attempts) > 1),
+        "failed_retriable": count("failed"), "failed_other": count("error"),
+        "wrong": count("wrong") + sum(1 for r in reqs if r.wrong_partial and r.outcome != "wrong"),
+        "hung": count("hung") + len(over), "failed_attempts": len(failed_atts),
+        "failed_codes": codes,
+        "errors": sorted({a.detail for r in reqs for a in r.attempts
+                          if a.code not in RETRIABLE | {"OK"}})[:5],
+        "last_failure_s": round(last_fail - t_fault, 2), "max_gap_s": round(gap, 2),
+        "slowest_attempt_s": round(slowest, 2),
+        "ok_after_recovery": ok_after, "routed": routed, **extra,
+    }
+
+
+# -- cluster helpers --------------------------------------------------------------------------
+def live_nodes(conductor: str, reachable_only: bool = False) -> set[str]:
+    """Node ids in the conductor's view (registered in etcd), or only the reachable ones."""
+    try:
+        with grpc.insecure_channel(conductor) as ch:
+            s = pbg.ConductorStub(ch).ClusterStatus(pb.ClusterStatusRequest(), timeout=2)
+        return {n.node_id for n in s.nodes if n.reachable or not reachable_only}
+    except grpc.RpcError:
+        return set()
+
+
+def wait_for(pred, timeout: float, step: float = 0.1) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(step)
+    return None
+
+
+def rss_mib(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def proc_pids(cluster) -> dict[str, int]:
+    out = {n: p.pid for n, p in cluster.procs.items() if p.poll() is None}
+    if cluster.etcd and cluster.etcd.proc and cluster.etcd.proc.poll() is None:
+        out["etcd"] = cluster.etcd.proc.pid
+    return out
+
+
+def count_in_logs(workdir: str, needle: str) -> int:
+    n = 0
+    for p in Path(workdir).glob("*.log"):
+        try:
+            n += p.read_text(errors="replace").count(needle)
+        except OSError:
+            pass
+    return n
+
+
+async def store_holders(master_addr: str, seconds: float = 1.0) -> dict[str, int]:
+    """Replicas per node: the store-master's snapshot (+ events for ``seconds``)."""
+    held: dict[str, int] = {}
+    async with grpc.aio.insecure_channel(master_addr) as ch:
+        stream = pbg.StoreMasterStub(ch).WatchBlocks(pb.WatchBlocksRequest(snapshot=True))
+        try:
+            async with asyncio.timeout(seconds):
+                async for ev in stream:
+                    d = 1 if ev.type == "stored" else -1 if ev.type == "removed" else 0
+                    held[ev.node_id] = held.get(ev.node_id, 0) + d
+        except (TimeoutError, grpc.aio.AioRpcError):
+            pass
+        stream.cancel()
+    return held
+
+
+def master_address(cluster) -> str:
+    with grpc.insecure_channel(cluster.conductor) as ch:
+        s = pbg.ConductorStub(ch).ClusterStatus(pb.ClusterStatusRequest(), timeout=2)
+    return next(n.grpc_address for n in s.nodes if n.role == "store-master")
+
+
+# -- the faults -------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    before_s: float = 5.0      # load before the fault
+    after_s: float = 12.0      # load after the fault (>= TTL + a few seconds)
+    concurrency: int = 3
+    max_tokens: int = 12
+    deadline_s: float = 25.0
+
+
+async def fault_kill(cluster, load: Load, plan: Plan, victim: str, res: dict) -> None:
+    await asyncio.sleep(plan.before_s)
+    res["t_fault"] = load.now()
+    await asyncio.to_thread(cluster.stop_process, victim, signal.SIGKILL)
+    left = await asyncio.to_thread(wait_for, lambda: victim not in live_nodes(cluster.conductor),
+                                   TTL + 10)
+    res["victim"] = victim
+    res["cluster_whole_s"] = round(left, 2) if left is not None else None
+    res["whole_means"] = f"{victim} left the conductor's view"
+    await asyncio.sleep(max(0.0, plan.after_s - (load.now() - res["t_fault"])))
+
+
+async def fault_kill_store(cluster, load: Load, plan: Plan, res: dict) -> None:
+    await asyncio.sleep(plan.before_s)
+    held = await store_holders(await asyncio.to_thread(master_address, cluster), 1.0)
+    nodes = {k: v for k, v in held.items() if k.startswith(("prefill", "decode"))}
+    victim = max(nodes, key=nodes.get) if nodes else "decode-1"
+    res["store_blocks_on_victim"] = nodes.get(victim, 0)
+    await fault_kill(cluster, load, Plan(0.0, plan.after_s), victim, res)
+
+
+async def fault_restart(cluster, load: Load, plan: Plan, name: str, res: dict,
+                        sig: int = signal.SIGKILL) -> None:
+    await asyncio.sleep(plan.before_s)
+    before = await asyncio.to_thread(live_nodes, cluster.conductor, True)
+    res["t_fault"] = load.now()
+    t = time.monotonic()
+    if name == "etcd":
+        await asyncio.to_thread(cluster.etcd.stop)
+        await asyncio.sleep(TTL + 1)   # every lease expires meanwhile
+        await asyncio.to_thread(cluster.etcd.start)
+    else:
+        await asyncio.to_thread(cluster.restart_process, name, sig)
+    res["down_s"] = round(time.monotonic() - t, 2)
+
+    def whole() -> bool:   # every service live before the fault is back and reachable,
+        # and the store answers (a dead store-master stays in the view until its lease ends)
+        try:
+            with grpc.insecure_channel(cluster.conductor) as ch:
+                s = pbg.ConductorStub(ch).ClusterStatus(pb.ClusterStatusRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+        return ({n.node_id for n in s.nodes if n.reachable} >= before
+                and s.store_bytes_total > 0)
+    back = await asyncio.to_thread(wait_for, whole, 40, 0.2)
+    res["cluster_whole_s"] = round(time.monotonic() - t, 2) if back is not None else None
+    res["whole_means"] = "every service registered and reachable again"
+    await asyncio.sleep(max(0.0, plan.after_s - (load.now() - res["t_fault"])))
+
+
+async def respawn(cluster, name: str) -> None:
+    role, extra = cluster._spawn_args[name]
+    cluster.spawn(name, role, extra)
+    await asyncio.to_thread(cluster.wait_ready, 60)
+
+
+def run_fault(cluster, name: str, prompts, expect, plan: Plan, action) -> dict:
+    res: dict = {}
+
+    async def main():
+        load = Load(cluster.conductor, prompts, expect, plan.max_tokens, plan.concurrency,
+                    plan.deadline_s)
+        await load.run(lambda ld: action(ld, res))
+        return load
+    t = time.monotonic()
+    load = asyncio.run(main())
+    t_fault = res.pop("t_fault", 0.0)
+    out = summarize(name, load, t_fault, res)
+    out["duration_s"] = round(time.monotonic() - t, 1)
+    out["ttl_s"] = TTL
+    whole = out.get("cluster_whole_s")
+    out["recovered_in_ttl_plus_5"] = (max(out["last_failure_s"], out["max_gap_s"]) <= TTL + 5
+                                      and whole is not None and whole <= TTL + 5)
+    return out
+
+
+def new_cluster(workdir: str, node_args=None, env: dict | None = None, **kw):
+    from services.launcher import LocalCluster
+
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        c = LocalCluster(workdir, prefill=kw.pop("prefill", 2), decode=kw.pop("decode", 2),
+                         lease_ttl=TTL, node_args=node_args or NODE_ARGS,
+                         conductor_args=kw.pop("conductor_args", DISAGG_ONLY),
+                         log_level="WARNING", **kw)
+        c.start(120)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    return c
+
+
+def main_faults(faults: list[str], plan: Plan, workdir: str) -> list[dict]:
+    prompts = make_prompts()
+    expect = expected_outputs(prompts, plan.max_tokens)
+    rows: list[dict] = []
+    plain = [f for f in faults if f in PLAIN]
+    if plain:
+        cluster = new_cluster(os.path.join(workdir, "plain"))
+        try:
+            for f in plain:
+                print(f"-- {f}", flush=True)
+                row = PLAIN[f](cluster, prompts, expect, plan)
+                rows.append(row)
+                print(fmt_row(row), flush=True)
+        finally:
+            cluster.stop()
+    if "byte-flip" in faults:
+        print("-- byte-flip", flush=True)
+        rows.append(byte_flip(os.path.join(workdir, "flip"), prompts, expect, plan))
+        print(fmt_row(rows[-1]), flush=True)
+    if "net-cut" in faults:
+        print("-- net-cut", flush=True)
+        from loadtest.faults_netns import net_cut
+
+        rows.append(net_cut(os.path.join(workdir, "netns"), prompts, expect, plan))
+        print(fmt_row(rows[-1]), flush=True)
+    return rows
+
+
+def _kill(victim: str):
+    def go(cluster, prompts, expect, plan):
+        row = run_fault(cluster, f"sigkill-{victim.split('-')[0]}", prompts, expect, plan,
+                        lambda ld, res: fault_kill(cluster, ld, plan, victim, res))
+        asyncio.run(respawn(cluster, victim))
+        return row
+    return go
+
+
+def _kill_store(cluster, prompts, expect, plan):
+    res_holder: dict = {}
+
+    async def act(ld, res):
+        await fault_kill_store(cluster, ld, plan, res)
+        res_holder.update(res)
+    row = run_fault(cluster, "sigkill-store-holder", prompts, expect, plan, act)
+    asyncio.run(respawn(cluster, res_holder["victim"]))
+    return row
+
+
+def _restart(name: str, label: str):
+    def go(cluster, prompts, expect, plan):
+        return run_fault(cluster, label, prompts, expect, plan,
+                         lambda ld, res: fault_restart(cluster, ld, plan, name, res))
+    return go
+
+
+PLAIN = {
+    "kill-prefill": _kill("prefill-1"),
+    "kill-decode": _kill("decode-1"),
+    "kill-store-holder": _kill_store,
+    "conductor-restart": _restart("conductor-0", "conductor-restart"),
+    "store-master-restart": _restart("store-master-0", "store-master-restart"),
+    "etcd-restart": _restart("etcd", "etcd-restart"),
+}
+ALL = [*PLAIN, "byte-flip", "net-cut"]
+
+
+def byte_flip(workdir: str, prompts, expect, plan: Plan, every: int = 30) -> dict:
+    """Nodes with ``--checksum`` and ``KVMESH_FAULT_CORRUPT_EVERY``: one transfer in
+    ``every`` has a byte flipped after its crc; a damaged handoff fails the prefill (the
+    conductor retries it on the next node, else the client retries), a damaged store read
+    is a miss (recompute), a damaged put is dropped."""
+    cluster = new_cluster(workdir, NODE_ARGS + ["--checksum"],
+                          env={"KVMESH_FAULT_CORRUPT_EVERY": str(every)})
+    try:
+        res: dict = {}
+
+        async def act(ld, r):
+            r["t_fault"] = 0.0
+            await asyncio.sleep(plan.before_s + plan.after_s)
+        row = run_fault(cluster, "byte-flip", prompts, expect, plan, act)
+        row["corrupt_every"] = every
+        row["checksum_failures_logged"] = count_in_logs(workdir, "checksum mismatch")
+        row["cluster_whole_s"] = 0.0
+        row["whole_means"] = "no service left; damaged transfers are retried/recomputed"
+        row["recovered_in_ttl_plus_5"] = row["failed_retriable"] == 0
+        row.update(res)
+        return row
+    finally:
+        cluster.stop()
+
+
+# -- overload -----------------------------------------------------------------------------------
+def overload(workdir: str, seconds: float, factor: float, quick: bool) -> dict:
+    """Capacity (closed loop, SLO-free) first, then ``factor`` x that rate open-loop for
+    ``seconds`` with SLOs; RSS of every process sampled each second."""
+    prompts = make_prompts(48)
+    max_tokens = 16
+    expect = expected_outputs(prompts, max_tokens)
+    ttft_slo, tbt_slo = 2000.0, 400.0
+    cluster = new_cluster(workdir, prefill=1, decode=1,
+                          conductor_args=["--ttft-slo-ms", str(ttft_slo), "--tbt-slo-ms",
+                                          str(tbt_slo), "--slo-margin", "0.7"])
+    out: dict = {"ttft_slo_ms": ttft_slo, "tbt_slo_ms": tbt_slo, "slo_margin": 0.7,
+                 "factor": factor, "seconds": seconds, "max_tokens": max_tokens}
+    try:
+        async def capacity():
+            # closed loop at increasing concurrency; capacity = best rate whose p90 TTFT
+            # stays within the SLO
+            best = 0.0
+            for conc in (1, 2, 4, 8, 16):
+                load = Load(cluster.conductor, prompts, expect, max_tokens, conc, 60, 0.0)
+                t = [0.0]
+
+                async def body(ld, t=t):
+                    await asyncio.sleep(5 if quick else 8)
+                    t[0] = ld.now()
+                await load.run(body)
+                ok = [r for r in load.reqs if r.outcome == "ok"]
+                rate = len(ok) / max(t[0], 1e-9)
+                ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+                p90 = ttfts[int(0.9 * (len(ttfts) - 1))] * 1000 if ttfts else 1e9
+                out.setdefault("capacity_probe", []).append(
+                    {"concurrency": conc, "rate_rps": round(rate, 2), "p90_ttft_ms": round(p90, 1),
+                     "wrong": sum(1 for r in load.reqs if r.outcome == "wrong")})
+                if p90 <= ttft_slo * 0.7:
+                    best = max(best, rate)
+                if rate < 1.05 * best and p90 > ttft_slo * 0.25:
+                    break   # throughput has plateaued
+            return best
+        cap = asyncio.run(capacity())
+        out["capacity_rps"] = round(cap, 2)
+        rate = factor * cap
+        out["offered_rps"] = round(rate, 2)
+        samples: dict[str, list[float]] = {}
+        died: list[str] = []
+
+        async def offered():
+            reqs: list[Req] = []
+            async with grpc.aio.insecure_channel(cluster.conductor) as ch:
+                stub = pbg.ConductorStub(ch)
+                t0 = time.perf_counter()
+                tasks = []
+
+                async def sample_rss():
+                    while True:
+                        for n, pid in proc_pids(cluster).items():
+                            samples.setdefault(n, []).append(rss_mib(pid))
+                        await asyncio.sleep(1.0)
+                sampler = asyncio.create_task(sample_rss())
+                rng = random.Random(1)
+                t_next, i = 0.0, 0
+
+                async def one(idx, salt):
+                    reqs.append(await run_request(
+                        stub, idx, prompts[idx], expect[idx], max_tokens, t0, 30.0,
+                        slo=(ttft_slo, tbt_slo), retry=False, salt=salt))
+                while t_next < seconds:
+                    delay = t_next - (time.perf_counter() - t0)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    idx = i % len(prompts)
+                    salt = f"o{i}" if i % 2 == 0 else ""   # half uncached, as in Load
+                    tasks.append(asyncio.create_task(one(idx, salt)))
+                    i += 1
+                    t_next += rng.expovariate(rate)
+                await asyncio.gather(*tasks)
+                sampler.cancel()
+            return reqs
+        reqs = asyncio.run(offered())
+        for n, p in cluster.procs.items():
+            if p.poll() is not None:
+                died.append(f"{n} ({p.returncode})")
+        acc = [r for r in reqs if r.outcome in ("ok", "wrong")]
+        rej = [r for r in reqs if r.last_code == "RESOURCE_EXHAUSTED"]
+        other = [r for r in reqs if r not in acc and r not in rej]
+
+        def meets(r: Req) -> bool:
+            tbt = statistics.mean(r.tbt_s) if r.tbt_s else 0.0
+            return r.ttft_s is not None and r.ttft_s * 1000 <= ttft_slo and tbt * 1000 <= tbt_slo
+        rej_lat = sorted((r.attempts[0].t_end - r.attempts[0].t_start) * 1000 for r in rej)
+        ttfts = sorted(r.ttft_s * 1000 for r in acc if r.ttft_s is not None)
+        out.update({
+            "sent": len(reqs), "accepted": len(acc), "rejected": len(rej),
+            "other_failures": len(other),
+            "other_codes": sorted({r.last_code for r in other}),
+            "wrong": sum(1 for r in acc if r.outcome == "wrong"),
+            "slo_met_share": round(sum(map(meets, acc)) / max(1, len(acc)), 4),
+            "goodput_rps": round(sum(map(meets, acc)) / seconds, 2),
+            "accepted_p50_ttft_ms": round(ttfts[len(ttfts) // 2], 1) if ttfts else None,
+            "accepted_p99_ttft_ms": round(ttfts[int(0.99 * (len(ttfts) - 1))], 1) if ttfts else None,
+            "rejection_latency_ms_p50": round(rej_lat[len(rej_lat) // 2], 1) if rej_lat else None,
+            "rejection_latency_ms_p99": round(rej_lat[int(0.99 * (len(rej_lat) - 1))], 1)
+            if rej_lat else None,
+            "rss_mib": {n: {"first": round(v[0], 1), "max": round(max(v), 1),
+                            "last": round(v[-1], 1)} for n, v in samples.items() if v},
+            "died": died,
+        })
+        return out
+    finally:
+        cluster.stop()
+
+
+# -- report ---------------------------------------------------------------------------------------
+COLS = ["fault", "requests", "completed", "retried", "completed_after_retry",
+        "failed_retriable", "failed_other", "wrong", "hung", "last_failure_s", "max_gap_s",
+        "slowest_attempt_s", "cluster_whole_s", "recovered_in_ttl_plus_5"]
+
+
+def fmt_row(r: dict) -> str:
+    return " | ".join(f"{c}={r.get(c)}" for c in COLS)
+
+
+def write_report(rows: list[dict], plan: Plan, name: str = "faults") -> str:
+    RESULTS.mkdir(exist_ok=True)
+    lines = [f"# Fault suite (lease TTL {TTL} s; {plan.concurrency} closed-loop clients, "
+             f"{plan.max_tokens} greedy tokens, request deadline {plan.deadline_s:.0f} s; "
+             f"{plan.before_s:.0f} s of load before each fault, {plan.after_s:.0f} s after)",
+             "", "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in COLS) + " |")
+    lines += ["", "- last_failure_s: seconds from the fault to the end of the last failed "
+              "attempt (every later attempt succeeded); max_gap_s: longest stretch after the "
+              "fault with no request completing; slowest_attempt_s: the slowest attempt in "
+              "flight at or after the fault; cluster_whole_s: seconds until the victim left "
+              "the view (kills), every service was back (restarts), or the cut node rejoined "
+              "(net-cut, counted from the cut).",
+              "- failed attempt codes per fault: " + "; ".join(
+                  f"{r['fault']}: {r.get('failed_codes')}" for r in rows)]
+    for r in rows:
+        extra = {k: v for k, v in r.items() if k not in COLS and k not in ("failed_codes",)}
+        lines.append(f"- {r['fault']}: {json.dumps(extra)}")
+    text = "\n".join(lines) + "\n"
+    (RESULTS / f"{name}.md").write_text(text)
+    (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.faults", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="shorter phases")
+    ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(ALL)}")
+    ap.add_argument("--overload", action="store_true", help="the overload run instead")
+    ap.add_argument("--seconds", type=float, default=60.0, help="overload: offered-load phase")
+    ap.add_argument("--factor", type=float, default=3.0, help="overload: x measured capacity")
+    ap.add_argument("--workdir", default=None, help="logs (default: a temp dir, removed)")
+    args = ap.parse_args(argv)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="kvmesh-faults-")
+    try:
+        if args.overload:
+            res = overload(os.path.join(workdir, "overload"),
+                           args.seconds if not args.quick else min(args.seconds, 20),
+                           args.factor, args.quick)
+            RESULTS.mkdir(exist_ok=True)
+            (RESULTS / "overload.json").write_text(json.dumps(res, indent=1))
+            (RESULTS / "overload.md").write_text(
+                "# Overload\n\n```json\n" + json.dumps(res, indent=1) + "\n```\n")
+            print(json.dumps(res, indent=1))
+            ok = (res["slo_met_share"] >= 0.99 and not res["died"] and res["wrong"] == 0)
+            return 0 if ok else 1
+        plan = Plan(3.0, 9.0) if args.quick else Plan()
+        faults = [f for f in (args.only.split(",") if args.only else ALL) if f]
+        unknown = set(faults) - set(ALL)
+        if unknown:
+            ap.error(f"unknown fault(s) {sorted(unknown)}; known: {ALL}")
+        rows = main_faults(faults, plan, workdir)
+        print(write_report(rows, plan))
+        bad = [r["fault"] for r in rows if r.get("skipped") is None and (
+            r["wrong"] or r["hung"] or r["failed_other"])]
+        return 1 if bad else 0
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
