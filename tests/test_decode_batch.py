@@ -21,7 +21,7 @@ from tests.cluster_util import status
 BS = 16
 TOK = ByteTokenizer()
 # 16 KiB per block for the tiny model at block size 16: 40 blocks in the decode pool
-DECODE_ARGS = ["--kv-memory", "640KiB", "--step-token-budget", "40"]
+DECODE_ARGS = ["--kv-memory", "640KiB", "--step-token-budget", "40", "--fence-s", "1.5"]
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +76,25 @@ def test_chunked_prompts_and_preemption_keep_every_token(cluster):
     assert "preempted" in log  # the pool really ran out and requests were recomputed
     after = next(n for n in status(cluster.conductor).nodes if n.role == "decode")
     assert after.kv_blocks_free == after.kv_blocks_total  # nothing leaked
+
+
+def test_blocks_of_an_abandoned_prefill_are_fenced_before_reuse(cluster):
+    """A reservation released before its KV arrived keeps its blocks out of the pool for
+    fence_s: a cut-off prefill node's late writes must not land in another request."""
+    import time
+
+    d = next(n for n in status(cluster.conductor).nodes if n.role == "decode")
+    total = d.kv_blocks_total
+    with grpc.insecure_channel(d.grpc_address) as ch:
+        stub = pbg.DecodeNodeStub(ch)
+        target = stub.Reserve(pb.ReserveRequest(request_id="abandoned", prompt_tokens=64,
+                                                max_tokens=8), timeout=10).target
+        assert stub.Release(pb.ReleaseRequest(request_id="abandoned"), timeout=10).released
+        fenced = stub.Status(pb.NodeStatusRequest(), timeout=5).kv_blocks_free
+        assert fenced == total - len(target.block_ids)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if stub.Status(pb.NodeStatusRequest(), timeout=5).kv_blocks_free == total:
+                break
+            time.sleep(0.2)
+        assert stub.Status(pb.NodeStatusRequest(), timeout=5).kv_blocks_free == total

@@ -21,6 +21,7 @@ A request's life here:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ class DecodeConfig(NodeConfig):
     max_batch: int = option(32, "most requests decoded in one step")
     kv_wait_s: float = option(30.0, "how long Decode waits for the prefill's KV")
     reservation_timeout_s: float = option(60.0, "a reservation not decoded within this is freed")
+    fence_s: float = option(30.0, "blocks of a reservation whose KV never completed stay "
+                                  "unused this long (late writes from a cut-off prefill node)")
     step_token_budget: int = option(512, "most tokens one model step computes: the running "
                                          "batch plus a chunk of a prompt computed here")
 
@@ -165,6 +168,7 @@ class DecodeNode(ModelNode):
         self.cfg: DecodeConfig = cfg
         self.reservations: dict[str, Reservation] = {}
         self.batch: BatchScheduler | None = None
+        self._fenced: collections.deque[tuple[float, Reservation]] = collections.deque()
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -204,6 +208,12 @@ class DecodeNode(ModelNode):
         res = self.reservations.pop(request_id, None)
         if res is None:
             return False
+        if not res.kv_ready.is_set() and res.blocks:
+            # its prefill failed or was abandoned: a cut-off prefill node may still land
+            # writes in these blocks when its link heals, so they are fenced until its TCP
+            # connections must have timed out (the transfer engine's user timeout is 20 s)
+            self._fenced.append((time.monotonic() + self.cfg.fence_s, res))
+            return True
         self.batch.free(res)
         return True
 
@@ -252,6 +262,8 @@ class DecodeNode(ModelNode):
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
+            while self._fenced and self._fenced[0][0] <= now:
+                self.batch.free(self._fenced.popleft()[1])
             for rid, res in list(self.reservations.items()):
                 if not res.decoding and now - res.created > self.cfg.reservation_timeout_s:
                     log.warning("reservation %s never decoded; freeing it", rid)
