@@ -135,6 +135,7 @@ class BatchScheduler:
         self.cache_blocks(res)
         self.pool.free(res.blocks)
         res.blocks = []
+        self._wake.set()  # a preempted request may fit now
 
     # -- admission ---------------------------------------------------------------------------
     def admit(self, r: Running) -> None:
@@ -179,11 +180,11 @@ class BatchScheduler:
                     r.res.blocks += self.pool.allocate(1)
                 except OutOfBlocks:
                     victim = max(self.running, key=lambda x: x.seq)
-                    if self.chain(victim.res) is None or len(self.running) == 1:
+                    if self.chain(victim.res) is None:  # cannot be recomputed
                         self.running.remove(victim)
                         victim.out.put_nowait(MemoryError(
-                            f"the KV pool cannot hold request {victim.res.request_id} "
-                            f"({victim.position + 1} tokens); retry on a larger node"))
+                            f"the KV pool has no room to grow request "
+                            f"{victim.res.request_id}; retry"))
                     else:
                         self._preempt(victim)
         return [r for r in batch if r in self.running]
@@ -193,11 +194,12 @@ class BatchScheduler:
         while True:
             while self.waiting and await self._resume(self.waiting[0]):
                 self.waiting.popleft()
-            if self.waiting and not self.running:
-                r = self.waiting.popleft()
+            if self.waiting and self.waiting[0].position // self.bs + 1 > self.pool.num_blocks:
+                r = self.waiting.popleft()  # it could never fit, even alone
                 r.out.put_nowait(MemoryError(f"the KV pool cannot hold request "
                                              f"{r.res.request_id}; retry on a larger node"))
-            if not self.running:
+                continue
+            if not self.running:  # wait for an admission, or for blocks to free up
                 self._wake.clear()
                 await self._wake.wait()
                 continue
