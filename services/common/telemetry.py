@@ -285,17 +285,8 @@ class _ClientInterceptor:
         self._finish(span, call)
         return call
 
-    async def intercept_unary_stream(self, continuation, details, request):
-        span, details = self._start(details)
-        if span is None:
-            return await continuation(details, request)
-        try:
-            call = await continuation(details, request)
-        except BaseException:
-            span.end()
-            raise
-        self._finish(span, call)
-        return call
+    # a streaming call is traced the same way: the span ends when the call is done
+    intercept_unary_stream = intercept_unary_unary
 
 
 class _UnaryUnary(_ClientInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
