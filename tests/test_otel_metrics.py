@@ -153,3 +153,25 @@ def test_off_without_configuration(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     assert not otel_metrics.setup_metrics("decode", "d-1", set_global=False)
     assert not otel_metrics.enabled()
+
+
+def test_store_use_by_tier_is_exported():
+    """The store-master's /metrics shows blocks and capacity per tier (DRAM, SSD)."""
+    from prometheus_client import generate_latest
+
+    from services.common.metrics import REGISTRY, track
+    from services.store_master.metadata import StoreMetadata
+
+    class Master:
+        node_id, role = "store-tiers", "store-master"
+        meta = StoreMetadata()
+
+    master = Master()
+    master.meta.mount("n1", "127.0.0.1:1", 1, 1 << 20, ssd_bytes=8 << 20)
+    placed, _ = master.meta.put_start("n1", [b"k" * 16], 4096)
+    master.meta.put_end([b"k" * 16])
+    track(master)
+    text = generate_latest(REGISTRY).decode()
+    assert 'kvmesh_store_tier_blocks{tier="dram"} 1.0' in text
+    assert 'kvmesh_store_tier_blocks{tier="ssd"} 0.0' in text
+    assert 'kvmesh_store_tier_capacity_bytes{tier="ssd"} 8.388608e+06' in text

@@ -125,19 +125,25 @@ class _StateCollector:
         store_blocks = GaugeMetricFamily("kvmesh_store_blocks", "blocks in the cluster KV store")
         store_segments = GaugeMetricFamily("kvmesh_store_segments", "mounted store segments")
         evictions = CounterMetricFamily("kvmesh_store_evictions", "blocks evicted from the store")
+        tier_blocks = GaugeMetricFamily("kvmesh_store_tier_blocks",
+                                        "blocks with a replica in each store tier",
+                                        labels=["tier"])
+        tier_capacity = GaugeMetricFamily("kvmesh_store_tier_capacity_bytes",
+                                          "capacity of each store tier", labels=["tier"])
         up = GaugeMetricFamily("kvmesh_up", "1 while the service serves", labels=["node", "role"])
         for s in list(self.services):
             try:
                 self._one(s, queue, running, kv, kv_bytes, tokens, avoided, generated, store,
-                          store_blocks, store_segments, evictions, up)
+                          store_blocks, store_segments, evictions, up, tier_blocks,
+                          tier_capacity)
             except Exception as e:  # a half-started service must not break the scrape
                 log.debug("metrics of %s skipped: %s", getattr(s, "node_id", s), e)
         return [queue, running, kv, kv_bytes, tokens, avoided, generated, store, store_blocks,
-                store_segments, evictions, up]
+                store_segments, evictions, up, tier_blocks, tier_capacity]
 
     @staticmethod
     def _one(s, queue, running, kv, kv_bytes, tokens, avoided, generated, store, store_blocks,
-             store_segments, evictions, up) -> None:
+             store_segments, evictions, up, tier_blocks=None, tier_capacity=None) -> None:
         node, role = s.node_id, s.role
         up.add_metric([node, role], 0 if getattr(s, "_shutting_down", False) else 1)
         pool = getattr(s, "pool", None)
@@ -165,6 +171,11 @@ class _StateCollector:
             store_blocks.add_metric([], len(meta.blocks))
             store_segments.add_metric([], len(meta.segments))
             evictions.add_metric([], meta.evictions)
+            tiers = getattr(meta, "tier_counts", None)
+            if callable(tiers):
+                for tier, (blocks, capacity) in tiers().items():
+                    tier_blocks.add_metric([tier], blocks)
+                    tier_capacity.add_metric([tier], capacity)
 
 
 _STATE = _StateCollector()

@@ -276,6 +276,13 @@ class StoreMetadata:
     def capacity(self) -> int:
         return sum(s.size for s in self.segments.values())
 
+    def tier_counts(self) -> dict[str, tuple[int, int]]:
+        """Per tier: (blocks with a complete replica there, capacity in bytes)."""
+        dram = sum(1 for b in self.blocks.values() if b.complete(DRAM))
+        ssd = sum(1 for b in self.blocks.values() if b.complete(SSD))
+        return {DRAM: (dram, self.capacity),
+                SSD: (ssd, sum(s.ssd_bytes for s in self.segments.values()))}
+
     @property
     def used(self) -> int:
         return sum(s.used for s in self.segments.values())
