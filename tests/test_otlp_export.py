@@ -153,7 +153,7 @@ def exported(tmp_path_factory):
             mp.undo()
 
 
-def _wait(what, check, timeout: float = 15.0):
+def _wait(what, check, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:

@@ -244,13 +244,9 @@ class JsonLinesMetricExporter(MetricExporter):
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """Every export written by :class:`JsonLinesMetricExporter` under ``path`` (a file or a
     directory of ``*.jsonl``), oldest first within each file."""
-    files = ([os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".jsonl")]
-             if os.path.isdir(path) else [path])
-    out = []
-    for f in files:
-        with open(f) as fh:
-            out.extend(json.loads(line) for line in fh if line.strip())
-    return out
+    from services.common.telemetry import read_jsonl  # telemetry imports this module
+
+    return read_jsonl(path)
 
 
 # ------------------------------------------------------------------ setup

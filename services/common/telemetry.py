@@ -107,6 +107,11 @@ def span_to_dict(s: Any) -> dict[str, Any]:
 def read_spans(path: str) -> list[dict[str, Any]]:
     """All spans written by :class:`JsonLinesSpanExporter` under ``path`` (a file or a
     directory of ``*.jsonl``)."""
+    return read_jsonl(path)
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Every JSON line of ``path``, a file or a directory of ``*.jsonl`` files."""
     files = ([os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".jsonl")]
              if os.path.isdir(path) else [path])
     out = []

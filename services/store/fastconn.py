@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
-from services.store_master.wire import HEAD, HEAD_SIZE, MAX_FRAME
+from services.store_master.wire import HEAD, HEAD_SIZE, MAX_FRAME, set_nodelay
 
 
 class FastConnError(Exception):
@@ -43,12 +42,7 @@ class FastConn(asyncio.Protocol):
     # -- protocol ----------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.t = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        set_nodelay(transport)
 
     def connection_lost(self, exc) -> None:
         self._fail_all(FastConnError(f"connection lost: {exc}"))

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 import grpc
 
 from protos import kvmesh_pb2 as pb
 from services.store_master import wire
 from services.store_master.server import _check_hashes
-from services.store_master.wire import HEAD, HEAD_SIZE, MAX_FRAME
+from services.store_master.wire import HEAD, HEAD_SIZE, MAX_FRAME, set_nodelay
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +54,7 @@ class FastPathProtocol(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.t = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        set_nodelay(transport)
 
     def connection_lost(self, exc) -> None:
         self.t = None
