@@ -39,7 +39,7 @@ def traced(tmp_path_factory):
         mp.undo()
 
 
-def _trace_of(traces: str, request_id: str, want: set[str], timeout: float = 10):
+def _trace_of(traces: str, request_id: str, want: set[str], timeout: float = 30):
     """The spans of the trace whose Generate span carries ``request_id``, once every name
     in ``want`` is there (spans are written when they end)."""
     deadline = time.monotonic() + timeout
