@@ -51,7 +51,11 @@ def _trace_of(traces: str, request_id: str, want: set[str], timeout: float = 30)
         if roots:
             tid = roots[0]["trace_id"]
             mine = [s for s in spans if s["trace_id"] == tid]
-            if want <= {s["name"] for s in mine}:
+            ids = {s["span_id"] for s in mine}
+            # every wanted name, and every parent exported too (a span is written when it
+            # ends, so a child may be on file before its still-open parent)
+            if want <= {s["name"] for s in mine} and all(
+                    s["parent_id"] is None or s["parent_id"] in ids for s in mine):
                 return mine
         time.sleep(0.2)
     raise AssertionError(f"trace of {request_id} incomplete; names seen: "
