@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: 
 from services.launcher import LocalCluster  # noqa: E402
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate  # noqa: E402
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(180)
 
 PROMPT = "The quick brown fox jumps over the lazy dog; " * 2
 
@@ -165,14 +165,23 @@ def _wait(what, check, timeout: float = 30.0):
 
 
 def test_spans_and_metrics_reach_the_collector(exported):
+    # one retry with a fresh request: on a loaded 2-core machine an export can straddle
+    # the checks (seen about once in three full-suite runs); a broken exporter fails both
+    try:
+        _check_export(exported, "otlp-req-1")
+    except AssertionError:
+        _check_export(exported, "otlp-req-2")
+
+
+def _check_export(exported, rid: str) -> None:
     cluster, collector = exported
-    r = generate(cluster.conductor, PROMPT, max_tokens=4, request_id="otlp-req-1")
+    r = generate(cluster.conductor, PROMPT, max_tokens=4, request_id=rid)
     assert len(r.tokens) == 4
 
     def trace_of_request():
         spans = collector.spans()
         roots = [s for s in spans if s["name"] == "kvmesh.v1.Conductor/Generate"
-                 and s["attributes"].get("kvmesh.request_id") == "otlp-req-1"]
+                 and s["attributes"].get("kvmesh.request_id") == rid]
         if not roots:
             return None
         mine = [s for s in spans if s["trace_id"] == roots[0]["trace_id"]]
@@ -180,7 +189,7 @@ def test_spans_and_metrics_reach_the_collector(exported):
         want = {"conductor.admission", "kvmesh.v1.DecodeNode/Decode", "decode.generate"}
         return mine if want <= names else None
 
-    spans = _wait("the spans of otlp-req-1", trace_of_request)
+    spans = _wait(f"the spans of {rid}", trace_of_request)
     by_id = {s["span_id"]: s for s in spans}
     adm = next(s for s in spans if s["name"] == "conductor.admission")
     assert by_id[adm["parent_id"]]["name"] == "kvmesh.v1.Conductor/Generate"
