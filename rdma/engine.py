@@ -216,13 +216,15 @@ class TransferEngine:
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *,
                  conns_per_peer: int = 4, chunk_bytes: int = 4 << 20,
                  checksum: bool = False, connect_timeout: float = 3.0,
+                 poll_us: int = 200,
                  transport: Transport | str | None = None,
                  transport_options: dict | None = None) -> None:
         """``transport`` is a :class:`Transport` instance, or a kind for
         :func:`rdma.factory.make_transport`: ``"tcp"``, ``"rdma"`` or
         ``"auto"`` (the default: RDMA verbs when a device is usable, else TCP
         with one log line saying why).  ``transport_options`` are passed to
-        the factory (e.g. ``devices=["mlx5_0"]``)."""
+        the factory (e.g. ``devices=["mlx5_0"]``). ``poll_us`` is the TCP
+        transport's busy-poll window (0 = never spin; see ``TcpTransport``)."""
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be positive")
         self.chunk_bytes = chunk_bytes
@@ -232,7 +234,8 @@ class TransferEngine:
             transport = make_transport(
                 transport or "auto", secret=secret, host=host, port=port,
                 conns_per_peer=conns_per_peer, checksum=checksum,
-                connect_timeout=connect_timeout, **(transport_options or {}))
+                connect_timeout=connect_timeout, poll_us=poll_us,
+                **(transport_options or {}))
         self._transport = transport
         self.transport_kind = getattr(transport, "kind", type(transport).__name__)
         self._regions = RegionTable()

@@ -46,7 +46,8 @@ def rdma_unavailable_reason(refresh: bool = False) -> str | None:
 
 def make_transport(kind: str = "auto", *, secret: bytes, host: str = "127.0.0.1",
                    port: int = 0, conns_per_peer: int = 4, checksum: bool = False,
-                   connect_timeout: float = 3.0, **verbs_options) -> Transport:
+                   connect_timeout: float = 3.0, poll_us: int = 200,
+                   **verbs_options) -> Transport:
     """Build a transport.  ``verbs_options`` go to
     :class:`rdma.verbs.VerbsTransport` (``devices``, ``piece_bytes``, ...)
     and are ignored by TCP."""
@@ -58,7 +59,7 @@ def make_transport(kind: str = "auto", *, secret: bytes, host: str = "127.0.0.1"
     tcp_kw = dict(conns_per_peer=conns_per_peer, checksum=checksum,
                   connect_timeout=connect_timeout)
     if kind == "tcp":
-        return TcpTransport(secret, host, port, **tcp_kw)
+        return TcpTransport(secret, host, port, poll_us=poll_us, **tcp_kw)
     why = None
     if checksum:
         why = "checksum=True needs the TCP transport (RDMA data bypasses the CPU)"
@@ -70,6 +71,6 @@ def make_transport(kind: str = "auto", *, secret: bytes, host: str = "127.0.0.1"
         if not _fallback_logged:
             _fallback_logged = True
             log.info("kvmesh transfer engine: using TCP transport (%s)", why)
-        return TcpTransport(secret, host, port, **tcp_kw)
+        return TcpTransport(secret, host, port, poll_us=poll_us, **tcp_kw)
     from .verbs import VerbsTransport
     return VerbsTransport(secret, host, port, **tcp_kw, **verbs_options)

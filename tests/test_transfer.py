@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from rdma import Slice, TransferEngine, TransferError, TransferStatus
-from rdma.wire import MAGIC, NONCE_BYTES
+from rdma.tcp import TcpTransport
+from rdma.wire import MAGIC, NONCE_BYTES, recv_polled
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -326,7 +327,7 @@ async def test_single_small_ops_fast_lane_keeps_semantics(pair):
     before = a.stats["fast_lane_requests"]
     # one slice per call, awaited one at a time, sizes around the lane limit
     for i in range(150):
-        n = int(rng.choice([1, 100, 4096, 65536, 65537, 256 << 10, (256 << 10) + 1, 700_000]))
+        n = int(rng.choice([1, 100, 4096, 65536, 65537, 256 << 10, 700_000, MiB, MiB + 1]))
         off = int(rng.integers(0, size - n))
         await a.write(b.address, [Slice(r_src, off, r_dst, off, n)])
         assert np.array_equal(dst[off:off + n], src[off:off + n])
@@ -526,3 +527,53 @@ def _recv_n(s: socket.socket, n: int) -> bytes:
             break
         buf += chunk
     return buf
+
+
+@pytest.mark.parametrize("poll_s", [0.0, 0.0001, 0.05])
+def test_recv_polled_fills_exactly_whether_data_comes_inside_or_after_the_window(poll_s):
+    a, b = socket.socketpair()
+    try:
+        payload = os.urandom(300_000)
+
+        def send_late() -> None:
+            b.sendall(payload[:1000])          # inside any window
+            time.sleep(0.01)                   # past the 100 us window
+            b.sendall(payload[1000:])
+            b.sendall(b"next")
+
+        t = threading.Thread(target=send_late)
+        t.start()
+        buf = bytearray(len(payload))
+        assert recv_polled(a, memoryview(buf), poll_s) == len(payload)
+        t.join()
+        assert bytes(buf) == payload
+        tail = bytearray(4)
+        recv_polled(a, memoryview(tail), poll_s)
+        assert tail == b"next"  # nothing of the next message was consumed early
+        b.close()
+        with pytest.raises(ConnectionError):
+            recv_polled(a, memoryview(bytearray(1)), poll_s)
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_engines_without_busy_polling_move_the_same_bytes():
+    with pytest.raises(ValueError, match="poll_us"):
+        TcpTransport(SECRET, poll_us=-1)
+    a = TransferEngine(SECRET, poll_us=0, transport="tcp")
+    b = TransferEngine(SECRET, poll_us=0, transport="tcp")
+    await a.start()
+    await b.start()
+    try:
+        src = np.arange(3 * MiB, dtype=np.uint8) * 7
+        dst = np.zeros_like(src)
+        back = np.zeros_like(src)
+        r_src, r_dst, r_back = a.register(src), b.register(dst), a.register(back)
+        for off, n in ((0, 1), (10, 65536), (70_000, MiB), (5, 3 * MiB - 5)):
+            await a.write(b.address, [Slice(r_src, off, r_dst, off, n)])
+            await a.read(b.address, [Slice(r_back, off, r_dst, off, n)])
+        assert np.array_equal(dst[5:], src[5:]) and np.array_equal(back[5:], src[5:])
+    finally:
+        await a.close()
+        await b.close()

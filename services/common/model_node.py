@@ -46,7 +46,7 @@ class ModelNode(Service):
         self.tokenizer: ByteTokenizer | HFTokenizer | None = None
         self.fingerprint = ""
         self.te = TransferEngine(cfg.secret.encode(), host=cfg.host, port=cfg.data_port,
-                                 checksum=cfg.checksum)
+                                 checksum=cfg.checksum, poll_us=cfg.te_poll_us)
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self.model: LlamaModel | None = None
         self.pool: KVPool | None = None

@@ -91,6 +91,10 @@ class NodeConfig(ServiceConfig):
     data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
     secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
     threads: int = option(0, "torch intra-op threads (0 = torch's default)")
+    te_poll_us: int = option(100, "transfer engine busy-poll window in microseconds: after a "
+                                  "request, its threads spin this long for the next one (and "
+                                  "the event loop for a small reply) before sleeping; trades "
+                                  "CPU for latency, 0 = never spin")
     checksum: bool = option(False, "integrity checking on the data plane: every KV slice carries "
                                    "a crc32 that the receiver checks; a damaged handoff fails "
                                    "(the prefill is retried) and a damaged store read is a miss")
@@ -117,3 +121,5 @@ class NodeConfig(ServiceConfig):
             raise ConfigError("secret: the cluster secret must not be empty")
         if not 0 <= self.data_port < 65536:
             raise ConfigError(f"data_port: {self.data_port} is not a TCP port")
+        if not 0 <= self.te_poll_us <= 100_000:
+            raise ConfigError(f"te_poll_us: {self.te_poll_us} must be between 0 and 100000")

@@ -26,9 +26,13 @@ class StoreNodeConfig(ServiceConfig):
     ssd_bytes: str = option("0", "most bytes of block data the SSD tier keeps")
     data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
     secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
+    te_poll_us: int = option(100, "transfer engine busy-poll window in microseconds (CPU for "
+                                  "latency; 0 = never spin)")
 
     def validate(self) -> None:
         super().validate()
+        if not 0 <= self.te_poll_us <= 100_000:
+            raise ConfigError(f"te_poll_us: {self.te_poll_us} must be between 0 and 100000")
         if parse_size(self.segment_memory) <= 0:
             raise ConfigError("segment_memory: must be > 0")
         if self.ssd_dir and parse_size(self.ssd_bytes) <= 0:
@@ -42,7 +46,8 @@ class StoreNode(Service):
 
     def __init__(self, cfg: StoreNodeConfig) -> None:
         super().__init__(cfg)
-        self.te = TransferEngine(cfg.secret.encode(), host=cfg.host, port=cfg.data_port)
+        self.te = TransferEngine(cfg.secret.encode(), host=cfg.host, port=cfg.data_port,
+                                 poll_us=cfg.te_poll_us)
         self.host = SegmentHost(self.te, self.node_id, parse_size(cfg.segment_memory),
                                 cfg.ssd_dir, parse_size(cfg.ssd_bytes) if cfg.ssd_dir else 0)
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
