@@ -91,7 +91,7 @@ class NodeConfig(ServiceConfig):
     data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
     secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
     threads: int = option(0, "torch intra-op threads (0 = torch's default)")
-    te_poll_us: int = option(100, "transfer engine busy-poll window in microseconds: after a "
+    te_poll_us: int = option(200, "transfer engine busy-poll window in microseconds: after a "
                                   "request, its threads spin this long for the next one (and "
                                   "the event loop for a small reply) before sleeping; trades "
                                   "CPU for latency, 0 = never spin")

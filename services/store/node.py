@@ -26,7 +26,7 @@ class StoreNodeConfig(ServiceConfig):
     ssd_bytes: str = option("0", "most bytes of block data the SSD tier keeps")
     data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
     secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
-    te_poll_us: int = option(100, "transfer engine busy-poll window in microseconds (CPU for "
+    te_poll_us: int = option(200, "transfer engine busy-poll window in microseconds (CPU for "
                                   "latency; 0 = never spin)")
 
     def validate(self) -> None:
