@@ -399,9 +399,9 @@ async def test_fast_lane_checksum_and_corruption():
 
 
 async def test_fast_lane_lost_connection_retries_then_peer_gone_fails(pair, monkeypatch):
-    import rdma.tcp as tcp
+    import rdma.tcp_lane as tcp_lane
 
-    monkeypatch.setattr(tcp, "FAST_RETRY_S", 0.0)
+    monkeypatch.setattr(tcp_lane, "FAST_RETRY_S", 0.0)
     a, b = pair
     src = np.random.default_rng(9).integers(0, 256, size=MiB, dtype=np.uint8)
     dst = np.zeros_like(src)

@@ -10,159 +10,24 @@ spilled to the owning node's SSD tier when it has one, else dropped) -> it is go
 its last replica goes (Remove, eviction, its node's lease ends, a put that never ended is
 reclaimed after ``put_timeout_s``).
 
-Eviction is LRU over an ordered dict (exact order, O(1) touch), run from the high
-watermark down to the low one over DRAM bytes; it never touches a leased block or one
-with a pending replica, and soft-pinned blocks go only after every unpinned one.
+The data model is in :mod:`services.store_master.model` and the replica movement
+policy (allocation, eviction and spilling, promotion, hot-block replication) in
+:mod:`services.store_master.policy`; this module re-exports the model's names.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-DRAM, SSD = "dram", "ssd"
+from services.store_master.model import (DRAM, SSD, Block, BlockState,  # noqa: F401
+                                         EventSink, Plan, Replica, Segment)
+from services.store_master.policy import ReplicaPolicy
 
 
-class BlockState(enum.Enum):
-    PENDING = 1
-    COMPLETE = 2
-
-
-class Segment:
-    """DRAM a node lends to the store: a transfer-engine region on that node.
-
-    Allocator: exact-size free lists (KV blocks all have one size, so reuse is exact and
-    O(1)), a bump pointer, and splitting of a larger free slot as the last resort. Free
-    slots are not coalesced (documented limit for mixed-size generic keys)."""
-
-    def __init__(self, segment_id: str, node_id: str, data_address: str, region_id: int,
-                 size: int, grpc_address: str = "", ssd_bytes: int = 0) -> None:
-        self.segment_id, self.node_id = segment_id, node_id
-        self.data_address, self.region_id, self.size = data_address, region_id, size
-        self.grpc_address, self.ssd_bytes = grpc_address, ssd_bytes
-        self.used = 0
-        self.bump = 0
-        self.free_slots: dict[int, list[int]] = {}
-        self.load = 0.0          # decayed count of reads served (replica choice)
-        self.load_t = 0.0
-        # slots its own node reserved for local puts: offset -> size (counted in used)
-        self.reserved: dict[int, int] = {}
-
-    def allocate(self, size: int) -> int | None:
-        slots = self.free_slots.get(size)
-        if slots:
-            self.used += size
-            return slots.pop()
-        if self.bump + size <= self.size:
-            off, self.bump = self.bump, self.bump + size
-            self.used += size
-            return off
-        for big in sorted(s for s, lst in self.free_slots.items() if lst and s > size):
-            off = self.free_slots[big].pop()
-            self.free_slots.setdefault(big - size, []).append(off + size)
-            self.used += size
-            return off
-        return None
-
-    def release(self, offset: int, size: int) -> None:
-        self.used -= size
-        if offset + size == self.bump:
-            self.bump = offset
-        else:
-            self.free_slots.setdefault(size, []).append(offset)
-
-    def rebuild(self, extents: list[tuple[int, int]]) -> None:
-        """Resets the allocator to exactly ``extents`` (offset, size) in use."""
-        self.free_slots, self.used, pos = {}, 0, 0
-        for off, size in sorted(extents):
-            if off > pos:
-                self.free_slots.setdefault(off - pos, []).append(pos)
-            pos = max(pos, off + size)
-            self.used += size
-        self.bump = pos
-
-    def fits(self, offset: int, size: int) -> bool:
-        return 0 <= offset and offset + size <= self.size
-
-    def touch_load(self, now: float, tau: float = 1.0) -> float:
-        self.load = self.load * math.exp(-(now - self.load_t) / tau) + 1.0
-        self.load_t = now
-        return self.load
-
-    @property
-    def free_ratio(self) -> float:
-        return 1.0 - self.used / self.size if self.size else 0.0
-
-
-@dataclass
-class Replica:
-    segment: Segment
-    offset: int
-    tier: str = DRAM
-    state: BlockState = BlockState.PENDING
-    put_deadline: float = 0.0
-    kind: str = "put"        # put | replicate | promote
-
-
-@dataclass
-class Block:
-    hash: bytes
-    size: int
-    replicas: list[Replica] = field(default_factory=list)
-    lease_until: float = 0.0
-    last_access: float = 0.0
-    heat: float = 0.0
-    heat_t: float = 0.0
-    pinned: bool = False
-
-    def complete(self, tier: str | None = DRAM) -> list[Replica]:
-        reps = self.replicas
-        if len(reps) == 1:   # the common case, without a comprehension
-            r = reps[0]
-            return [r] if r.state is BlockState.COMPLETE and (tier is None or r.tier == tier) \
-                else []
-        return [r for r in reps if r.state is BlockState.COMPLETE
-                and (tier is None or r.tier == tier)]
-
-    @property
-    def visible(self) -> bool:
-        return any(r.state is BlockState.COMPLETE for r in self.replicas)
-
-    @property
-    def in_flight(self) -> bool:
-        return any(r.state is BlockState.PENDING for r in self.replicas)
-
-    # compatibility with the one-replica view (tests, callers)
-    @property
-    def state(self) -> BlockState:
-        return BlockState.COMPLETE if self.visible else BlockState.PENDING
-
-    @property
-    def segment(self) -> Segment:
-        return self.replicas[0].segment
-
-    @property
-    def offset(self) -> int:
-        return self.replicas[0].offset
-
-
-@dataclass
-class Plan:
-    """Data-moving work the servicer must carry out, then report back."""
-
-    block: Block
-    replica: Replica          # the replica being created (replicate/promote) or spilled
-    source: Replica | None = None
-
-
-EventSink = Callable[[str, Block, Replica], None]
-
-
-class StoreMetadata:
+class StoreMetadata(ReplicaPolicy):
     """Placement, leases, pins, heat, tiers and eviction for the cluster KV store."""
 
     def __init__(self, lease_s: float = 10.0, put_timeout_s: float = 30.0,
@@ -433,44 +298,6 @@ class StoreMetadata:
     def present(self, hashes: Iterable[bytes]) -> list[bool]:
         return [(b := self.blocks.get(h)) is not None and b.visible for h in hashes]
 
-    def plan_promotions(self, blocks: Iterable[Block]) -> list[Plan]:
-        """For each block with an SSD replica but no DRAM one, allocates DRAM on the same
-        node (pending ``promote`` replica) for the node to read its file into."""
-        plans = []
-        now = self.clock()
-        for blk in blocks:
-            if blk.complete(DRAM) or any(r.kind == "promote" for r in blk.replicas):
-                continue
-            ssd = blk.complete(SSD)
-            if not ssd:
-                continue
-            seg = ssd[0].segment
-            off = seg.allocate(blk.size)
-            if off is None:
-                self.evict(target_used=self.used - blk.size, only=seg, now=now)
-                off = seg.allocate(blk.size)
-            if off is None:
-                continue
-            rep = Replica(seg, off, DRAM, BlockState.PENDING, put_deadline=now + 30,
-                          kind="promote")
-            blk.replicas.append(rep)
-            plans.append(Plan(blk, rep, ssd[0]))
-        return plans
-
-    def finish_plan(self, plan: Plan, ok: bool) -> None:
-        """A promote/replicate copy finished (``ok``) or failed."""
-        blk, rep = plan.block, plan.replica
-        if self.blocks.get(blk.hash) is not blk or rep not in blk.replicas:
-            return  # removed or its node left meanwhile
-        if ok:
-            rep.state = BlockState.COMPLETE
-            self.stats["promotions" if rep.kind == "promote" else "replications"] += 1
-            self._emit("stored", blk, rep)
-        else:
-            self._drop_replica(blk, rep)
-            if rep.kind == "promote" and plan.source in blk.replicas:
-                self._drop_replica(blk, plan.source)  # missing or corrupt file: a miss
-
     def get_replicas(self, hashes: Iterable[bytes], reader: str = "", any_order: bool = False
                      ) -> tuple[list[tuple[Block, Replica]], float]:
         """The longest prefix (or, ``any_order``, every key) with a complete DRAM
@@ -505,42 +332,6 @@ class StoreMetadata:
             out.append((blk, rep))
         return out, until
 
-    def plan_replications(self, blocks: Iterable[Block]) -> list[Plan]:
-        """Hot blocks (decayed reads over ``hot_reads``) below ``max_replicas`` DRAM
-        replicas get one more, on the most-free segment of a node that lacks one."""
-        plans: list[Plan] = []
-        now = self.clock()
-        hot = [b for b in blocks if b.heat >= self.hot_reads]
-        if not hot:
-            return plans
-        targets = sorted((s for s in self.segments.values() if s.grpc_address),
-                         key=lambda s: -s.free_ratio)
-        if not targets:
-            return plans
-        for blk in hot:
-            if blk.in_flight:
-                continue
-            reps = blk.complete(DRAM)
-            if not reps or len(reps) >= self.max_replicas:
-                continue
-            have = {r.segment.node_id for r in blk.replicas}
-            cands = [s for s in targets if s.node_id not in have]
-            if not cands:
-                continue
-            for seg in cands:
-                if (seg.used + blk.size) / seg.size <= self.high:
-                    off = seg.allocate(blk.size)
-                    if off is None:
-                        continue
-                    rep = Replica(seg, off, DRAM, BlockState.PENDING, put_deadline=now + 30,
-                                  kind="replicate")
-                    blk.replicas.append(rep)
-                    blk.lease_until = max(blk.lease_until, now + self.lease_s)  # hold source
-                    blk.heat = 0.0
-                    plans.append(Plan(blk, rep, reps[0]))
-                    break
-        return plans
-
     def remove(self, hashes: Iterable[bytes]) -> int:
         n = 0
         for h in hashes:
@@ -565,98 +356,7 @@ class StoreMetadata:
                 n += 1
         return n
 
-    # -- allocation and eviction ---------------------------------------------------------
-    def over_high(self, extra: int = 0) -> bool:
-        cap = self.capacity
-        return bool(cap) and (self.used + extra) / cap > self.high
-
-    def _allocate(self, size: int, prefer_node: str = "") -> tuple[Segment, int] | None:
-        if self.over_high(size):
-            self.evict(target_used=int(self.low * self.capacity))
-        for attempt in range(2):
-            # local-first, then the segment with the highest free ratio
-            segs = sorted(self.segments.values(),
-                          key=lambda s: (s.node_id != prefer_node, -s.free_ratio))
-            for seg in segs:
-                off = seg.allocate(size)
-                if off is not None:
-                    return seg, off
-            if attempt == 0 and not self.evict(target_used=self.used - size):
-                return None
-        return None
-
-    def evictable(self, blk: Block, now: float) -> bool:
-        return blk.lease_until <= now and not blk.in_flight and bool(blk.complete(DRAM))
-
-    def plan_eviction(self, target_used: int) -> list[Plan]:
-        """Picks LRU victims (unpinned first) down to ``target_used`` DRAM bytes. A victim
-        whose node has an SSD tier (and no SSD copy yet) becomes a spill plan: its DRAM
-        replica stays, held by a lease, until :meth:`finish_spill`; the others are
-        dropped now (or only lose their DRAM replica when an SSD copy exists)."""
-        now = self.clock()
-        plans: list[Plan] = []
-        freed = 0
-        need = self.used - target_used
-        for pinned_pass in (False, True):
-            if freed >= need:
-                break
-            for blk in list(self.blocks.values()):
-                if freed >= need:
-                    break
-                if blk.pinned != pinned_pass or not self.evictable(blk, now):
-                    continue
-                dram = blk.complete(DRAM)
-                has_ssd = bool(blk.complete(SSD))
-                for rep in dram:
-                    freed += blk.size
-                    if rep.segment.ssd_bytes and not has_ssd:
-                        blk.lease_until = now + 30   # held until the spill is done
-                        plans.append(Plan(blk, rep))
-                        has_ssd = True
-                    else:
-                        self._drop_replica(blk, rep)
-                        self.stats["evictions"] += 1
-        return plans
-
-    def finish_spill(self, plan: Plan, ok: bool, dropped: Iterable[bytes] = ()) -> None:
-        blk, rep = plan.block, plan.replica
-        seg = rep.segment
-        for h in dropped:   # the node deleted these SSD copies to stay within its disk
-            b = self.blocks.get(h)
-            if b is not None:
-                for r in [r for r in b.replicas if r.segment is seg and r.tier == SSD]:
-                    self._drop_replica(b, r)
-        self.stats["evictions"] += 1
-        if self.blocks.get(blk.hash) is not blk or rep not in blk.replicas:
-            return
-        blk.lease_until = 0.0
-        if ok and seg.segment_id in self.segments:
-            ssd = Replica(seg, 0, SSD, BlockState.COMPLETE)
-            blk.replicas.append(ssd)
-            self.stats["spills"] += 1
-            self._emit("stored", blk, ssd)
-        self._drop_replica(blk, rep)
-
-    def evict(self, target_used: int, only: Segment | None = None, now: float | None = None
-              ) -> int:
-        """Synchronous eviction (no spilling): drops LRU DRAM replicas, unpinned first,
-        until ``used <= target_used``. Used under allocation pressure."""
-        now = self.clock() if now is None else now
-        n = 0
-        for pinned_pass in (False, True):
-            for blk in list(self.blocks.values()):
-                if self.used <= target_used:
-                    self.stats["evictions"] += n
-                    return n
-                if blk.pinned != pinned_pass or not self.evictable(blk, now):
-                    continue
-                for rep in blk.complete(DRAM):
-                    if only is None or rep.segment is only:
-                        self._drop_replica(blk, rep)
-                        n += 1
-        self.stats["evictions"] += n
-        return n
-
+    # -- replica bookkeeping -------------------------------------------------------------
     def _drop_replica(self, blk: Block, rep: Replica, release: bool = True) -> None:
         if rep not in blk.replicas:
             return

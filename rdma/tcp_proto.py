@@ -1,0 +1,10 @@
+"""Framing constants of the TCP transport's request/reply protocol, shared by the
+client side (:mod:`rdma.tcp_channel`, :mod:`rdma.tcp_lane`) and the server side
+(:mod:`rdma.tcp_server`).  The header layouts themselves (``REQ``/``REP``) live in
+:mod:`rdma.wire`; the wire format is described in :mod:`rdma.tcp`, which re-exports
+these names."""
+
+F_CRC = 0x01                # request flag: payload / READ data carries a crc32
+REPLY = 0x80                # reply kind byte
+ST_OK, ST_BAD_ACCESS, ST_CHECKSUM, ST_BAD_REQUEST = 0, 1, 2, 3
+MAX_NOTIFY_BYTES = 64 << 20  # largest NOTIFY payload (and fast-lane error text) accepted
