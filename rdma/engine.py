@@ -229,6 +229,7 @@ class TransferEngine:
             raise ValueError("chunk_bytes must be positive")
         self.chunk_bytes = chunk_bytes
         self.checksum = checksum
+        self.poll_us = poll_us   # also the store client's busy-poll window
         if transport is None or isinstance(transport, str):
             from .factory import make_transport  # local: factory imports engine deps
             transport = make_transport(

@@ -228,14 +228,15 @@ def test_ssd_tier_spill_promote_corrupt(tmp_path):
         c.stop()
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["raw-tcp", "grpc"])
-def test_client_lends_own_segment(store, fast):
+@pytest.mark.parametrize("fast,poll_us", [(True, 200), (True, 0), (False, 200)],
+                         ids=["raw-tcp", "raw-tcp-no-polling", "grpc"])
+def test_client_lends_own_segment(store, fast, poll_us):
     """A client that lends memory (as Mooncake Store clients do) puts locally in one
     call per put/batch and gets its own blocks by a memory copy; another client reads
     them over the transfer engine; both control paths (raw TCP and gRPC) agree."""
     async def body():
-        te = TransferEngine(DEV_SECRET.encode())
-        te2 = TransferEngine(DEV_SECRET.encode())
+        te = TransferEngine(DEV_SECRET.encode(), poll_us=poll_us)
+        te2 = TransferEngine(DEV_SECRET.encode(), poll_us=poll_us)
         await te.start()
         await te2.start()
         cl = StoreClient(te, store.master, f"lender-{int(fast)}", rpc_timeout=3,
@@ -243,7 +244,7 @@ def test_client_lends_own_segment(store, fast):
         other = StoreClient(te2, store.master, "reader", rpc_timeout=3, fast_path=fast)
         segments = store.stats().segments
         try:
-            await cl.lend(4 << 20)
+            await cl.lend(12 << 20)
             keys = [os.urandom(16) for _ in range(40)]
             vals = {k: value(k, 4096) for k in keys}
             assert await cl.put(keys[0], vals[keys[0]])
@@ -274,7 +275,14 @@ def test_client_lends_own_segment(store, fast):
             mk = [os.urandom(16), os.urandom(16)]
             assert await cl.batch_put(mk, [b"a" * 100, b"b" * 300]) == [True, True]
             assert await cl.batch_get(mk) == [b"a" * 100, b"b" * 300]
-            assert await cl.remove(keys + zk + mk) == 44
+            # values of a megabyte and more are copied in parallel, in and out
+            big = [os.urandom(16) for _ in range(3)]
+            bvals = [value(k, (2 << 20) + 7 * i) for i, k in enumerate(big)]
+            assert await cl.put(big[0], bvals[0])
+            assert await cl.batch_put(big[1:], bvals[1:]) == [True, True]
+            assert await cl.batch_get(big) == bvals                   # local copies
+            assert await other.batch_get(big) == bvals                # over the engine
+            assert await cl.remove(keys + zk + mk + big) == 47
             assert await cl.batch_get(keys[:2]) == [None, None]
         finally:
             await other.close()

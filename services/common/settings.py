@@ -91,10 +91,11 @@ class NodeConfig(ServiceConfig):
     data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
     secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
     threads: int = option(0, "torch intra-op threads (0 = torch's default)")
-    te_poll_us: int = option(200, "transfer engine busy-poll window in microseconds: after a "
-                                  "request, its threads spin this long for the next one (and "
-                                  "the event loop for a small reply) before sleeping; trades "
-                                  "CPU for latency, 0 = never spin")
+    te_poll_us: int = option(200, "busy-poll window in microseconds: after a request the "
+                                  "transfer engine's threads spin this long for the next one, "
+                                  "and the event loop this long for a small transfer's or a "
+                                  "store call's answer, before sleeping; trades CPU for "
+                                  "latency, 0 = never spin")
     checksum: bool = option(False, "integrity checking on the data plane: every KV slice carries "
                                    "a crc32 that the receiver checks; a damaged handoff fails "
                                    "(the prefill is retried) and a damaged store read is a miss")

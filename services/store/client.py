@@ -47,6 +47,7 @@ from rdma import Slice, TransferEngine, TransferError
 from services.common.channels import make_channel
 from services.common.registry import Membership
 from services.common.telemetry import record_span
+from services.store.copy import copy_into, copy_many, fresh_bytes
 from services.store.fastconn import CallError, FastConn, FastConnError
 from services.store_master import wire
 
@@ -184,7 +185,8 @@ class StoreClient:
             stub = self.stub()
             hello = await stub.StoreHello(pb.StoreHelloRequest(), timeout=self.rpc_timeout)
             if hello.fast_address:
-                conn = await FastConn.connect(hello.fast_address, self.rpc_timeout)
+                conn = await FastConn.connect(hello.fast_address, self.rpc_timeout,
+                                              getattr(self.te, "poll_us", 200))
                 self._fast, self._fast_addr = conn, addr
         except (grpc.aio.AioRpcError, OSError, asyncio.TimeoutError) as e:
             log.debug("store fast path unavailable: %s", e)
@@ -334,9 +336,7 @@ class StoreClient:
         slots = [pool.pop() for _ in range(take)]
         view = seg.view
         # no await between taking the slots (same mount epoch) and copying into them
-        for i in range(take):
-            off = slots[i]
-            view[off:off + size] = src(i)
+        copy_many([(view[off:off + size], src(i)) for i, off in enumerate(slots)])
         want = self._pool_target(size) - len(pool)
         spare = want if want > self._pool_target(size) // 2 else 0
         r = await self._put_local_call(region, keys[:take], [(o, size) for o in slots],
@@ -510,7 +510,7 @@ class StoreClient:
                 buf, region = self._stage(sum(sizes[i] for i in rest))
                 offs, pos = [], 0
                 for i in rest:
-                    buf[pos:pos + sizes[i]] = views[i]
+                    copy_into(buf[pos:pos + sizes[i]], views[i])
                     offs.append(pos)
                     pos += sizes[i]
                 sub = await self._put_placed([keys[i] for i in rest], region, offs,
@@ -553,7 +553,7 @@ class StoreClient:
         for loc in locs:
             i, addr, region, _, off, size = loc
             if seg is not None and region == seg.region and addr == self.te.address:
-                out[i] = seg.view[off:off + size].tobytes()
+                out[i] = fresh_bytes(seg.view[off:off + size])
             else:
                 remote.append(loc)
         nlocal = len(locs) - len(remote)
@@ -573,7 +573,7 @@ class StoreClient:
                         await self.te.read(peer, [Slice(sregion, offs[j], remote[j][2],
                                                         remote[j][4], remote[j][5]) for j in js])
                         for j in js:
-                            out[remote[j][0]] = bytes(buf[offs[j]:offs[j] + remote[j][5]])
+                            out[remote[j][0]] = fresh_bytes(buf[offs[j]:offs[j] + remote[j][5]])
                     except (TransferError, OSError) as e:
                         self.stats["read_failed"] += len(js)
                         log.warning("store read from %s failed (%s): a miss", peer, e)

@@ -6,21 +6,33 @@ answered inside ``data_received``, without a task; one that must first promote a
 from SSD or spill victims to make room runs as a task, and its answer may overtake
 earlier ones (responses carry the request id). Served only when gRPC runs without TLS:
 it has no authentication of its own, like plaintext gRPC.
+
+The loop drives the connections' non-blocking sockets itself (not asyncio transports)
+so that, after answering, it can busy-poll for the next call (``fast_poll_us``; see
+:class:`FastPathServer`); the client end (:mod:`services.store.fastconn`) polls for
+its answer the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import select
+import socket
+import time
 
 import grpc
 
 from protos import kvmesh_pb2 as pb
 from services.store_master import wire
 from services.store_master.server import _check_hashes
-from services.store_master.wire import HEAD, HEAD_SIZE, MAX_FRAME, set_nodelay
+from services.store_master.wire import HEAD, HEAD_SIZE, MAX_FRAME
 
 log = logging.getLogger(__name__)
+_RECV_BYTES = 256 << 10
+# After a call that placed or located this many block bytes the client is busy copying
+# or transferring them for longer than a poll window: answering it starts no spin.
+QUIET_BYTES = 1 << 20
 
 _PB = {
     "PutStart": (pb.PutStartRequest, "PutStart"),
@@ -46,18 +58,14 @@ class _Context:
         raise _Abort(code, details)
 
 
-class FastPathProtocol(asyncio.Protocol):
+class FastPathProtocol:
+    """One connection's framing and calls; ``t`` is where answers are written."""
+
     def __init__(self, servicer) -> None:
         self.s = servicer
         self.buf = bytearray()
-        self.t: asyncio.Transport | None = None
-
-    def connection_made(self, transport) -> None:
-        self.t = transport
-        set_nodelay(transport)
-
-    def connection_lost(self, exc) -> None:
-        self.t = None
+        self.t: _Shim | None = None
+        self.moved = 0   # block bytes the last call placed or located
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf
@@ -77,6 +85,7 @@ class FastPathProtocol(asyncio.Protocol):
                 break
             body = data[pos + HEAD_SIZE:pos + HEAD_SIZE + n]
             pos += HEAD_SIZE + n
+            self.moved = 0
             try:
                 r = self.call(method, body)
             except (ValueError, IndexError, UnicodeDecodeError) as e:
@@ -102,7 +111,7 @@ class FastPathProtocol(asyncio.Protocol):
             log.exception("fast path call failed")
             status, body = _INTERNAL, str(e).encode()
         if self.t is not None:
-            self.t.write(HEAD.pack(len(body), rid, status) + body)
+            self.t.write(HEAD.pack(len(body), rid, status) + body)  # dropped once closed
 
     # -- calls -----------------------------------------------------------------------
     def call(self, method: int, body: bytes):
@@ -136,6 +145,7 @@ class FastPathProtocol(asyncio.Protocol):
                                      release_sizes=[z for _, z in release])
             if err := s._put_local_error(req):
                 return _INVALID, err.encode()
+            self.moved = sum(z for _, z in slots) + rsize * rcount  # copied in, or next
             if rcount and s.meta.over_high(rsize * rcount):
                 return self._put_local_slow(req)
             r = s._put_local_now(req)
@@ -158,6 +168,7 @@ class FastPathProtocol(asyncio.Protocol):
             while keys[i] != blk.hash:
                 i += 1
             items.append((i, rep.segment, rep.offset, blk.size))
+            self.moved += blk.size
             i += 1
         return wire.pack_get_resp(int(self.s.meta.lease_s * 1000), items)
 
@@ -179,11 +190,160 @@ def _check(keys, name: str) -> str | None:
     return _check_hashes(keys, name)
 
 
-async def serve_fast_path(servicer, host: str, port: int = 0):
-    """Starts the listener; returns (server, "host:port")."""
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: FastPathProtocol(servicer), host, port,
-                                      reuse_address=True)
-    sock = server.sockets[0]
-    return server, f"{host}:{sock.getsockname()[1]}"
+class _Shim:
+    """The transport face a :class:`FastPathProtocol` writes to: a non-blocking socket
+    whose unsent bytes wait in ``out`` for a writer callback."""
 
+    def __init__(self, server: "FastPathServer", sock: socket.socket) -> None:
+        self.server, self.sock, self.fd = server, sock, sock.fileno()
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self.out:
+            self.out += data
+            return
+        try:
+            n = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            self.close()
+            return
+        if n < len(data):
+            self.out += data[n:]
+            self.server.loop.add_writer(self.fd, self._flush)
+
+    def _flush(self) -> None:
+        try:
+            n = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+            return
+        del self.out[:n]
+        if not self.out:
+            self.server.loop.remove_writer(self.fd)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.server._forget(self.fd)
+            self.sock.close()
+
+
+class FastPathServer:
+    """Listens and drives every connection's non-blocking socket from the event loop.
+
+    Busy polling (``poll_us``): after serving what a readable socket held, the loop
+    keeps polling all fast-path sockets (its own ``epoll``, zero timeout) until
+    ``poll_us`` passes without a request, at most ``SPIN_CAP_S`` in all, so a client's
+    next call is answered without the loop's wake-up. A call that placed or located
+    ``QUIET_BYTES`` of blocks starts no spin: its client is busy moving them. Meanwhile other loop work (gRPC,
+    timers) waits at most that long; ``poll_us=0`` never spins."""
+
+    SPIN_CAP_S = 0.002
+
+    def __init__(self, servicer, listener: socket.socket, poll_us: int) -> None:
+        self.s = servicer
+        self.loop = asyncio.get_running_loop()
+        self.ls = listener
+        self.poll_s = poll_us / 1e6
+        self.conns: dict[int, tuple[_Shim, FastPathProtocol]] = {}
+        self.ep = select.epoll() if self.poll_s > 0 and hasattr(select, "epoll") else None
+        self.loop.add_reader(listener.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.ls.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.warning("fast path: accept failed: %s", e)
+                return
+            sock.setblocking(False)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            shim = _Shim(self, sock)
+            proto = FastPathProtocol(self.s)
+            proto.t = shim
+            self.conns[shim.fd] = (shim, proto)
+            self.loop.add_reader(shim.fd, self._readable, shim.fd)
+            if self.ep is not None:
+                self.ep.register(shim.fd, select.EPOLLIN)
+
+    def _drain(self, fd: int) -> bool:
+        item = self.conns.get(fd)
+        if item is None:
+            return False
+        shim, proto = item
+        got = False
+        while not shim.closed:
+            try:
+                data = shim.sock.recv(_RECV_BYTES)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                shim.close()
+                break
+            if not data:
+                shim.close()
+                break
+            got = True
+            proto.data_received(data)
+        return got
+
+    def _readable(self, fd: int) -> None:
+        item = self.conns.get(fd)
+        if self._drain(fd) and self.ep is not None and item[1].moved < QUIET_BYTES:
+            self._spin()
+
+    def _spin(self) -> None:
+        now = time.perf_counter()
+        idle_until, cap = now + self.poll_s, now + self.SPIN_CAP_S
+        while now < cap:
+            ready = self.ep.poll(0)
+            now = time.perf_counter()
+            if any([self._drain(fd) for fd, _ in ready]):
+                idle_until = now + self.poll_s
+            elif now > idle_until:
+                return
+
+    def _forget(self, fd: int) -> None:
+        if self.conns.pop(fd, None) is not None:
+            self.loop.remove_reader(fd)
+            self.loop.remove_writer(fd)
+            if self.ep is not None:
+                try:
+                    self.ep.unregister(fd)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.ls.fileno())
+        self.ls.close()
+        for shim, _ in list(self.conns.values()):
+            shim.close()
+        if self.ep is not None:
+            self.ep.close()
+
+
+async def serve_fast_path(servicer, host: str, port: int = 0, poll_us: int = 200):
+    """Starts the listener; returns (server, "host:port")."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    ls = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind((host, port))
+        ls.listen(512)
+        ls.setblocking(False)
+    except BaseException:
+        ls.close()
+        raise
+    return FastPathServer(servicer, ls, poll_us), f"{host}:{ls.getsockname()[1]}"

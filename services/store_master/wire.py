@@ -19,7 +19,6 @@ Strings: u8 length + UTF-8.
 
 from __future__ import annotations
 
-import socket
 
 import struct
 
@@ -170,13 +169,3 @@ def unpack_put_local_resp(buf, n: int) -> tuple[list[int], list[int]]:
     status = list(buf[:n])
     (m,) = _U32.unpack_from(buf, n)
     return status, list(struct.unpack_from(f"<{m}Q", buf, n + 4))
-
-
-def set_nodelay(transport) -> None:
-    """TCP_NODELAY on an asyncio transport's socket (small control frames, no batching)."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass

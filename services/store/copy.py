@@ -1,0 +1,102 @@
+"""Memory copies behind the store client's bytes API (``put``/``get`` copy a value
+between the caller's bytes and a segment or staging buffer).
+
+A single ``memcpy`` leaves memory bandwidth idle on a multi-core host: values of
+``PARALLEL_MIN`` bytes and more are copied by torch's intra-op threads instead
+(about 1.5x at 4 MiB and 2x at 16 MiB on a 2-core VM). ``get`` must hand back an
+immutable ``bytes``, so a large value is copied straight into a fresh, not yet
+shared ``bytes`` object (as C extensions fill one) rather than into a buffer that
+is then copied again. Where any of that is unavailable (another Python
+implementation, one thread), the plain copy is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+PARALLEL_MIN = 1 << 20
+
+_CPYTHON = platform.python_implementation() == "CPython"
+if _CPYTHON:
+    _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+    _new_bytes.restype = ctypes.py_object
+    _new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+    _BYTES_DATA = bytes.__basicsize__ - 1   # offsetof(PyBytesObject, ob_sval)
+
+
+def _parallel() -> bool:
+    return torch.get_num_threads() > 1
+
+
+def _tensor_at(address: int, n: int) -> torch.Tensor:
+    return torch.frombuffer((ctypes.c_char * n).from_address(address), dtype=torch.uint8)
+
+
+def _address(buf) -> int:
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+def copy_into(dst: memoryview, src) -> None:
+    """``dst[:] = src`` (equal lengths; ``dst`` writable, ``src`` any buffer)."""
+    n = len(dst)
+    if n < PARALLEL_MIN or not _parallel():
+        dst[:] = src
+        return
+    if len(src) != n:
+        raise ValueError(f"copy_into: {len(src)} bytes into {n}")
+    _tensor_at(_address(dst), n).copy_(_tensor_at(_address(src), n))
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _helper() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-store-copy")
+        return _pool
+
+
+def _copy_all(pairs) -> None:
+    for dst, src in pairs:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def copy_many(pairs: list[tuple[memoryview, memoryview]]) -> None:
+    """``dst[:] = src`` for each pair (a batch put's values into their slots). A batch
+    of ``PARALLEL_MIN`` bytes or more is split in two halves by bytes, one copied on a
+    helper thread (numpy releases the GIL while it copies)."""
+    total = sum(len(d) for d, _ in pairs)
+    if len(pairs) < 2 or total < PARALLEL_MIN or (os.cpu_count() or 1) < 2:
+        for dst, src in pairs:
+            copy_into(dst, src)
+        return
+    half, cut = 0, 0
+    while cut < len(pairs) - 1 and half + len(pairs[cut][0]) <= total // 2:
+        half += len(pairs[cut][0])
+        cut += 1
+    cut = max(cut, 1)
+    done = _helper().submit(_copy_all, pairs[:cut])
+    try:
+        _copy_all(pairs[cut:])
+    finally:
+        done.result()
+
+
+def fresh_bytes(src: memoryview) -> bytes:
+    """``bytes(src)``, copied in parallel when it is large."""
+    n = len(src)
+    if n < PARALLEL_MIN or not _CPYTHON or not _parallel():
+        return src.tobytes()
+    out = _new_bytes(None, n)   # uninitialised and referenced only here until returned
+    _tensor_at(id(out) + _BYTES_DATA, n).copy_(_tensor_at(_address(src), n))
+    return out

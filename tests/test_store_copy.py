@@ -1,0 +1,41 @@
+"""The store client's copies: parallel above PARALLEL_MIN, plain below, same bytes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from services.store import copy as C
+
+
+@pytest.mark.parametrize("n", [1, 4096, C.PARALLEL_MIN - 1, C.PARALLEL_MIN, 3 * C.PARALLEL_MIN + 5])
+def test_fresh_bytes_and_copy_into_give_the_same_bytes(n):
+    src = os.urandom(n + 3)
+    view = memoryview(src)[3:]
+    out = C.fresh_bytes(view)
+    assert type(out) is bytes and out == src[3:] and hash(out) == hash(src[3:])
+    dst = bytearray(n + 10)
+    C.copy_into(memoryview(dst)[5:5 + n], view)
+    assert dst[5:5 + n] == src[3:] and dst[:5] == bytes(5) and dst[5 + n:] == bytes(5)
+
+
+def test_copy_into_refuses_a_length_mismatch():
+    with pytest.raises(ValueError):
+        C.copy_into(memoryview(bytearray(2 * C.PARALLEL_MIN)), b"x" * (2 * C.PARALLEL_MIN - 1))
+
+
+@pytest.mark.parametrize("sizes", [[10], [300_000] * 7, [5, 2 << 20, 17, 1 << 20], [3 << 20, 1]])
+def test_copy_many_fills_every_slot_and_nothing_else(sizes):
+    vals = [os.urandom(s) for s in sizes]
+    seg = bytearray(sum(sizes) + 16 * len(sizes))
+    view, pairs, pos = memoryview(seg), [], 8
+    for v in vals:
+        pairs.append((view[pos:pos + len(v)], memoryview(v)))
+        pos += len(v) + 16
+    C.copy_many(pairs)
+    pos = 8
+    for v in vals:
+        assert seg[pos:pos + len(v)] == v
+        assert seg[pos - 8:pos] == bytes(8)
+        pos += len(v) + 16
