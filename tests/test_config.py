@@ -51,6 +51,24 @@ def test_help_lists_field_docs(capsys):
     assert "env KVMESH_POLICY" in out
 
 
+@pytest.mark.parametrize("module,cls", [
+    ("services.prefill.server", "PrefillConfig"), ("services.decode.server", "DecodeConfig"),
+    ("services.conductor.server", "ConductorConfig"),
+    ("services.store_master.server", "StoreMasterConfig"),
+    ("services.store.node", "StoreNodeConfig")])
+def test_every_service_help_renders(capsys, module, cls):
+    """A help text with a literal % (``40%``) must not break argparse's formatting."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        load(getattr(importlib.import_module(module), cls), ["--help"], env={})
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--lease-ttl" in out
+    if cls in ("PrefillConfig", "DecodeConfig"):
+        assert "(40%)" in out and "--te-poll-us" in out
+
+
 def test_sizes_and_memory_shares():
     assert parse_size("64MiB") == 64 << 20 and parse_size("2GB") == 2_000_000_000
     assert 0 < parse_memory("10%") < parse_memory("20%")

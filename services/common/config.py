@@ -111,6 +111,7 @@ def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         help_text = f"{f.metadata.get('help', '')} (default: {default!r}; env KVMESH_{f.name.upper()})"
+        help_text = help_text.replace("%", "%%")   # argparse formats help with %
         tp = _base_type(hints[f.name])
         if tp is bool:
             parser.add_argument(_flag(f.name), dest=f.name, default=None,
