@@ -244,7 +244,9 @@ def test_client_lends_own_segment(store, fast, poll_us):
         other = StoreClient(te2, store.master, "reader", rpc_timeout=3, fast_path=fast)
         segments = store.stats().segments
         try:
-            await cl.lend(12 << 20)
+            # room enough that the big values below never push the shared store (full
+            # of earlier tests' blocks, many still leased) over its high watermark
+            await cl.lend(64 << 20)
             keys = [os.urandom(16) for _ in range(40)]
             vals = {k: value(k, 4096) for k in keys}
             assert await cl.put(keys[0], vals[keys[0]])
