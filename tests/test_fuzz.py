@@ -318,6 +318,59 @@ def test_fuzz_data_plane_handshake(cluster, data):
             pass  # the server may close or reset at once: that is the point
 
 
+# ------------------------------------------------------------------ store control path
+
+@pytest.fixture(scope="module")
+def store_fast(cluster):
+    """The store-master's raw-TCP control path (advertised in StoreHello)."""
+    from protos import kvmesh_pb2_grpc as pbg
+
+    addr = next(n.grpc_address for n in cluster.status(timeout=5).nodes
+                if n.role == "store-master")
+    with grpc.insecure_channel(addr) as ch:
+        hello = pbg.StoreMasterStub(ch).StoreHello(pb.StoreHelloRequest(), timeout=10)
+    assert hello.fast_address
+    host, port = hello.fast_address.rsplit(":", 1)
+    return host, int(port)
+
+
+@FUZZ
+@given(method=st.integers(0, 255), body=st.binary(max_size=600),
+       declared=st.one_of(st.none(), st.integers(0, (1 << 32) - 1)), cut=st.integers(0, 8))
+def test_fuzz_store_control_path(store_fast, method, body, declared, cut):
+    """Any frame - garbage bodies for every method byte, lying lengths, truncation - gets
+    a clean status or a closed connection; the master then still answers a valid call."""
+    import struct
+
+    from services.store_master import wire
+
+    _count("store control path")
+    n = len(body) if declared is None else declared
+    frame = wire.HEAD.pack(n, 7, method) + body
+    with socket.create_connection(store_fast, timeout=5) as s:
+        s.settimeout(2)
+        try:
+            s.sendall(frame[:len(frame) - cut] if cut < len(frame) else frame)
+            if declared is None and cut == 0:
+                head = s.recv(wire.HEAD_SIZE, socket.MSG_WAITALL)
+                if len(head) == wire.HEAD_SIZE:
+                    _, rid, status = wire.HEAD.unpack(head)
+                    assert rid == 7
+                    assert status in (0, grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                      grpc.StatusCode.UNIMPLEMENTED.value[0],
+                                      grpc.StatusCode.NOT_FOUND.value[0],
+                                      grpc.StatusCode.FAILED_PRECONDITION.value[0]), status
+        except OSError:
+            pass  # the master may close a connection that lies about lengths
+    with socket.create_connection(store_fast, timeout=5) as s:
+        s.settimeout(5)
+        probe = wire.pack_exists([b"k" * 16], True)
+        s.sendall(wire.HEAD.pack(len(probe), 9, wire.EXISTS) + probe)
+        n, rid, status = wire.HEAD.unpack(s.recv(wire.HEAD_SIZE, socket.MSG_WAITALL))
+        assert (rid, status) == (9, 0)
+        assert struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))[0] == 0
+
+
 # ------------------------------------------------------------------ afterwards
 
 TRACE = re.compile(r"Traceback \(most recent call last\)")

@@ -19,13 +19,14 @@ import asyncio
 import logging
 import select
 import socket
+import struct
 import time
 
 import grpc
 
 from protos import kvmesh_pb2 as pb
 from services.store_master import wire
-from services.store_master.server import _check_hashes
+from services.store_master.server import MAX_HASHES, _check_hashes
 from services.store_master.wire import HEAD, HEAD_SIZE, MAX_FRAME
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class FastPathProtocol:
             self.moved = 0
             try:
                 r = self.call(method, body)
-            except (ValueError, IndexError, UnicodeDecodeError) as e:
+            except (ValueError, IndexError, UnicodeDecodeError, struct.error) as e:
                 r = (_INVALID, f"malformed request: {e}".encode())
             except Exception as e:  # never kill the connection over one call
                 log.exception("fast path call %d failed", method)
@@ -137,19 +138,19 @@ class FastPathProtocol:
         if method == wire.PUT_LOCAL:
             node, region, keys, slots, rsize, rcount, rspare, release = \
                 wire.unpack_put_local(body)
-            req = pb.PutLocalRequest(node_id=node, region_id=region, hashes=keys,
-                                     offsets=[o for o, _ in slots],
-                                     sizes=[z for _, z in slots], reserve_size=rsize,
-                                     reserve_count=rcount, reserve_spare=rspare,
-                                     release_offsets=[o for o, _ in release],
-                                     release_sizes=[z for _, z in release])
-            if err := s._put_local_error(req):
+            if err := _check(keys, "PutLocal"):
                 return _INVALID, err.encode()
+            if len(keys) != len(slots):
+                return _INVALID, b"PutLocal: one (offset, size) slot per key"
+            if rcount + rspare > MAX_HASHES:
+                return _INVALID, f"PutLocal: at most {MAX_HASHES} slots per call".encode()
             self.moved = sum(z for _, z in slots) + rsize * rcount  # copied in, or next
+            args = (node, region, [(k, o, z) for k, (o, z) in zip(keys, slots)],
+                    rsize, rcount, rspare, release)
             if rcount and s.meta.over_high(rsize * rcount):
-                return self._put_local_slow(req)
-            r = s._put_local_now(req)
-            return 0, wire.pack_put_local_resp(list(r.status), list(r.reserved))
+                return self._put_local_slow(rsize * rcount, args)
+            status, reserved = s.put_local_plain(*args)
+            return 0, wire.pack_put_local_resp(status, reserved)
         if method == wire.REMOVE:
             keys, _ = wire.unpack_keys(body, 0)
             if err := _check(keys, "Remove"):
@@ -176,10 +177,10 @@ class FastPathProtocol:
         await self.s._promote(cand)
         return 0, self._get_resp(keys, node, any_order)
 
-    async def _put_local_slow(self, req):
-        await self.s.run_eviction(req.reserve_size * req.reserve_count)
-        r = self.s._put_local_now(req)
-        return 0, wire.pack_put_local_resp(list(r.status), list(r.reserved))
+    async def _put_local_slow(self, need: int, args):
+        await self.s.run_eviction(need)
+        status, reserved = self.s.put_local_plain(*args)
+        return 0, wire.pack_put_local_resp(status, reserved)
 
     async def _pb(self, fn, req):
         resp = await fn(req, _Context())

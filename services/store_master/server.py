@@ -322,17 +322,24 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         return got, until
 
     def _put_local_now(self, req) -> pb.PutLocalResponse:
-        m = self.meta
-        if req.release_offsets:
-            m.release_reserved(req.node_id, req.region_id,
-                               zip(req.release_offsets, req.release_sizes))
-        status = m.commit_local(req.node_id, req.region_id,
-                                zip(req.hashes, req.offsets, req.sizes))
-        reserved = []
-        if req.reserve_size and (req.reserve_count or req.reserve_spare):
-            reserved = m.reserve(req.node_id, req.region_id, req.reserve_size,
-                                 req.reserve_count, req.reserve_spare)
+        status, reserved = self.put_local_plain(
+            req.node_id, req.region_id, zip(req.hashes, req.offsets, req.sizes),
+            req.reserve_size, req.reserve_count, req.reserve_spare,
+            zip(req.release_offsets, req.release_sizes))
         return pb.PutLocalResponse(status=status, reserved=reserved)
+
+    def put_local_plain(self, node: str, region: int, items, rsize: int, rcount: int,
+                        rspare: int, release=()) -> tuple[list[int], list[int]]:
+        """PutLocal on plain values (the raw-TCP path skips protobuf): releases, commits
+        (key, offset, size) items, reserves; returns (status per item, reserved)."""
+        m = self.meta
+        if release:
+            m.release_reserved(node, region, release)
+        status = m.commit_local(node, region, items)
+        reserved = []
+        if rsize and (rcount or rspare):
+            reserved = m.reserve(node, region, rsize, rcount, rspare)
+        return status, reserved
 
     @staticmethod
     def _put_local_error(req) -> str | None:
