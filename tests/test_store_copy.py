@@ -25,7 +25,22 @@ def test_copy_into_refuses_a_length_mismatch():
         C.copy_into(memoryview(bytearray(2 * C.PARALLEL_MIN)), b"x" * (2 * C.PARALLEL_MIN - 1))
 
 
-@pytest.mark.parametrize("sizes", [[10], [300_000] * 7, [5, 2 << 20, 17, 1 << 20], [3 << 20, 1]])
+SIZES = [[10], [300_000] * 7, [5, 2 << 20, 17, 1 << 20], [3 << 20, 1]]
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_fresh_bytes_many_gives_each_value(sizes):
+    vals = [os.urandom(s) for s in sizes]
+    whole = memoryview(b"".join(vals))
+    views, pos = [], 0
+    for v in vals:
+        views.append(whole[pos:pos + len(v)])
+        pos += len(v)
+    out = C.fresh_bytes_many(views)
+    assert out == vals and all(type(o) is bytes for o in out)
+
+
+@pytest.mark.parametrize("sizes", SIZES)
 def test_copy_many_fills_every_slot_and_nothing_else(sizes):
     vals = [os.urandom(s) for s in sizes]
     seg = bytearray(sum(sizes) + 16 * len(sizes))

@@ -47,7 +47,7 @@ from rdma import Slice, TransferEngine, TransferError
 from services.common.channels import make_channel
 from services.common.registry import Membership
 from services.common.telemetry import record_span
-from services.store.copy import copy_into, copy_many, fresh_bytes
+from services.store.copy import copy_into, copy_many, fresh_bytes_many
 from services.store.fastconn import CallError, FastConn, FastConnError
 from services.store_master import wire
 
@@ -549,13 +549,16 @@ class StoreClient:
         lease_ms, locs = got
         deadline = sent + lease_ms / 1000
         remote: list[Loc] = []
+        local: list[tuple[int, memoryview]] = []
         seg = self.segment
         for loc in locs:
             i, addr, region, _, off, size = loc
             if seg is not None and region == seg.region and addr == self.te.address:
-                out[i] = fresh_bytes(seg.view[off:off + size])
+                local.append((i, seg.view[off:off + size]))
             else:
                 remote.append(loc)
+        for (i, _), v in zip(local, fresh_bytes_many([v for _, v in local])):
+            out[i] = v
         nlocal = len(locs) - len(remote)
         if remote:
             async with self._staging_lock:
@@ -572,8 +575,9 @@ class StoreClient:
                     try:
                         await self.te.read(peer, [Slice(sregion, offs[j], remote[j][2],
                                                         remote[j][4], remote[j][5]) for j in js])
-                        for j in js:
-                            out[remote[j][0]] = fresh_bytes(buf[offs[j]:offs[j] + remote[j][5]])
+                        vals = fresh_bytes_many([buf[offs[j]:offs[j] + remote[j][5]] for j in js])
+                        for j, v in zip(js, vals):
+                            out[remote[j][0]] = v
                     except (TransferError, OSError) as e:
                         self.stats["read_failed"] += len(js)
                         log.warning("store read from %s failed (%s): a miss", peer, e)
