@@ -17,7 +17,8 @@ no thread handoff at all; see :class:`rdma.tcp_lane._FastLane`.
 
 Busy polling (``poll_us``, default 200): after serving a request a server
 thread spins on non-blocking receives that long before it blocks, and the
-event loop spins that long for a fast-lane reply.  On a VM a sleeping
+event loop spins that long for a fast-lane reply (at most ``spinners``
+server threads spin at once, however many connections there are).  On a VM a sleeping
 thread's wake-up costs tens of microseconds per hop, which is most of a
 64 KiB request's time; a window that runs out backs the lane off for a few
 requests.  ``poll_us=0`` never spins.
@@ -39,6 +40,7 @@ here: to change one at run time (tests), patch it in the module that defines it.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from typing import Callable
@@ -88,6 +90,8 @@ class TcpTransport(Transport):
         if poll_us < 0:
             raise ValueError("poll_us must be >= 0")
         self.poll_s = poll_us / 1e6
+        # server threads allowed to busy-poll at once (a quarter of the cores, at least 1)
+        self.spinners = threading.BoundedSemaphore(max(1, (os.cpu_count() or 1) // 4))
         self.corrupt_next = False
         self.counters = Counters()
         self.closed = False

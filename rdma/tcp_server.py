@@ -6,7 +6,9 @@ serves its requests (:func:`serve_requests`): WRITE payloads are ``recv_into``'d
 straight into the registered region, READ data goes out zero-copy from it, NOTIFY
 payloads go to the transport's ``on_notify`` callback, and acks are coalesced into
 few ``sendmsg`` s.  After each request the thread busy-polls the socket for up to the
-transport's ``poll_s`` before it blocks (:func:`rdma.wire.recv_polled`).
+transport's ``poll_s`` before it blocks (:func:`rdma.wire.recv_polled`), if one of the
+transport's few spinner slots is free: however many connections it serves, at most
+``TcpTransport.spinners`` threads spin at once.
 
 These functions work on the transport's server-side state (listener, region table,
 live server sockets and threads, counters, the ``corrupt_next`` fault hook).
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 from .tcp_proto import (F_CRC, MAX_NOTIFY_BYTES, REPLY, ST_BAD_ACCESS, ST_CHECKSUM,
                         ST_OK)
 from .transport import Op, RemoteAccessError
-from .wire import (REP, REQ, AuthError, recv_exact, recv_polled, sendmsg_all,
+from .wire import (REP, REQ, AuthError, recv_exact, recv_polled, recv_spin, sendmsg_all,
                    server_handshake)
 
 if TYPE_CHECKING:
@@ -96,6 +98,7 @@ def serve_requests(tr: "TcpTransport", sock: socket.socket) -> None:
     pending_out = 0  # READ bytes referenced by ``acks``
     counters = tr.counters
     poll_s = tr.poll_s
+    spinners = tr.spinners
 
     def error(rid: int, status: int, msg: str) -> None:
         data = msg.encode()
@@ -120,7 +123,13 @@ def serve_requests(tr: "TcpTransport", sock: socket.socket) -> None:
                 acks.clear()
                 pending_out = 0
         if got < REQ.size:
-            recv_polled(sock, hmv[got:], poll_s)
+            if poll_s and spinners.acquire(blocking=False):
+                try:   # the slot is held while spinning only, never while blocked
+                    got += recv_spin(sock, hmv[got:], poll_s)
+                finally:
+                    spinners.release()
+            if got < REQ.size:
+                recv_exact(sock, hmv[got:])
         op, flags, _, crc, region, rid, offset, length = REQ.unpack_from(hdr)
 
         if op == Op.WRITE:

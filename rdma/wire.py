@@ -22,7 +22,7 @@ import threading
 import time
 
 __all__ = ["AuthError", "Counters", "REQ", "REP", "Reader", "client_handshake", "server_handshake",
-           "configure_socket", "recv_exact", "recv_polled", "sendmsg_all", "split_address"]
+           "configure_socket", "recv_exact", "recv_polled", "recv_spin", "sendmsg_all", "split_address"]
 
 REQ = struct.Struct("!BBHIIQQQ")  # op flags rsv crc region req_id offset length
 REP = struct.Struct("!BBHIQQ")    # kind status rsv crc req_id length
@@ -60,31 +60,38 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return n
 
 
-def recv_polled(sock: socket.socket, view: memoryview, poll_s: float) -> int:
-    """``recv_exact`` that busy-polls (non-blocking ``recv_into``) for up to
-    ``poll_s`` seconds before it blocks: a request that arrives within the window
-    costs no thread wake-up (tens of microseconds on a VM), at the price of that
-    much CPU after each request. ``poll_s <= 0`` is plain ``recv_exact``."""
+def recv_spin(sock: socket.socket, view: memoryview, poll_s: float) -> int:
+    """Busy-polls ``view`` full with non-blocking ``recv_into`` until it is full or
+    ``poll_s`` seconds pass without it filling; returns the bytes received (never
+    blocks). ConnectionError on EOF."""
     n = len(view)
     pos = 0
-    if poll_s > 0:
-        deadline = 0.0
-        while pos < n:
-            try:
-                got = sock.recv_into(view[pos:] if pos else view, n - pos, _DONTWAIT)
-            except BlockingIOError:
-                now = time.perf_counter()
-                if not deadline:
-                    deadline = now + poll_s
-                elif now > deadline:
-                    break
-                continue
-            if not got:
-                raise ConnectionError("connection closed by peer")
-            pos += got
-    if pos < n:
+    deadline = 0.0
+    while pos < n:
+        try:
+            got = sock.recv_into(view[pos:] if pos else view, n - pos, _DONTWAIT)
+        except BlockingIOError:
+            now = time.perf_counter()
+            if not deadline:
+                deadline = now + poll_s
+            elif now > deadline:
+                break
+            continue
+        if not got:
+            raise ConnectionError("connection closed by peer")
+        pos += got
+    return pos
+
+
+def recv_polled(sock: socket.socket, view: memoryview, poll_s: float) -> int:
+    """``recv_exact`` that busy-polls (:func:`recv_spin`) for up to ``poll_s`` seconds
+    before it blocks: a request that arrives within the window costs no thread
+    wake-up (tens of microseconds on a VM), at the price of that much CPU after each
+    request. ``poll_s <= 0`` is plain ``recv_exact``."""
+    pos = recv_spin(sock, view, poll_s) if poll_s > 0 else 0
+    if pos < len(view):
         recv_exact(sock, view[pos:] if pos else view)
-    return n
+    return len(view)
 
 
 def _recv_bytes(sock: socket.socket, n: int) -> bytes:

@@ -18,7 +18,7 @@ import torch
 
 from rdma import Slice, TransferEngine, TransferError, TransferStatus
 from rdma.tcp import TcpTransport
-from rdma.wire import MAGIC, NONCE_BYTES, recv_polled
+from rdma.wire import MAGIC, NONCE_BYTES, recv_polled, recv_spin
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -550,6 +550,10 @@ def test_recv_polled_fills_exactly_whether_data_comes_inside_or_after_the_window
         tail = bytearray(4)
         recv_polled(a, memoryview(tail), poll_s)
         assert tail == b"next"  # nothing of the next message was consumed early
+        assert recv_spin(a, memoryview(bytearray(8)), 0.001) == 0   # nothing there: no block
+        b.sendall(b"abc")
+        part = bytearray(8)
+        assert recv_spin(a, memoryview(part), 0.05) == 3 and part[:3] == b"abc"
         b.close()
         with pytest.raises(ConnectionError):
             recv_polled(a, memoryview(bytearray(1)), poll_s)
