@@ -337,7 +337,8 @@ def main() -> None:
     ap.add_argument("--total-mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--conns", type=int, default=4)
-    ap.add_argument("--chunk-mib", type=int, default=4)
+    ap.add_argument("--chunk-mib", type=int, default=2,
+                    help="slices larger than this are cut into pieces (the engine default)")
     ap.add_argument("--max-point-s", type=float, default=3.0,
                     help="cap on one single-mode repetition (bounds slow points)")
     ap.add_argument("--no-mooncake", action="store_true")

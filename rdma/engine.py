@@ -214,7 +214,7 @@ class TransferEngine:
     """
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *,
-                 conns_per_peer: int = 4, chunk_bytes: int = 4 << 20,
+                 conns_per_peer: int = 4, chunk_bytes: int = 2 << 20,
                  checksum: bool = False, connect_timeout: float = 3.0,
                  poll_us: int = 200,
                  transport: Transport | str | None = None,
