@@ -205,7 +205,8 @@ def _median(runs: list[dict]) -> dict:
     return out
 
 
-async def run_both(master: str, quick: bool, lend: int, mc: Mooncake | None, rounds: int
+async def run_both(master: str, quick: bool, lend: int, mc: Mooncake | None, rounds: int,
+                   poll_us: int = 200
                    ) -> tuple[dict, dict]:
     """Per size, kvmesh then Mooncake, for ``rounds`` rounds, so both see the same
     background load; each metric is the median over rounds."""
@@ -213,7 +214,7 @@ async def run_both(master: str, quick: bool, lend: int, mc: Mooncake | None, rou
     from services.common.settings import DEV_SECRET
     from services.store.client import StoreClient
 
-    te = TransferEngine(DEV_SECRET.encode())
+    te = TransferEngine(DEV_SECRET.encode(), poll_us=poll_us)
     await te.start()
     cl = StoreClient(te, master, "bench-client", staging_bytes=64 << 20)
     kv: dict = {}
@@ -253,7 +254,8 @@ def tune_malloc() -> str:
         return "malloc untuned"
 
 
-def bench(segment: str, quick: bool, topology: str, mooncake: bool, rounds: int
+def bench(segment: str, quick: bool, topology: str, mooncake: bool, rounds: int,
+          poll_us: int = 200
           ) -> tuple[dict, dict | str]:
     from services.common.config import parse_size
     from services.store.local import StoreCluster
@@ -268,10 +270,13 @@ def bench(segment: str, quick: bool, topology: str, mooncake: bool, rounds: int
             mc = None
     work = tempfile.mkdtemp(prefix="kvmesh-bench-store-")
     local = topology == "local"
-    c = StoreCluster(work, nodes=0 if local else 1, segment=segment, lease_ttl=10)
+    c = StoreCluster(work, nodes=0 if local else 1, segment=segment, lease_ttl=10,
+                     master_args=["--fast-poll-us", str(poll_us)],
+                     node_args=["--te-poll-us", str(poll_us)])
     try:
         c.start(timeout=60)
-        coro = run_both(c.master, quick, parse_size(segment) if local else 0, mc, rounds)
+        coro = run_both(c.master, quick, parse_size(segment) if local else 0, mc, rounds,
+                        poll_us)
         try:
             import uvloop  # kvmesh's services all run on uvloop
             kv, mcr = uvloop.run(coro)
@@ -317,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="keep glibc's default (dynamic) mmap threshold")
     ap.add_argument("--rounds", type=int, default=1,
                     help="rounds per size (kvmesh and mooncake alternate); medians reported")
+    ap.add_argument("--poll-us", type=int, default=200,
+                    help="busy-poll window of kvmesh's client, master and store node (0 = off)")
     ap.add_argument("--topology", choices=("local", "remote"), default="local",
                     help="local: the kvmesh client lends its own segment (as Mooncake's "
                          "does); remote: a store-node process lends it")
@@ -332,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     malloc = tune_malloc() if not args.no_tune_malloc else "malloc untuned"
     print(f"one client process for both stores: {malloc}", flush=True)
     print("kvmesh and mooncake stores, interleaved per size ...", flush=True)
-    kv, mc = bench(args.segment, args.quick, args.topology, not args.no_mooncake, args.rounds)
+    kv, mc = bench(args.segment, args.quick, args.topology, not args.no_mooncake, args.rounds,
+                   args.poll_us)
     print(f"topology: kvmesh: {topo}; mooncake: {topo_mc}; {malloc}")
     print(table(kv, mc))
     if isinstance(mc, str):

@@ -49,10 +49,10 @@ from typing import Callable
 # are re-exported here, where they were defined before the split.
 from .tcp_channel import MAX_ATTEMPTS, MAX_BATCH_BYTES, MAX_BATCH_REQS  # noqa: F401
 from .tcp_channel import _Channel
-from .tcp_lane import FAST_MAX_INFLIGHT, FAST_RETRY_S, POLL_BACKOFF  # noqa: F401
+from .tcp_lane import FAST_MAX_INFLIGHT, FAST_RETRY_S  # noqa: F401
 from .tcp_lane import _FastLane
-from .tcp_proto import (F_CRC, MAX_NOTIFY_BYTES, REPLY, ST_BAD_ACCESS,  # noqa: F401
-                        ST_BAD_REQUEST, ST_CHECKSUM, ST_OK)
+from .tcp_proto import (F_CRC, MAX_NOTIFY_BYTES, POLL_BACKOFF, REPLY,  # noqa: F401
+                        ST_BAD_ACCESS, ST_BAD_REQUEST, ST_CHECKSUM, ST_OK)
 from .tcp_server import (MAX_PENDING_ACKS, MAX_PENDING_REPLY_BYTES,  # noqa: F401
                          POLL_MAX_BYTES, SCRATCH_BYTES)
 from .tcp_server import accept_loop

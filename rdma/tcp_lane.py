@@ -19,15 +19,14 @@ import zlib
 from typing import TYPE_CHECKING
 
 from .tcp_channel import _Channel, _open_socket
-from .tcp_proto import F_CRC, MAX_NOTIFY_BYTES, ST_CHECKSUM, ST_OK
+from .tcp_proto import F_CRC, MAX_NOTIFY_BYTES, POLL_BACKOFF, ST_CHECKSUM, ST_OK
 from .transport import Op, TransferError, WorkRequest
-from .wire import REP, REQ
+from .wire import REP, REQ, PollBackoff
 
 if TYPE_CHECKING:
     from .tcp import TcpTransport
 
 FAST_MAX_INFLIGHT = 2       # the lane takes a request while it has fewer than this in flight
-POLL_BACKOFF = 16           # fast-lane requests that skip polling after a window ran out
 FAST_RETRY_S = 1.0          # after a failed fast-lane connect, use the channels this long
 
 
@@ -66,7 +65,7 @@ class _FastLane:
         self.bpos = 0
         self.berr = -1   # status of the reply whose error text is in ``body``
         self.bcrc = 0
-        self.skip_polls = 0
+        self.backoff = PollBackoff(POLL_BACKOFF)
 
     # -- connection -----------------------------------------------------------
     def usable(self) -> bool:
@@ -143,24 +142,21 @@ class _FastLane:
         r.sent = True
         self.inflight.append((rid, r))
         self._send(bufs)
-        if self.tr.poll_s > 0:
-            if self.skip_polls:
-                self.skip_polls -= 1
-            else:
-                self._poll(rid)
+        if self.tr.poll_s > 0 and self.backoff.should_poll():
+            self._poll(rid)
 
     def _poll(self, rid: int) -> None:
         """Busy-polls the reply for up to ``poll_s`` on the loop thread: a reply
-        that comes back within the window skips the event loop's wake-up. A
-        window that runs out makes the next ``POLL_BACKOFF`` requests skip
-        polling, so a slow peer costs little spinning."""
+        that comes back within the window skips the event loop's wake-up; a
+        slow peer makes later requests skip polling (:class:`PollBackoff`)."""
         deadline = time.perf_counter() + self.tr.poll_s
         inflight = self.inflight
         while self.sock is not None and not self.out and inflight and inflight[-1][0] == rid:
             if time.perf_counter() > deadline:
-                self.skip_polls = POLL_BACKOFF
+                self.backoff.missed()
                 return
             self._on_readable()
+        self.backoff.caught()
 
     def _send(self, bufs: list) -> None:
         try:

@@ -22,10 +22,10 @@ import threading
 import zlib
 from typing import TYPE_CHECKING
 
-from .tcp_proto import (F_CRC, MAX_NOTIFY_BYTES, REPLY, ST_BAD_ACCESS, ST_CHECKSUM,
-                        ST_OK)
+from .tcp_proto import (F_CRC, MAX_NOTIFY_BYTES, POLL_BACKOFF, REPLY, ST_BAD_ACCESS,
+                        ST_CHECKSUM, ST_OK)
 from .transport import Op, RemoteAccessError
-from .wire import (REP, REQ, AuthError, recv_exact, recv_polled, recv_spin, sendmsg_all,
+from .wire import (REP, REQ, AuthError, PollBackoff, recv_exact, recv_polled, recv_spin, sendmsg_all,
                    server_handshake)
 
 if TYPE_CHECKING:
@@ -99,6 +99,7 @@ def serve_requests(tr: "TcpTransport", sock: socket.socket) -> None:
     counters = tr.counters
     poll_s = tr.poll_s
     spinners = tr.spinners
+    backoff = PollBackoff(POLL_BACKOFF)
 
     def error(rid: int, status: int, msg: str) -> None:
         data = msg.encode()
@@ -123,11 +124,15 @@ def serve_requests(tr: "TcpTransport", sock: socket.socket) -> None:
                 acks.clear()
                 pending_out = 0
         if got < REQ.size:
-            if poll_s and spinners.acquire(blocking=False):
+            if poll_s and backoff.should_poll() and spinners.acquire(blocking=False):
                 try:   # the slot is held while spinning only, never while blocked
                     got += recv_spin(sock, hmv[got:], poll_s)
                 finally:
                     spinners.release()
+                if got < REQ.size:   # the window ran out: this peer is not that quick
+                    backoff.missed()
+                else:
+                    backoff.caught()
             if got < REQ.size:
                 recv_exact(sock, hmv[got:])
         op, flags, _, crc, region, rid, offset, length = REQ.unpack_from(hdr)

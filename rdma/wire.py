@@ -22,7 +22,7 @@ import threading
 import time
 
 __all__ = ["AuthError", "Counters", "REQ", "REP", "Reader", "client_handshake", "server_handshake",
-           "configure_socket", "recv_exact", "recv_polled", "recv_spin", "sendmsg_all", "split_address"]
+           "PollBackoff", "configure_socket", "recv_exact", "recv_polled", "recv_spin", "sendmsg_all", "split_address"]
 
 REQ = struct.Struct("!BBHIIQQQ")  # op flags rsv crc region req_id offset length
 REP = struct.Struct("!BBHIQQ")    # kind status rsv crc req_id length
@@ -58,6 +58,33 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
             raise ConnectionError("connection closed by peer")
         pos += got
     return n
+
+
+class PollBackoff:
+    """When to busy-poll. Poll while windows catch what they wait for; after a window
+    that ran out, skip polling for the next 1, then 2, 4 ... up to ``cap`` waits while
+    windows keep running out; a window that catches its message starts over. A peer
+    that is always slow thus costs a poll window about every ``cap`` waits, and one
+    that is usually quick loses little to an odd miss."""
+
+    __slots__ = ("skip", "step", "cap")
+
+    def __init__(self, cap: int = 16) -> None:
+        self.skip = self.step = 0
+        self.cap = cap
+
+    def should_poll(self) -> bool:
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def caught(self) -> None:
+        self.step = 0
+
+    def missed(self) -> None:
+        self.step = min(self.cap, self.step * 2 or 1)
+        self.skip = self.step
 
 
 def recv_spin(sock: socket.socket, view: memoryview, poll_s: float) -> int:

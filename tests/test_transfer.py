@@ -581,3 +581,21 @@ async def test_engines_without_busy_polling_move_the_same_bytes():
     finally:
         await a.close()
         await b.close()
+
+
+def test_poll_backoff_doubles_while_windows_run_out_and_resets_on_a_catch():
+    from rdma.wire import PollBackoff
+
+    b = PollBackoff(cap=4)
+    assert b.should_poll()
+    skipped = []
+    for _ in range(5):              # every window runs out
+        b.missed()
+        n = 0
+        while not b.should_poll():
+            n += 1
+        skipped.append(n)
+    assert skipped == [1, 2, 4, 4, 4]
+    b.caught()
+    b.missed()
+    assert not b.should_poll() and b.should_poll()   # back to skipping one

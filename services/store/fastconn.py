@@ -5,9 +5,9 @@ The event loop drives a plain non-blocking socket (``add_reader``), so a call ca
 busy-poll for its answer: for up to ``poll_us`` after sending, the loop thread keeps
 trying a non-blocking receive instead of going back to sleep in the loop, and an
 answer that comes back inside the window costs no wake-up (tens of microseconds on a
-VM, a third of a small get). A window that runs out makes the next ``POLL_BACKOFF``
-calls skip polling, so a slow or busy master costs little spinning; ``poll_us=0``
-never spins.
+VM, a third of a small get). Windows that run out make later calls skip polling
+(:class:`rdma.wire.PollBackoff`), so a slow or busy master costs little spinning;
+``poll_us=0`` never spins.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import asyncio
 import socket
 import time
 
+from rdma.wire import PollBackoff
 from services.store_master.wire import HEAD, HEAD_SIZE, MAX_FRAME
 
 POLL_BACKOFF = 16
@@ -44,7 +45,7 @@ class FastConn:
         self.next_id = 0
         self.closed = False
         self.poll_s = poll_us / 1e6
-        self.skip_polls = 0
+        self.backoff = PollBackoff(POLL_BACKOFF)
         self._watch: asyncio.TimerHandle | None = None
         self.loop = asyncio.get_running_loop()
         self.loop.add_reader(self.fd, self._on_readable)
@@ -146,20 +147,18 @@ class FastConn:
                 self.loop.add_writer(self.fd, self._on_writable)
         if self._watch is None:
             self._watch = self.loop.call_later(0.25, self._check)
-        if self.poll_s > 0 and not self.out:
-            if self.skip_polls:
-                self.skip_polls -= 1
-            else:
-                self._poll(fut)
+        if self.poll_s > 0 and not self.out and self.backoff.should_poll():
+            self._poll(fut)
         return fut
 
     def _poll(self, fut: asyncio.Future) -> None:
         deadline = time.perf_counter() + self.poll_s
         while not fut.done() and not self.closed:
             if time.perf_counter() > deadline:
-                self.skip_polls = POLL_BACKOFF
+                self.backoff.missed()
                 return
             self._on_readable()
+        self.backoff.caught()
 
     def _check(self) -> None:
         self._watch = None

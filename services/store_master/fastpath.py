@@ -25,12 +25,14 @@ import time
 import grpc
 
 from protos import kvmesh_pb2 as pb
+from rdma.wire import PollBackoff
 from services.store_master import wire
 from services.store_master.server import MAX_HASHES, _check_hashes
 from services.store_master.wire import HEAD, HEAD_SIZE, MAX_FRAME
 
 log = logging.getLogger(__name__)
 _RECV_BYTES = 256 << 10
+POLL_BACKOFF = 16   # most answers that start no spin after spins in which no call came
 # After a call that placed or located this many block bytes the client is busy copying
 # or transferring them for longer than a poll window: answering it starts no spin.
 QUIET_BYTES = 1 << 20
@@ -243,8 +245,10 @@ class FastPathServer:
     keeps polling all fast-path sockets (its own ``epoll``, zero timeout) until
     ``poll_us`` passes without a request, at most ``SPIN_CAP_S`` in all, so a client's
     next call is answered without the loop's wake-up. A call that placed or located
-    ``QUIET_BYTES`` of blocks starts no spin: its client is busy moving them. Meanwhile other loop work (gRPC,
-    timers) waits at most that long; ``poll_us=0`` never spins."""
+    ``QUIET_BYTES`` of blocks starts no spin: its client is busy moving them; and a
+    spin in which no call came makes later answers skip it for a while
+    (``PollBackoff``). Meanwhile other loop work (gRPC, timers) waits at most
+    ``SPIN_CAP_S``; ``poll_us=0`` never spins."""
 
     SPIN_CAP_S = 0.002
 
@@ -255,6 +259,7 @@ class FastPathServer:
         self.poll_s = poll_us / 1e6
         self.conns: dict[int, tuple[_Shim, FastPathProtocol]] = {}
         self.ep = select.epoll() if self.poll_s > 0 and hasattr(select, "epoll") else None
+        self.backoff = PollBackoff(POLL_BACKOFF)
         self.loop.add_reader(listener.fileno(), self._accept)
 
     def _accept(self) -> None:
@@ -303,17 +308,23 @@ class FastPathServer:
     def _readable(self, fd: int) -> None:
         item = self.conns.get(fd)
         if self._drain(fd) and self.ep is not None and item[1].moved < QUIET_BYTES:
-            self._spin()
+            if self.backoff.should_poll():
+                self._spin()
 
     def _spin(self) -> None:
         now = time.perf_counter()
         idle_until, cap = now + self.poll_s, now + self.SPIN_CAP_S
+        served = False
         while now < cap:
             ready = self.ep.poll(0)
             now = time.perf_counter()
             if any([self._drain(fd) for fd, _ in ready]):
-                idle_until = now + self.poll_s
+                idle_until, served = now + self.poll_s, True
             elif now > idle_until:
+                if served:
+                    self.backoff.caught()
+                else:   # nobody was that quick: later answers skip polling for a while
+                    self.backoff.missed()
                 return
 
     def _forget(self, fd: int) -> None:
