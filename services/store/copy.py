@@ -71,25 +71,32 @@ def _copy_all(pairs) -> None:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
+def _two_threads(items: list, sizes: list[int], fn) -> bool:
+    """Runs ``fn`` over the first half of ``items`` (by bytes) on the helper thread and
+    over the rest on this one; False (nothing run) when that is not worth it."""
+    total = sum(sizes)
+    if len(items) < 2 or total < PARALLEL_MIN or (os.cpu_count() or 1) < 2:
+        return False
+    half, cut = 0, 0
+    while cut < len(items) - 1 and half + sizes[cut] <= total // 2:
+        half += sizes[cut]
+        cut += 1
+    cut = max(cut, 1)
+    done = _helper().submit(fn, items[:cut])
+    try:
+        fn(items[cut:])
+    finally:
+        done.result()
+    return True
+
+
 def copy_many(pairs: list[tuple[memoryview, memoryview]]) -> None:
     """``dst[:] = src`` for each pair (a batch put's values into their slots). A batch
     of ``PARALLEL_MIN`` bytes or more is split in two halves by bytes, one copied on a
     helper thread (numpy releases the GIL while it copies)."""
-    total = sum(len(d) for d, _ in pairs)
-    if len(pairs) < 2 or total < PARALLEL_MIN or (os.cpu_count() or 1) < 2:
+    if not _two_threads(pairs, [len(d) for d, _ in pairs], _copy_all):
         for dst, src in pairs:
             copy_into(dst, src)
-        return
-    half, cut = 0, 0
-    while cut < len(pairs) - 1 and half + len(pairs[cut][0]) <= total // 2:
-        half += len(pairs[cut][0])
-        cut += 1
-    cut = max(cut, 1)
-    done = _helper().submit(_copy_all, pairs[:cut])
-    try:
-        _copy_all(pairs[cut:])
-    finally:
-        done.result()
 
 
 def fresh_bytes(src: memoryview) -> bytes:
@@ -110,19 +117,11 @@ def _memmove_all(jobs) -> None:
 def fresh_bytes_many(srcs: list[memoryview]) -> list[bytes]:
     """``[bytes(s) for s in srcs]`` (a batch get's values); a batch of ``PARALLEL_MIN``
     bytes or more is filled by two threads, half of the bytes each."""
-    total = sum(len(s) for s in srcs)
-    if len(srcs) < 2 or total < PARALLEL_MIN or not _CPYTHON or (os.cpu_count() or 1) < 2:
+    sizes = [len(s) for s in srcs]
+    if not _CPYTHON or len(srcs) < 2 or sum(sizes) < PARALLEL_MIN:
         return [fresh_bytes(s) for s in srcs]
-    outs = [_new_bytes(None, len(s)) for s in srcs]
-    jobs = [(id(o) + _BYTES_DATA, _address(s), len(s)) for o, s in zip(outs, srcs)]
-    half, cut = 0, 0
-    while cut < len(jobs) - 1 and half + jobs[cut][2] <= total // 2:
-        half += jobs[cut][2]
-        cut += 1
-    cut = max(cut, 1)
-    done = _helper().submit(_memmove_all, jobs[:cut])
-    try:
-        _memmove_all(jobs[cut:])
-    finally:
-        done.result()
+    outs = [_new_bytes(None, n) for n in sizes]
+    jobs = [(id(o) + _BYTES_DATA, _address(s), n) for o, s, n in zip(outs, srcs, sizes)]
+    if not _two_threads(jobs, sizes, _memmove_all):
+        _memmove_all(jobs)
     return outs
