@@ -116,6 +116,11 @@ class Transfer:
             else:
                 self._waiters.append(waiter)
             yield from waiter
+        else:
+            # Done before it was awaited (e.g. a fast-lane reply caught while polling):
+            # still give the loop one turn, or a task awaiting transfer after transfer
+            # would never let other tasks, timers or cancellation in.
+            yield from asyncio.sleep(0).__await__()
         if self._status is TransferStatus.FAILED:
             raise TransferError(self.error)
         return self

@@ -15,13 +15,14 @@ authenticated connection that the event loop drives itself (non-blocking
 ``sendmsg``, reply parsed in an ``add_reader`` callback), so the request costs
 no thread handoff at all; see :class:`rdma.tcp_lane._FastLane`.
 
-Busy polling (``poll_us``, default 200): after serving a request a server
-thread spins on non-blocking receives that long before it blocks, and the
-event loop spins that long for a fast-lane reply (at most ``spinners``
-server threads spin at once, however many connections there are).  On a VM a sleeping
-thread's wake-up costs tens of microseconds per hop, which is most of a
-64 KiB request's time; a window that runs out backs the lane off for a few
-requests.  ``poll_us=0`` never spins.
+Busy polling (``poll_us``, default 200): a server thread waiting for the next
+request (or a WRITE payload) spins on non-blocking receives that long before it
+blocks, and the event loop spins that long for a small fast-lane reply.  On a
+VM a sleeping thread's wake-up costs tens of microseconds per hop, which is most
+of a 64 KiB request's time.  At most ``spinners`` server threads spin at once
+(however many connections there are), and windows that run out make later
+waits skip polling for a while (:class:`rdma.wire.PollBackoff`).
+``poll_us=0`` never spins.
 
 Wire format (network byte order), after the handshake in :mod:`rdma.wire`::
 
@@ -40,7 +41,6 @@ here: to change one at run time (tests), patch it in the module that defines it.
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 from typing import Callable
@@ -57,7 +57,7 @@ from .tcp_server import (MAX_PENDING_ACKS, MAX_PENDING_REPLY_BYTES,  # noqa: F40
                          POLL_MAX_BYTES, SCRATCH_BYTES)
 from .tcp_server import accept_loop
 from .transport import Op, RegionTable, TransferError, Transport, WorkRequest
-from .wire import Counters, configure_socket, split_address
+from .wire import Counters, configure_socket, split_address, usable_cpus
 
 CONNECT_TIMEOUT = 3.0       # default seconds for TCP connect + handshake
 FAST_MAX_BYTES = 1 << 20    # loop-thread requests up to this size use the fast lane
@@ -91,7 +91,7 @@ class TcpTransport(Transport):
             raise ValueError("poll_us must be >= 0")
         self.poll_s = poll_us / 1e6
         # server threads allowed to busy-poll at once (a quarter of the cores, at least 1)
-        self.spinners = threading.BoundedSemaphore(max(1, (os.cpu_count() or 1) // 4))
+        self.spinners = threading.BoundedSemaphore(max(1, usable_cpus() // 4))
         self.corrupt_next = False
         self.counters = Counters()
         self.closed = False

@@ -5,10 +5,11 @@
 serves its requests (:func:`serve_requests`): WRITE payloads are ``recv_into``'d
 straight into the registered region, READ data goes out zero-copy from it, NOTIFY
 payloads go to the transport's ``on_notify`` callback, and acks are coalesced into
-few ``sendmsg`` s.  After each request the thread busy-polls the socket for up to the
-transport's ``poll_s`` before it blocks (:func:`rdma.wire.recv_polled`), if one of the
-transport's few spinner slots is free: however many connections it serves, at most
-``TcpTransport.spinners`` threads spin at once.
+few ``sendmsg`` s.  While it waits for the next request (or for a WRITE payload of
+up to ``POLL_MAX_BYTES``) the thread busy-polls the socket for up to the transport's
+``poll_s`` before it blocks (:func:`rdma.wire.recv_spin`), if one of the transport's
+few spinner slots is free (at most ``TcpTransport.spinners`` threads spin at once,
+however many connections there are) and its :class:`~rdma.wire.PollBackoff` agrees.
 
 These functions work on the transport's server-side state (listener, region table,
 live server sockets and threads, counters, the ``corrupt_next`` fault hook).
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 from .tcp_proto import (F_CRC, MAX_NOTIFY_BYTES, POLL_BACKOFF, REPLY, ST_BAD_ACCESS,
                         ST_CHECKSUM, ST_OK)
 from .transport import Op, RemoteAccessError
-from .wire import (REP, REQ, AuthError, PollBackoff, recv_exact, recv_polled, recv_spin, sendmsg_all,
+from .wire import (REP, REQ, AuthError, PollBackoff, recv_exact, recv_spin, sendmsg_all,
                    server_handshake)
 
 if TYPE_CHECKING:
@@ -146,10 +147,17 @@ def serve_requests(tr: "TcpTransport", sock: socket.socket) -> None:
                     left -= recv_exact(sock, scratch[:min(left, SCRATCH_BYTES)])
                 error(rid, ST_BAD_ACCESS, f"WRITE rejected: {e}")
                 continue
-            if length <= POLL_MAX_BYTES:
-                recv_polled(sock, dst, poll_s)
-            else:
-                recv_exact(sock, dst)
+            got = 0
+            if (poll_s and length <= POLL_MAX_BYTES and backoff.should_poll()
+                    and spinners.acquire(blocking=False)):
+                try:
+                    got = recv_spin(sock, dst, poll_s)
+                finally:
+                    spinners.release()
+                if got < length:
+                    backoff.missed()
+            if got < length:
+                recv_exact(sock, dst[got:] if got else dst)
             if flags & F_CRC and zlib.crc32(dst) != crc:
                 error(rid, ST_CHECKSUM,
                       f"checksum mismatch in WRITE of {length} bytes to region "

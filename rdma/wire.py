@@ -22,7 +22,7 @@ import threading
 import time
 
 __all__ = ["AuthError", "Counters", "REQ", "REP", "Reader", "client_handshake", "server_handshake",
-           "PollBackoff", "configure_socket", "recv_exact", "recv_polled", "recv_spin", "sendmsg_all", "split_address"]
+           "PollBackoff", "configure_socket", "usable_cpus", "recv_exact", "recv_spin", "sendmsg_all", "split_address"]
 
 REQ = struct.Struct("!BBHIIQQQ")  # op flags rsv crc region req_id offset length
 REP = struct.Struct("!BBHIQQ")    # kind status rsv crc req_id length
@@ -58,6 +58,14 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
             raise ConnectionError("connection closed by peer")
         pos += got
     return n
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which containers narrow)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class PollBackoff:
@@ -108,17 +116,6 @@ def recv_spin(sock: socket.socket, view: memoryview, poll_s: float) -> int:
             raise ConnectionError("connection closed by peer")
         pos += got
     return pos
-
-
-def recv_polled(sock: socket.socket, view: memoryview, poll_s: float) -> int:
-    """``recv_exact`` that busy-polls (:func:`recv_spin`) for up to ``poll_s`` seconds
-    before it blocks: a request that arrives within the window costs no thread
-    wake-up (tens of microseconds on a VM), at the price of that much CPU after each
-    request. ``poll_s <= 0`` is plain ``recv_exact``."""
-    pos = recv_spin(sock, view, poll_s) if poll_s > 0 else 0
-    if pos < len(view):
-        recv_exact(sock, view[pos:] if pos else view)
-    return len(view)
 
 
 def _recv_bytes(sock: socket.socket, n: int) -> bytes:

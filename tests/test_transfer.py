@@ -18,7 +18,7 @@ import torch
 
 from rdma import Slice, TransferEngine, TransferError, TransferStatus
 from rdma.tcp import TcpTransport
-from rdma.wire import MAGIC, NONCE_BYTES, recv_polled, recv_spin
+from rdma.wire import MAGIC, NONCE_BYTES, recv_exact, recv_spin
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -529,8 +529,17 @@ def _recv_n(s: socket.socket, n: int) -> bytes:
     return buf
 
 
+def recv_polled(sock, view, poll_s):
+    """The servers' pattern: spin for up to ``poll_s``, then block for the rest."""
+    got = recv_spin(sock, view, poll_s) if poll_s else 0
+    if got < len(view):
+        recv_exact(sock, view[got:])
+    return len(view)
+
+
 @pytest.mark.parametrize("poll_s", [0.0, 0.0001, 0.05])
-def test_recv_polled_fills_exactly_whether_data_comes_inside_or_after_the_window(poll_s):
+def test_recv_spin_then_block_fills_exactly_whether_data_comes_inside_or_after_the_window(
+        poll_s):
     a, b = socket.socketpair()
     try:
         payload = os.urandom(300_000)

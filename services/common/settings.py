@@ -122,5 +122,6 @@ class NodeConfig(ServiceConfig):
             raise ConfigError("secret: the cluster secret must not be empty")
         if not 0 <= self.data_port < 65536:
             raise ConfigError(f"data_port: {self.data_port} is not a TCP port")
-        if not 0 <= self.te_poll_us <= 100_000:
-            raise ConfigError(f"te_poll_us: {self.te_poll_us} must be between 0 and 100000")
+        if not 0 <= self.te_poll_us <= 5000:
+            raise ConfigError(f"te_poll_us: {self.te_poll_us} must be between 0 and 5000 "
+                              f"(the event loop spins that long at most)")

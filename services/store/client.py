@@ -204,7 +204,10 @@ class StoreClient:
             if c is None:
                 return False
         try:
-            return await c.call(method, body, self.rpc_timeout)
+            fut = c.call(method, body, self.rpc_timeout)
+            if fut.done():   # answered while polling: still give the loop one turn
+                await asyncio.sleep(0)
+            return await fut
         except FastConnError as e:
             self.stats["master_errors"] += 1
             log.warning("store fast call failed: %s", e)

@@ -6,20 +6,23 @@ A single ``memcpy`` leaves memory bandwidth idle on a multi-core host: values of
 (about 1.5x at 4 MiB and 2x at 16 MiB on a 2-core VM). ``get`` must hand back an
 immutable ``bytes``, so a large value is copied straight into a fresh, not yet
 shared ``bytes`` object (as C extensions fill one) rather than into a buffer that
-is then copied again. Where any of that is unavailable (another Python
-implementation, one thread), the plain copy is used.
+is then copied again. Batches of values are split over this thread and one helper
+thread (numpy and ``ctypes.memmove`` copy without the GIL). Where that is unavailable
+(another Python implementation, one usable CPU, torch limited to one thread for a
+single value), the plain copy is used.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+from rdma.wire import usable_cpus
 
 PARALLEL_MIN = 1 << 20
 
@@ -68,6 +71,8 @@ def _helper() -> ThreadPoolExecutor:
 
 def _copy_all(pairs) -> None:
     for dst, src in pairs:
+        if len(dst) != len(src):   # np.copyto would broadcast a short source
+            raise ValueError(f"copy: {len(src)} bytes into {len(dst)}")
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
@@ -75,7 +80,7 @@ def _two_threads(items: list, sizes: list[int], fn) -> bool:
     """Runs ``fn`` over the first half of ``items`` (by bytes) on the helper thread and
     over the rest on this one; False (nothing run) when that is not worth it."""
     total = sum(sizes)
-    if len(items) < 2 or total < PARALLEL_MIN or (os.cpu_count() or 1) < 2:
+    if len(items) < 2 or total < PARALLEL_MIN or usable_cpus() < 2:
         return False
     half, cut = 0, 0
     while cut < len(items) - 1 and half + sizes[cut] <= total // 2:

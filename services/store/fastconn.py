@@ -55,16 +55,21 @@ class FastConn:
         host, port = addr.rsplit(":", 1)
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-        family, stype, proto, _, sa = infos[0]
-        sock = socket.socket(family, stype, proto)
-        try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await asyncio.wait_for(loop.sock_connect(sock, sa), timeout)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock, poll_us)
+        err: BaseException = OSError(f"{addr}: no address")
+        for family, stype, proto, _, sa in infos:   # every address, like create_connection
+            sock = socket.socket(family, stype, proto)
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await asyncio.wait_for(loop.sock_connect(sock, sa), timeout)
+                return cls(sock, poll_us)
+            except (OSError, asyncio.TimeoutError) as e:
+                sock.close()
+                err = e
+            except BaseException:
+                sock.close()
+                raise
+        raise err
 
     # -- socket events -----------------------------------------------------------------
     def _on_readable(self) -> None:
@@ -158,7 +163,8 @@ class FastConn:
                 self.backoff.missed()
                 return
             self._on_readable()
-        self.backoff.caught()
+        if fut.done() and not self.closed:
+            self.backoff.caught()
 
     def _check(self) -> None:
         self._watch = None

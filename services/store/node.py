@@ -31,8 +31,8 @@ class StoreNodeConfig(ServiceConfig):
 
     def validate(self) -> None:
         super().validate()
-        if not 0 <= self.te_poll_us <= 100_000:
-            raise ConfigError(f"te_poll_us: {self.te_poll_us} must be between 0 and 100000")
+        if not 0 <= self.te_poll_us <= 5000:
+            raise ConfigError(f"te_poll_us: {self.te_poll_us} must be between 0 and 5000")
         if parse_size(self.segment_memory) <= 0:
             raise ConfigError("segment_memory: must be > 0")
         if self.ssd_dir and parse_size(self.ssd_bytes) <= 0:

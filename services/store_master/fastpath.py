@@ -201,6 +201,7 @@ class _Shim:
         self.server, self.sock, self.fd = server, sock, sock.fileno()
         self.out = bytearray()
         self.closed = False
+        self.eof = False   # the peer is done sending: close once ``out`` is flushed
 
     def write(self, data: bytes) -> None:
         if self.closed:
@@ -230,6 +231,16 @@ class _Shim:
         del self.out[:n]
         if not self.out:
             self.server.loop.remove_writer(self.fd)
+            if self.eof:
+                self.close()
+
+    def finish(self) -> None:
+        """The peer closed its side: answer what is queued, then close."""
+        if not self.out:
+            self.close()
+            return
+        self.eof = True
+        self.server._stop_reading(self.fd)
 
     def close(self) -> None:
         if not self.closed:
@@ -260,6 +271,7 @@ class FastPathServer:
         self.conns: dict[int, tuple[_Shim, FastPathProtocol]] = {}
         self.ep = select.epoll() if self.poll_s > 0 and hasattr(select, "epoll") else None
         self.backoff = PollBackoff(POLL_BACKOFF)
+        self._resume: asyncio.TimerHandle | None = None
         self.loop.add_reader(listener.fileno(), self._accept)
 
     def _accept(self) -> None:
@@ -268,8 +280,10 @@ class FastPathServer:
                 sock, _ = self.ls.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:
-                log.warning("fast path: accept failed: %s", e)
+            except OSError as e:   # e.g. out of file descriptors: pause, do not spin
+                log.warning("fast path: accept failed (%s); pausing accepts for 1 s", e)
+                self.loop.remove_reader(self.ls.fileno())
+                self._resume = self.loop.call_later(1.0, self._resume_accepts)
                 return
             sock.setblocking(False)
             try:
@@ -283,6 +297,11 @@ class FastPathServer:
             self.loop.add_reader(shim.fd, self._readable, shim.fd)
             if self.ep is not None:
                 self.ep.register(shim.fd, select.EPOLLIN)
+
+    def _resume_accepts(self) -> None:
+        self._resume = None
+        if self.ls.fileno() >= 0:
+            self.loop.add_reader(self.ls.fileno(), self._accept)
 
     def _drain(self, fd: int) -> bool:
         item = self.conns.get(fd)
@@ -299,7 +318,7 @@ class FastPathServer:
                 shim.close()
                 break
             if not data:
-                shim.close()
+                shim.finish()
                 break
             got = True
             proto.data_received(data)
@@ -321,11 +340,19 @@ class FastPathServer:
             if any([self._drain(fd) for fd, _ in ready]):
                 idle_until, served = now + self.poll_s, True
             elif now > idle_until:
-                if served:
-                    self.backoff.caught()
-                else:   # nobody was that quick: later answers skip polling for a while
-                    self.backoff.missed()
-                return
+                break
+        if served:
+            self.backoff.caught()
+        else:   # nobody was that quick: later answers skip polling for a while
+            self.backoff.missed()
+
+    def _stop_reading(self, fd: int) -> None:
+        self.loop.remove_reader(fd)
+        if self.ep is not None:
+            try:
+                self.ep.unregister(fd)
+            except OSError:
+                pass
 
     def _forget(self, fd: int) -> None:
         if self.conns.pop(fd, None) is not None:
@@ -338,6 +365,8 @@ class FastPathServer:
                     pass
 
     def close(self) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
         self.loop.remove_reader(self.ls.fileno())
         self.ls.close()
         for shim, _ in list(self.conns.values()):

@@ -91,8 +91,9 @@ class StoreMasterConfig(ServiceConfig):
             raise ConfigError("max_replicas: must be >= 1")
         if self.hot_reads <= 0 or self.hot_window_s <= 0:
             raise ConfigError("hot_reads and hot_window_s: must be > 0")
-        if not 0 <= self.fast_poll_us <= 100_000:
-            raise ConfigError(f"fast_poll_us: {self.fast_poll_us} must be between 0 and 100000")
+        if not 0 <= self.fast_poll_us <= 5000:
+            raise ConfigError(f"fast_poll_us: {self.fast_poll_us} must be between 0 and 5000 "
+                              f"(the event loop spins that long at most)")
 
 
 def _check_hashes(hashes, context_name: str) -> str | None:

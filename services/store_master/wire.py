@@ -69,7 +69,10 @@ def unpack_keys(buf, pos: int) -> tuple[list[bytes], int]:
     out = []
     for _ in range(count):
         (k,) = _U16.unpack_from(buf, pos)
-        out.append(bytes(buf[pos + 2:pos + 2 + k]))
+        key = bytes(buf[pos + 2:pos + 2 + k])
+        if len(key) != k:
+            raise ValueError("short key")
+        out.append(key)
         pos += 2 + k
     return out, pos
 
@@ -158,6 +161,8 @@ def unpack_put_local(buf):
     (nrel,) = _U32.unpack_from(buf, pos)
     pos += 4
     release = list(_SLOT.iter_unpack(bytes(buf[pos:pos + nrel * _SLOT.size])))
+    if len(slots) != n or len(release) != nrel or pos + nrel * _SLOT.size != len(buf):
+        raise ValueError("PutLocal frame is truncated or has trailing bytes")
     return node, region, keys, slots, rsize, rcount, rspare, release
 
 
