@@ -20,10 +20,12 @@ from typing import Any, Callable
 
 from .transport import (Op, RegionTable, RemoteAccessError, TransferError,
                         Transport, WorkRequest)
+from .wire import LoopTurns
 
 __all__ = ["Slice", "Transfer", "TransferEngine", "TransferError", "TransferStatus"]
 
 log = logging.getLogger(__name__)
+_TURNS = LoopTurns()   # see Transfer.__await__
 
 # TEST-ONLY fault injection, off by default: with KVMESH_FAULT_CORRUPT_EVERY=N (N > 0) in
 # a process's environment, every N-th WRITE/READ its engines issue arms ``_corrupt_next``
@@ -116,10 +118,10 @@ class Transfer:
             else:
                 self._waiters.append(waiter)
             yield from waiter
-        else:
+        elif _TURNS.owed():
             # Done before it was awaited (e.g. a fast-lane reply caught while polling):
-            # still give the loop one turn, or a task awaiting transfer after transfer
-            # would never let other tasks, timers or cancellation in.
+            # a task awaiting such transfers back to back would never let other
+            # tasks, timers or cancellation in, so it yields now and then.
             yield from asyncio.sleep(0).__await__()
         if self._status is TransferStatus.FAILED:
             raise TransferError(self.error)

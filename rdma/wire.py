@@ -22,7 +22,7 @@ import threading
 import time
 
 __all__ = ["AuthError", "Counters", "REQ", "REP", "Reader", "client_handshake", "server_handshake",
-           "PollBackoff", "configure_socket", "usable_cpus", "recv_exact", "recv_spin", "sendmsg_all", "split_address"]
+           "LoopTurns", "PollBackoff", "configure_socket", "usable_cpus", "recv_exact", "recv_spin", "sendmsg_all", "split_address"]
 
 REQ = struct.Struct("!BBHIIQQQ")  # op flags rsv crc region req_id offset length
 REP = struct.Struct("!BBHIQQ")    # kind status rsv crc req_id length
@@ -93,6 +93,26 @@ class PollBackoff:
     def missed(self) -> None:
         self.step = min(self.cap, self.step * 2 or 1)
         self.skip = self.step
+
+
+class LoopTurns:
+    """Bounds how long a task may run on answers caught by busy polling. Such an
+    answer is ready before it is awaited, and awaiting a ready result never yields;
+    :meth:`owed` says when the task should give the event loop a turn anyway
+    (``await asyncio.sleep(0)``): at most every ``every_s`` seconds."""
+
+    __slots__ = ("every_s", "last")
+
+    def __init__(self, every_s: float = 0.0005) -> None:
+        self.every_s = every_s
+        self.last = 0.0
+
+    def owed(self) -> bool:
+        now = time.perf_counter()
+        if now - self.last >= self.every_s:
+            self.last = now
+            return True
+        return False
 
 
 def recv_spin(sock: socket.socket, view: memoryview, poll_s: float) -> int:

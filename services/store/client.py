@@ -44,6 +44,7 @@ import grpc
 from protos import kvmesh_pb2 as pb
 from protos import kvmesh_pb2_grpc as pbg
 from rdma import Slice, TransferEngine, TransferError
+from rdma.wire import LoopTurns
 from services.common.channels import make_channel
 from services.common.registry import Membership
 from services.common.telemetry import record_span
@@ -97,6 +98,7 @@ class StoreClient:
         self._staging_min = staging_bytes
         self._staging_lock = asyncio.Lock()
         self._fast: FastConn | None = None
+        self._turns = LoopTurns()
         self._fast_addr = ""           # master address the connection belongs to
         self._fast_retry = 0.0
         self._fast_connecting: asyncio.Future | None = None
@@ -205,7 +207,7 @@ class StoreClient:
                 return False
         try:
             fut = c.call(method, body, self.rpc_timeout)
-            if fut.done():   # answered while polling: still give the loop one turn
+            if fut.done() and self._turns.owed():   # answered while polling: let others in
                 await asyncio.sleep(0)
             return await fut
         except FastConnError as e:
