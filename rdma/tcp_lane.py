@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from .tcp import TcpTransport
 
 FAST_MAX_INFLIGHT = 2       # the lane takes a request while it has fewer than this in flight
-LANE_POLL_MAX_BYTES = 256 << 10  # larger lane requests outlast a poll window: no polling
 FAST_RETRY_S = 1.0          # after a failed fast-lane connect, use the channels this long
 
 
@@ -143,7 +142,7 @@ class _FastLane:
         r.sent = True
         self.inflight.append((rid, r))
         self._send(bufs)
-        if self.tr.poll_s > 0 and r.length <= LANE_POLL_MAX_BYTES and self.backoff.should_poll():
+        if self.tr.poll_s > 0 and self.backoff.should_poll():
             self._poll(rid)
 
     def _poll(self, rid: int) -> None:

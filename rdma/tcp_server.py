@@ -100,7 +100,8 @@ def serve_requests(tr: "TcpTransport", sock: socket.socket) -> None:
     counters = tr.counters
     poll_s = tr.poll_s
     spinners = tr.spinners
-    backoff = PollBackoff(POLL_BACKOFF)
+    backoff = PollBackoff(POLL_BACKOFF)          # waits for the next request
+    payload_backoff = PollBackoff(POLL_BACKOFF)  # waits for a WRITE payload
 
     def error(rid: int, status: int, msg: str) -> None:
         data = msg.encode()
@@ -148,14 +149,16 @@ def serve_requests(tr: "TcpTransport", sock: socket.socket) -> None:
                 error(rid, ST_BAD_ACCESS, f"WRITE rejected: {e}")
                 continue
             got = 0
-            if (poll_s and length <= POLL_MAX_BYTES and backoff.should_poll()
+            if (poll_s and length <= POLL_MAX_BYTES and payload_backoff.should_poll()
                     and spinners.acquire(blocking=False)):
                 try:
                     got = recv_spin(sock, dst, poll_s)
                 finally:
                     spinners.release()
-                if got < length:
-                    backoff.missed()
+                if got < length:   # a slow sender: its own back-off, not the headers'
+                    payload_backoff.missed()
+                else:
+                    payload_backoff.caught()
             if got < length:
                 recv_exact(sock, dst[got:] if got else dst)
             if flags & F_CRC and zlib.crc32(dst) != crc:
