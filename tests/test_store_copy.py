@@ -1,4 +1,5 @@
-"""The store client's copies: parallel above PARALLEL_MIN, plain below, same bytes."""
+"""The store client's copies (parallel above PARALLEL_MIN, plain below, same bytes) and the
+framing its control path shares with the store-master."""
 
 from __future__ import annotations
 
@@ -54,3 +55,18 @@ def test_copy_many_fills_every_slot_and_nothing_else(sizes):
         assert seg[pos:pos + len(v)] == v
         assert seg[pos - 8:pos] == bytes(8)
         pos += len(v) + 16
+
+
+def test_split_frames_keeps_partial_frames_and_stops_at_an_oversized_one():
+    from services.store_master.wire import HEAD, MAX_FRAME, split_frames
+
+    wire_bytes = HEAD.pack(3, 1, 7) + b"abc" + HEAD.pack(0, 2, 0) + HEAD.pack(5, 3, 1) + b"hello"
+    buf = bytearray()
+    got = []
+    for i in range(0, len(wire_bytes), 4):       # arrives in 4-byte pieces
+        frames, oversized = split_frames(buf, wire_bytes[i:i + 4])
+        assert not oversized
+        got += frames
+    assert got == [(1, 7, b"abc"), (2, 0, b""), (3, 1, b"hello")] and not buf
+    frames, oversized = split_frames(buf, HEAD.pack(1, 4, 0) + b"x" + HEAD.pack(MAX_FRAME + 1, 5, 0))
+    assert frames == [(4, 0, b"x")] and oversized

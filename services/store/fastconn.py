@@ -17,7 +17,7 @@ import socket
 import time
 
 from rdma.wire import PollBackoff
-from services.store_master.wire import HEAD, HEAD_SIZE, MAX_FRAME
+from services.store_master.wire import HEAD, split_frames
 
 POLL_BACKOFF = 16
 _RECV_BYTES = 256 << 10
@@ -102,22 +102,9 @@ class FastConn:
             self.loop.remove_writer(self.fd)
 
     def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        if buf:
-            buf += data
-            data = bytes(buf)
-            buf.clear()
-        pos, end = 0, len(data)
+        frames, oversized = split_frames(self.buf, data)
         pending = self.pending
-        while end - pos >= HEAD_SIZE:
-            n, rid, status = HEAD.unpack_from(data, pos)
-            if n > MAX_FRAME:
-                self.close()
-                return
-            if end - pos - HEAD_SIZE < n:
-                break
-            body = data[pos + HEAD_SIZE:pos + HEAD_SIZE + n]
-            pos += HEAD_SIZE + n
+        for rid, status, body in frames:
             item = pending.pop(rid, None)
             if item is None or item[0].done():
                 continue  # timed out meanwhile
@@ -125,8 +112,8 @@ class FastConn:
                 item[0].set_result(body)
             else:
                 item[0].set_exception(CallError(status, body.decode(errors="replace")))
-        if pos < end:
-            buf += data[pos:]
+        if oversized:
+            self.close()
 
     # -- calls -------------------------------------------------------------------------
     def call(self, method: int, body: bytes, timeout: float) -> asyncio.Future:

@@ -28,7 +28,7 @@ from protos import kvmesh_pb2 as pb
 from rdma.wire import PollBackoff
 from services.store_master import wire
 from services.store_master.server import MAX_HASHES, _check_hashes
-from services.store_master.wire import HEAD, HEAD_SIZE, MAX_FRAME
+from services.store_master.wire import HEAD, split_frames
 
 log = logging.getLogger(__name__)
 _RECV_BYTES = 256 << 10
@@ -71,23 +71,9 @@ class FastPathProtocol:
         self.moved = 0   # block bytes the last call placed or located
 
     def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        if buf:
-            buf += data
-            data = bytes(buf)
-            buf.clear()
-        pos, end = 0, len(data)
+        frames, oversized = split_frames(self.buf, data)
         out: list[bytes] = []
-        while end - pos >= HEAD_SIZE:
-            n, rid, method = HEAD.unpack_from(data, pos)
-            if n > MAX_FRAME:
-                log.warning("fast path: oversized frame (%d bytes); closing", n)
-                self.t.close()
-                return
-            if end - pos - HEAD_SIZE < n:
-                break
-            body = data[pos + HEAD_SIZE:pos + HEAD_SIZE + n]
-            pos += HEAD_SIZE + n
+        for rid, method, body in frames:
             self.moved = 0
             try:
                 r = self.call(method, body)
@@ -100,10 +86,11 @@ class FastPathProtocol:
                 out.append(HEAD.pack(len(r[1]), rid, r[0]) + r[1])
             else:
                 self.s._spawn(self._later(rid, r))
-        if pos < end:
-            buf += data[pos:]
         if out and self.t is not None:
             self.t.write(out[0] if len(out) == 1 else b"".join(out))
+        if oversized and self.t is not None:
+            log.warning("fast path: oversized frame; closing")
+            self.t.close()
 
     async def _later(self, rid: int, coro) -> None:
         try:

@@ -19,12 +19,34 @@ Strings: u8 length + UTF-8.
 
 from __future__ import annotations
 
-
 import struct
 
 HEAD = struct.Struct("<IIB")
 HEAD_SIZE = HEAD.size
 MAX_FRAME = 64 << 20
+
+
+def split_frames(buf: bytearray, data: bytes) -> tuple[list[tuple[int, int, bytes]], bool]:
+    """Appends ``data`` to what ``buf`` held and cuts off every complete frame:
+    ([(id, method or status, body)], oversized). ``buf`` keeps the incomplete rest; an
+    oversized frame ends the list (the caller closes the connection)."""
+    if buf:
+        buf += data
+        data = bytes(buf)
+        buf.clear()
+    frames = []
+    pos, end = 0, len(data)
+    while end - pos >= HEAD_SIZE:
+        n, rid, code = HEAD.unpack_from(data, pos)
+        if n > MAX_FRAME:
+            return frames, True
+        if end - pos - HEAD_SIZE < n:
+            break
+        frames.append((rid, code, data[pos + HEAD_SIZE:pos + HEAD_SIZE + n]))
+        pos += HEAD_SIZE + n
+    if pos < end:
+        buf += data[pos:]
+    return frames, False
 
 GET, EXISTS, PUT_LOCAL, REMOVE = 1, 2, 3, 4
 PB_BASE = 16
