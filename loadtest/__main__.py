@@ -1,12 +1,12 @@
-"""``python -m loadtest``: the default comparison, under 10 minutes on 2 cores:
+"""``python -m kvmesh.loadtest``: the default comparison, under 10 minutes on 2 cores:
 real-cluster baselines (loadtest.run, at two offered loads unless ``--time-scales`` is
 given) then the paper-scale simulator (loadtest.sim); both write into loadtest/results/
 and rebuild report.md. Extra arguments go to loadtest.run (e.g. ``--quick``)."""
 
 import sys
 
-from loadtest import run, sim  # noqa: F401
-from loadtest.sim.__main__ import main as sim_main
+from kvmesh.loadtest import run, sim  # noqa: F401
+from kvmesh.loadtest.sim.__main__ import main as sim_main
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -7,7 +7,7 @@ size 256) whose prefix is held by some node in 70% of requests; completions are 
 for requests 256 decisions old, so queues stay realistic. Goal (issue 6): >= 20,000
 decisions/s at 64 nodes and 10^6 blocks, p99 <= 1 ms.
 
-    python -m loadtest.bench_conductor [--quick]
+    python -m kvmesh.loadtest.bench_conductor [--quick]
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from services.conductor.estimator import DecodeModel, PrefillModel
-from services.conductor.policy import (DecodeNodeState, PolicyConfig, PrefillNodeState,
+from kvmesh.services.conductor.estimator import DecodeModel, PrefillModel
+from kvmesh.services.conductor.policy import (DecodeNodeState, PolicyConfig, PrefillNodeState,
                                        Request, Scheduler)
 
 BS = 256

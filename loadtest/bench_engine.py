@@ -15,7 +15,7 @@ its remaining points once ``--budget-s`` is spent (reported as ``null``, printed
 "skipped"); the costly 4096-token prefill goes last. The default run takes about
 2-3 minutes on 2 cores.
 
-    python -m loadtest.bench_engine [--models tiny,small] [--dtypes float32,bfloat16]
+    python -m kvmesh.loadtest.bench_engine [--models tiny,small] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ BS = 16
 def run_one(model_name: str, dtype: str, context: int, budget_s: float) -> dict:
     import torch
 
-    from services.engine.checkpoint import load_model
-    from services.engine.kv_pool import KVPool
+    from kvmesh.services.engine.checkpoint import load_model
+    from kvmesh.services.engine.kv_pool import KVPool
 
     t_start = time.perf_counter()
     lm = load_model(model_name, dtype, seed=0)
@@ -138,7 +138,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for model in a.models.split(","):
         for dtype in a.dtypes.split(","):
-            cmd = [sys.executable, "-m", "loadtest.bench_engine", "--child", model, dtype,
+            cmd = [sys.executable, "-m", "kvmesh.loadtest.bench_engine", "--child", model, dtype,
                    "--context", str(a.context), "--budget-s", str(a.budget_s)]
             proc = subprocess.run(cmd, capture_output=True, text=True,
                                   cwd=Path(__file__).resolve().parents[1])

@@ -12,7 +12,7 @@ Topology (``--topology``):
   * ``remote``: the client lends nothing and a separate store-node process holds the
     segment; bytes cross the transfer engine (TCP on loopback).
 
-    python -m loadtest.bench_store [--segment 1536MiB] [--quick] [--topology remote]
+    python -m kvmesh.loadtest.bench_store [--segment 1536MiB] [--quick] [--topology remote]
 
 Prints a table and writes ``loadtest/results/store.json``. Every loop is bounded by an
 operation count. The Mooncake wheel is never a kvmesh dependency.
@@ -210,9 +210,9 @@ async def run_both(master: str, quick: bool, lend: int, mc: Mooncake | None, rou
                    ) -> tuple[dict, dict]:
     """Per size, kvmesh then Mooncake, for ``rounds`` rounds, so both see the same
     background load; each metric is the median over rounds."""
-    from rdma import TransferEngine
-    from services.common.settings import DEV_SECRET
-    from services.store.client import StoreClient
+    from kvmesh.rdma import TransferEngine
+    from kvmesh.services.common.settings import DEV_SECRET
+    from kvmesh.services.store.client import StoreClient
 
     te = TransferEngine(DEV_SECRET.encode(), poll_us=poll_us)
     await te.start()
@@ -257,8 +257,8 @@ def tune_malloc() -> str:
 def bench(segment: str, quick: bool, topology: str, mooncake: bool, rounds: int,
           poll_us: int = 200
           ) -> tuple[dict, dict | str]:
-    from services.common.config import parse_size
-    from services.store.local import StoreCluster
+    from kvmesh.services.common.config import parse_size
+    from kvmesh.services.store.local import StoreCluster
 
     mc: Mooncake | None = None
     why: str | None = "skipped"

@@ -20,7 +20,7 @@ repetition), so load from other processes on a shared host hits them alike;
 the stream baseline is the median of all its runs spread over the benchmark.
 GB/s = 1e9 bytes/s; RSS is the measuring process's peak (ru_maxrss).
 
-    python -m loadtest.bench_transfer [--total-mib 256] [--reps 3] [--no-mooncake]
+    python -m kvmesh.loadtest.bench_transfer [--total-mib 256] [--reps 3] [--no-mooncake]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rdma import Slice, TransferEngine  # noqa: E402
+from kvmesh.rdma import Slice, TransferEngine  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCKS = [64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from loadtest.workload import Item, turn_prompt
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
+from kvmesh.loadtest.workload import Item, turn_prompt
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
 
 
 @dataclass

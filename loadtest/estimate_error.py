@@ -5,7 +5,7 @@ of short and long prompts, shared prefixes and fresh ones, at a few arrival rate
 Prints and writes (loadtest/results/estimate_error.json) the median and p90 of
 |estimated - actual| / actual per route and overall.
 
-    python -m loadtest.estimate_error [--requests 120]
+    python -m kvmesh.loadtest.estimate_error [--requests 120]
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import grpc
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from services.launcher import LocalCluster
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.launcher import LocalCluster
 
 RESULTS = Path(__file__).parent / "results"
 NODE_ARGS = ["--block-size", "16", "--kv-memory", "64MiB", "--segment-memory", "64MiB",

@@ -1,9 +1,9 @@
 """Fault suite and overload run on a real local cluster (issue 9).
 
-    python -m loadtest.faults              # every fault, ~6-8 min on 2 cores
-    python -m loadtest.faults --quick      # shorter phases
-    python -m loadtest.faults --only kill-decode,conductor-restart
-    python -m loadtest.faults --overload   # 3x capacity for a minute (capacity measured first)
+    python -m kvmesh.loadtest.faults              # every fault, ~6-8 min on 2 cores
+    python -m kvmesh.loadtest.faults --quick      # shorter phases
+    python -m kvmesh.loadtest.faults --only kill-decode,conductor-restart
+    python -m kvmesh.loadtest.faults --overload   # 3x capacity for a minute (capacity measured first)
 
 Each fault runs under a steady, bounded load: ``--concurrency`` closed-loop clients send
 greedy requests whose exact outputs are known beforehand (``LlamaModel.reference_generate``
@@ -49,8 +49,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protos import kvmesh_pb2 as pb  # noqa: E402
-from protos import kvmesh_pb2_grpc as pbg  # noqa: E402
+from kvmesh.protos import kvmesh_pb2 as pb  # noqa: E402
+from kvmesh.protos import kvmesh_pb2_grpc as pbg  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RETRIABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
@@ -75,7 +75,7 @@ def make_prompts(n: int = 24, seed: int = 7) -> list[list[int]]:
 def expected_outputs(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     import torch
 
-    from services.engine.model import LlamaModel
+    from kvmesh.services.engine.model import LlamaModel
 
     torch.set_num_threads(1)  # the cluster shares these cores
     model = LlamaModel.from_preset("tiny", seed=0)
@@ -428,7 +428,7 @@ def run_fault(cluster, name: str, prompts, expect, plan: Plan, action) -> dict:
 
 
 def new_cluster(workdir: str, node_args=None, env: dict | None = None, **kw):
-    from services.launcher import LocalCluster
+    from kvmesh.services.launcher import LocalCluster
 
     old = dict(os.environ)
     os.environ.update(env or {})
@@ -465,7 +465,7 @@ def main_faults(faults: list[str], plan: Plan, workdir: str) -> list[dict]:
         print(fmt_row(rows[-1]), flush=True)
     if "net-cut" in faults:
         print("-- net-cut", flush=True)
-        from loadtest.faults_netns import net_cut
+        from kvmesh.loadtest.faults_netns import net_cut
 
         rows.append(net_cut(os.path.join(workdir, "netns"), prompts, expect, plan))
         print(fmt_row(rows[-1]), flush=True)
@@ -682,7 +682,7 @@ def write_report(rows: list[dict], plan: Plan, name: str = "faults") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.faults", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvmesh.loadtest.faults", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="shorter phases")
     ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(ALL)}")

@@ -1,4 +1,4 @@
-"""Network cut and heal for :mod:`loadtest.faults`: one prefill node runs in its own network
+"""Network cut and heal for :mod:`kvmesh.loadtest.faults`: one prefill node runs in its own network
 namespace joined to the host's by a veth pair; everything else (etcd, store-master, the
 decode nodes and one more prefill node) binds the host-side veth address, the conductor
 stays on loopback. Mid-load the veth goes down (the namespaced node loses etcd, the
@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.request
 
-from loadtest.faults import (DISAGG_ONLY, NODE_ARGS, TTL, Plan, live_nodes, run_fault,
+from kvmesh.loadtest.faults import (DISAGG_ONLY, NODE_ARGS, TTL, Plan, live_nodes, run_fault,
                              wait_for)
 
 
@@ -99,7 +99,7 @@ def net_cut(workdir: str, prompts, expect, plan: Plan, cut_s: float = 0.0) -> di
     why = why_not()
     if why is not None:
         return {"fault": "net-cut", "skipped": why}
-    from services.launcher import LocalCluster, free_port
+    from kvmesh.services.launcher import LocalCluster, free_port
 
     os.makedirs(workdir, exist_ok=True)
     net = Netns()
@@ -117,7 +117,7 @@ def net_cut(workdir: str, prompts, expect, plan: Plan, cut_s: float = 0.0) -> di
         name = "prefill-ns"
         log = open(os.path.join(workdir, f"{name}.log"), "ab")
         cluster.procs[name] = subprocess.Popen(
-            ["ip", "netns", "exec", net.ns, sys.executable, "-m", "services.cli", "prefill",
+            ["ip", "netns", "exec", net.ns, sys.executable, "-m", "kvmesh.services.cli", "prefill",
              *cluster._common(name), *NODE_ARGS, "--host", net.ip_ns],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})

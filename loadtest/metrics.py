@@ -1,6 +1,6 @@
 """Per-run metrics from request records (real cluster or simulator).
 
-A record is a dict (or :class:`loadtest.driver.Record`) with at least ``status`` ("OK"
+A record is a dict (or :class:`kvmesh.loadtest.driver.Record`) with at least ``status`` ("OK"
 when served), ``ttft_ms``, ``token_times_ms`` (per token, from when it was sent),
 ``prompt_tokens``, ``cached_tokens``, ``computed_tokens``, ``sent_ms``/``e2e_ms``.
 

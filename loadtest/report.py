@@ -1,6 +1,6 @@
 """report.md + PNG plots from ``real.json`` (loadtest.run) and ``sim.json`` (loadtest.sim).
 
-    python -m loadtest.report [results-dir]
+    python -m kvmesh.loadtest.report [results-dir]
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from loadtest.metrics import ratio
+from kvmesh.loadtest.metrics import ratio
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAPER_TTFT_S = {"random": 19.65, "load": 5.27, "cache": 3.58, "kvmesh": 3.07}
@@ -179,8 +179,8 @@ def sim_section(sim: dict, out: Path) -> list[str]:
 def write_report(out: Path = RESULTS) -> str:
     out = Path(out)
     lines = ["# kvmesh evaluation", "",
-             "Reproduce: `python -m loadtest.run` (real-cluster baselines) and "
-             "`python -m loadtest.sim` (simulator); `python -m loadtest` runs both. "
+             "Reproduce: `python -m kvmesh.loadtest.run` (real-cluster baselines) and "
+             "`python -m kvmesh.loadtest.sim` (simulator); `python -m kvmesh.loadtest` runs both. "
              "See `loadtest/README.md`.", ""]
     real_p, sim_p = out / "real.json", out / "sim.json"
     if real_p.exists():

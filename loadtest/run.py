@@ -1,8 +1,8 @@
 """Baselines side by side on a real local cluster (same model, same machine, same harness).
 
-    python -m loadtest.run                       # default comparison (~6-8 min on 2 cores)
-    python -m loadtest.run --configs kvmesh --workloads agentic --quick
-    python -m loadtest.run report                # rebuild report.md + plots from the JSON
+    python -m kvmesh.loadtest.run                       # default comparison (~6-8 min on 2 cores)
+    python -m kvmesh.loadtest.run --configs kvmesh --workloads agentic --quick
+    python -m kvmesh.loadtest.run report                # rebuild report.md + plots from the JSON
 
 Configurations (each a fresh LocalCluster, ``tiny`` model, 2 serving nodes):
 
@@ -37,9 +37,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loadtest import metrics as M  # noqa: E402
-from loadtest import workload as W  # noqa: E402
-from loadtest.driver import diff, drive, scrape  # noqa: E402
+from kvmesh.loadtest import metrics as M  # noqa: E402
+from kvmesh.loadtest import workload as W  # noqa: E402
+from kvmesh.loadtest.driver import diff, drive, scrape  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HUGE_SLO = "1000000000"
@@ -73,7 +73,7 @@ def _warmup(target: str) -> None:
 
 
 def run_one(name: str, cfg: dict, workload: str, items: list[W.Item], args) -> dict:
-    from services.launcher import LocalCluster
+    from kvmesh.services.launcher import LocalCluster
 
     try:
         from tqdm import tqdm
@@ -152,7 +152,7 @@ def build_workloads(args) -> list[tuple[str, float | None, list[W.Item]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvmesh.loadtest.run", description=__doc__.split("\n")[0])
     p.add_argument("command", nargs="?", default="run", choices=("run", "report"))
     p.add_argument("--configs", default="colocated,disagg-nostore,kvmesh")
     p.add_argument("--workloads", default="trace,agentic", help="trace, agentic, chat")
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.command == "report":
-        from loadtest.report import write_report
+        from kvmesh.loadtest.report import write_report
         print(write_report(out))
         return 0
     args.time_scales = [float(x) for x in args.time_scales.split(",")]
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     "loadavg": os.getloadavg()},
                                         "runs": runs}, indent=1))
     print(f"{len(runs)} runs in {time.monotonic() - t0:.0f}s -> {path}")
-    from loadtest.report import write_report
+    from kvmesh.loadtest.report import write_report
     print(write_report(out))
     return 0
 

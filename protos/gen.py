@@ -2,17 +2,20 @@
 
 Usage (from the repository root)::
 
-    python -m protos.gen
+    python -m kvmesh.protos.gen
 
-The stubs are generated with ``grpc_tools.protoc`` using the repository root as
-the include path, so a proto importing ``"protos/etcd/kv.proto"`` yields Python
-code importing ``from protos.etcd import kv_pb2``. ``generate(out_dir)`` writes
-the same tree elsewhere (tests compare it with the committed stubs).
+The package installs as ``kvmesh.protos``, so the stubs are generated with
+``grpc_tools.protoc`` over a staging tree in which ``kvmesh/protos`` points at this
+folder: a proto importing ``"kvmesh/protos/etcd/kv.proto"`` yields Python code
+importing ``from kvmesh.protos.etcd import kv_pb2``. ``generate(out_dir)`` writes the
+stubs under ``out_dir/protos/`` (tests compare that tree with the committed stubs).
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -42,17 +45,26 @@ def generate(out_dir: Path) -> None:
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     well_known = resources.files("grpc_tools") / "_proto"
-    args = [
-        "grpc_tools.protoc",
-        f"-I{ROOT}",
-        f"-I{well_known}",
-        f"--python_out={out_dir}",
-        f"--grpc_python_out={out_dir}",
-        f"--pyi_out={out_dir}",
-        *(str(ROOT / p) for p in proto_files()),
-    ]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    with tempfile.TemporaryDirectory(prefix="kvmesh-protoc-") as tmp:
+        stage, built = Path(tmp, "include"), Path(tmp, "out")
+        (stage / "kvmesh").mkdir(parents=True)
+        (stage / "kvmesh" / "protos").symlink_to(PROTO_DIR, target_is_directory=True)
+        built.mkdir()
+        args = [
+            "grpc_tools.protoc",
+            f"-I{stage}",
+            f"-I{well_known}",
+            f"--python_out={built}",
+            f"--grpc_python_out={built}",
+            f"--pyi_out={built}",
+            *(str(stage / "kvmesh" / p) for p in proto_files()),
+        ]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed: {' '.join(args)}")
+        for rel in generated_files():
+            dest = out_dir / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(built / "kvmesh" / rel, dest)
 
 
 def main() -> int:

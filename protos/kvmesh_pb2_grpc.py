@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import kvmesh_pb2 as protos_dot_kvmesh__pb2
+from kvmesh.protos import kvmesh_pb2 as kvmesh_dot_protos_dot_kvmesh__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/kvmesh_pb2_grpc.py depends on'
+        + ' but the generated code in kvmesh/protos/kvmesh_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,13 +38,13 @@ class ConductorStub:
         """
         self.Generate = channel.unary_stream(
                 '/kvmesh.v1.Conductor/Generate',
-                request_serializer=protos_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.GenerateResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ClusterStatus = channel.unary_unary(
                 '/kvmesh.v1.Conductor/ClusterStatus',
-                request_serializer=protos_dot_kvmesh__pb2.ClusterStatusRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.ClusterStatusResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -74,13 +74,13 @@ def add_ConductorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_kvmesh__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.GenerateRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.GenerateResponse.SerializeToString,
             ),
             'ClusterStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ClusterStatus,
-                    request_deserializer=protos_dot_kvmesh__pb2.ClusterStatusRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.ClusterStatusResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ClusterStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -110,8 +110,8 @@ class Conductor:
             request,
             target,
             '/kvmesh.v1.Conductor/Generate',
-            protos_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.GenerateResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -137,8 +137,8 @@ class Conductor:
             request,
             target,
             '/kvmesh.v1.Conductor/ClusterStatus',
-            protos_dot_kvmesh__pb2.ClusterStatusRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.ClusterStatusResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ClusterStatusRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ClusterStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -163,73 +163,73 @@ class StoreMasterStub:
         """
         self.MountSegment = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/MountSegment',
-                request_serializer=protos_dot_kvmesh__pb2.MountSegmentRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.MountSegmentResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.MountSegmentRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.MountSegmentResponse.FromString,
                 _registered_method=True)
         self.UnmountSegment = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/UnmountSegment',
-                request_serializer=protos_dot_kvmesh__pb2.UnmountSegmentRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.UnmountSegmentResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.UnmountSegmentRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.UnmountSegmentResponse.FromString,
                 _registered_method=True)
         self.PutStart = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/PutStart',
-                request_serializer=protos_dot_kvmesh__pb2.PutStartRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.PutStartResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutStartRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutStartResponse.FromString,
                 _registered_method=True)
         self.PutEnd = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/PutEnd',
-                request_serializer=protos_dot_kvmesh__pb2.PutEndRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.PutEndResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutEndRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutEndResponse.FromString,
                 _registered_method=True)
         self.GetReplicas = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/GetReplicas',
-                request_serializer=protos_dot_kvmesh__pb2.GetReplicasRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.GetReplicasResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.GetReplicasRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.GetReplicasResponse.FromString,
                 _registered_method=True)
         self.Exists = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/Exists',
-                request_serializer=protos_dot_kvmesh__pb2.ExistsRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.ExistsResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ExistsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ExistsResponse.FromString,
                 _registered_method=True)
         self.Remove = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/Remove',
-                request_serializer=protos_dot_kvmesh__pb2.RemoveRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.RemoveResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.RemoveRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.RemoveResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/Stats',
-                request_serializer=protos_dot_kvmesh__pb2.StoreStatsRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.StoreStatsResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.StoreStatsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.StoreStatsResponse.FromString,
                 _registered_method=True)
         self.Pin = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/Pin',
-                request_serializer=protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.PinResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PinResponse.FromString,
                 _registered_method=True)
         self.Unpin = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/Unpin',
-                request_serializer=protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.PinResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PinResponse.FromString,
                 _registered_method=True)
         self.WatchBlocks = channel.unary_stream(
                 '/kvmesh.v1.StoreMaster/WatchBlocks',
-                request_serializer=protos_dot_kvmesh__pb2.WatchBlocksRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.BlockEvent.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.WatchBlocksRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.BlockEvent.FromString,
                 _registered_method=True)
         self.ReportBlocks = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/ReportBlocks',
-                request_serializer=protos_dot_kvmesh__pb2.ReportBlocksRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.ReportBlocksResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReportBlocksRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReportBlocksResponse.FromString,
                 _registered_method=True)
         self.PutLocal = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/PutLocal',
-                request_serializer=protos_dot_kvmesh__pb2.PutLocalRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.PutLocalResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutLocalRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutLocalResponse.FromString,
                 _registered_method=True)
         self.StoreHello = channel.unary_unary(
                 '/kvmesh.v1.StoreMaster/StoreHello',
-                request_serializer=protos_dot_kvmesh__pb2.StoreHelloRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.StoreHelloResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.StoreHelloRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.StoreHelloResponse.FromString,
                 _registered_method=True)
 
 
@@ -339,73 +339,73 @@ def add_StoreMasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'MountSegment': grpc.unary_unary_rpc_method_handler(
                     servicer.MountSegment,
-                    request_deserializer=protos_dot_kvmesh__pb2.MountSegmentRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.MountSegmentResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.MountSegmentRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.MountSegmentResponse.SerializeToString,
             ),
             'UnmountSegment': grpc.unary_unary_rpc_method_handler(
                     servicer.UnmountSegment,
-                    request_deserializer=protos_dot_kvmesh__pb2.UnmountSegmentRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.UnmountSegmentResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.UnmountSegmentRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.UnmountSegmentResponse.SerializeToString,
             ),
             'PutStart': grpc.unary_unary_rpc_method_handler(
                     servicer.PutStart,
-                    request_deserializer=protos_dot_kvmesh__pb2.PutStartRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.PutStartResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutStartRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutStartResponse.SerializeToString,
             ),
             'PutEnd': grpc.unary_unary_rpc_method_handler(
                     servicer.PutEnd,
-                    request_deserializer=protos_dot_kvmesh__pb2.PutEndRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.PutEndResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutEndRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutEndResponse.SerializeToString,
             ),
             'GetReplicas': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReplicas,
-                    request_deserializer=protos_dot_kvmesh__pb2.GetReplicasRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.GetReplicasResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.GetReplicasRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.GetReplicasResponse.SerializeToString,
             ),
             'Exists': grpc.unary_unary_rpc_method_handler(
                     servicer.Exists,
-                    request_deserializer=protos_dot_kvmesh__pb2.ExistsRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.ExistsResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ExistsRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ExistsResponse.SerializeToString,
             ),
             'Remove': grpc.unary_unary_rpc_method_handler(
                     servicer.Remove,
-                    request_deserializer=protos_dot_kvmesh__pb2.RemoveRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.RemoveResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.RemoveRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.RemoveResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=protos_dot_kvmesh__pb2.StoreStatsRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.StoreStatsResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.StoreStatsRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.StoreStatsResponse.SerializeToString,
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
-                    request_deserializer=protos_dot_kvmesh__pb2.PinRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.PinResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PinRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PinResponse.SerializeToString,
             ),
             'Unpin': grpc.unary_unary_rpc_method_handler(
                     servicer.Unpin,
-                    request_deserializer=protos_dot_kvmesh__pb2.PinRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.PinResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PinRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PinResponse.SerializeToString,
             ),
             'WatchBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchBlocks,
-                    request_deserializer=protos_dot_kvmesh__pb2.WatchBlocksRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.BlockEvent.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.WatchBlocksRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.BlockEvent.SerializeToString,
             ),
             'ReportBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportBlocks,
-                    request_deserializer=protos_dot_kvmesh__pb2.ReportBlocksRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.ReportBlocksResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReportBlocksRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReportBlocksResponse.SerializeToString,
             ),
             'PutLocal': grpc.unary_unary_rpc_method_handler(
                     servicer.PutLocal,
-                    request_deserializer=protos_dot_kvmesh__pb2.PutLocalRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.PutLocalResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutLocalRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PutLocalResponse.SerializeToString,
             ),
             'StoreHello': grpc.unary_unary_rpc_method_handler(
                     servicer.StoreHello,
-                    request_deserializer=protos_dot_kvmesh__pb2.StoreHelloRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.StoreHelloResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.StoreHelloRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.StoreHelloResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -435,8 +435,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/MountSegment',
-            protos_dot_kvmesh__pb2.MountSegmentRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.MountSegmentResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.MountSegmentRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.MountSegmentResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -462,8 +462,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/UnmountSegment',
-            protos_dot_kvmesh__pb2.UnmountSegmentRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.UnmountSegmentResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.UnmountSegmentRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.UnmountSegmentResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -489,8 +489,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/PutStart',
-            protos_dot_kvmesh__pb2.PutStartRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.PutStartResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PutStartRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PutStartResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -516,8 +516,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/PutEnd',
-            protos_dot_kvmesh__pb2.PutEndRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.PutEndResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PutEndRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PutEndResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -543,8 +543,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/GetReplicas',
-            protos_dot_kvmesh__pb2.GetReplicasRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.GetReplicasResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.GetReplicasRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.GetReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -570,8 +570,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/Exists',
-            protos_dot_kvmesh__pb2.ExistsRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.ExistsResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ExistsRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ExistsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -597,8 +597,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/Remove',
-            protos_dot_kvmesh__pb2.RemoveRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.RemoveResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.RemoveRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.RemoveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -624,8 +624,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/Stats',
-            protos_dot_kvmesh__pb2.StoreStatsRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.StoreStatsResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.StoreStatsRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.StoreStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -651,8 +651,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/Pin',
-            protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.PinResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -678,8 +678,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/Unpin',
-            protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.PinResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PinRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -705,8 +705,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/WatchBlocks',
-            protos_dot_kvmesh__pb2.WatchBlocksRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.BlockEvent.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.WatchBlocksRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.BlockEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -732,8 +732,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/ReportBlocks',
-            protos_dot_kvmesh__pb2.ReportBlocksRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.ReportBlocksResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ReportBlocksRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ReportBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -759,8 +759,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/PutLocal',
-            protos_dot_kvmesh__pb2.PutLocalRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.PutLocalResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PutLocalRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PutLocalResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -786,8 +786,8 @@ class StoreMaster:
             request,
             target,
             '/kvmesh.v1.StoreMaster/StoreHello',
-            protos_dot_kvmesh__pb2.StoreHelloRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.StoreHelloResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.StoreHelloRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.StoreHelloResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -811,18 +811,18 @@ class StoreSegmentStub:
         """
         self.Spill = channel.unary_unary(
                 '/kvmesh.v1.StoreSegment/Spill',
-                request_serializer=protos_dot_kvmesh__pb2.SpillRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.SpillResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.SpillRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.SpillResponse.FromString,
                 _registered_method=True)
         self.Promote = channel.unary_unary(
                 '/kvmesh.v1.StoreSegment/Promote',
-                request_serializer=protos_dot_kvmesh__pb2.PromoteRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.PromoteResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PromoteRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PromoteResponse.FromString,
                 _registered_method=True)
         self.Replicate = channel.unary_unary(
                 '/kvmesh.v1.StoreSegment/Replicate',
-                request_serializer=protos_dot_kvmesh__pb2.ReplicateRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.ReplicateResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReplicateResponse.FromString,
                 _registered_method=True)
 
 
@@ -856,18 +856,18 @@ def add_StoreSegmentServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Spill': grpc.unary_unary_rpc_method_handler(
                     servicer.Spill,
-                    request_deserializer=protos_dot_kvmesh__pb2.SpillRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.SpillResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.SpillRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.SpillResponse.SerializeToString,
             ),
             'Promote': grpc.unary_unary_rpc_method_handler(
                     servicer.Promote,
-                    request_deserializer=protos_dot_kvmesh__pb2.PromoteRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.PromoteResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PromoteRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PromoteResponse.SerializeToString,
             ),
             'Replicate': grpc.unary_unary_rpc_method_handler(
                     servicer.Replicate,
-                    request_deserializer=protos_dot_kvmesh__pb2.ReplicateRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.ReplicateResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReplicateRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReplicateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -896,8 +896,8 @@ class StoreSegment:
             request,
             target,
             '/kvmesh.v1.StoreSegment/Spill',
-            protos_dot_kvmesh__pb2.SpillRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.SpillResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.SpillRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.SpillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -923,8 +923,8 @@ class StoreSegment:
             request,
             target,
             '/kvmesh.v1.StoreSegment/Promote',
-            protos_dot_kvmesh__pb2.PromoteRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.PromoteResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PromoteRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PromoteResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -950,8 +950,8 @@ class StoreSegment:
             request,
             target,
             '/kvmesh.v1.StoreSegment/Replicate',
-            protos_dot_kvmesh__pb2.ReplicateRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.ReplicateResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ReplicateRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ReplicateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -974,18 +974,18 @@ class PrefillNodeStub:
         """
         self.Prefill = channel.unary_unary(
                 '/kvmesh.v1.PrefillNode/Prefill',
-                request_serializer=protos_dot_kvmesh__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.PrefillResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/kvmesh.v1.PrefillNode/Status',
-                request_serializer=protos_dot_kvmesh__pb2.NodeStatusRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.NodeStatus.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatusRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatus.FromString,
                 _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/kvmesh.v1.PrefillNode/WatchEvents',
-                request_serializer=protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.NodeEvent.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeEvent.FromString,
                 _registered_method=True)
 
 
@@ -1018,18 +1018,18 @@ def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_kvmesh__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.PrefillRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.PrefillResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=protos_dot_kvmesh__pb2.NodeStatusRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.NodeStatus.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatusRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatus.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
-                    request_deserializer=protos_dot_kvmesh__pb2.WatchEventsRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.NodeEvent.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1057,8 +1057,8 @@ class PrefillNode:
             request,
             target,
             '/kvmesh.v1.PrefillNode/Prefill',
-            protos_dot_kvmesh__pb2.PrefillRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.PrefillResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PrefillRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1084,8 +1084,8 @@ class PrefillNode:
             request,
             target,
             '/kvmesh.v1.PrefillNode/Status',
-            protos_dot_kvmesh__pb2.NodeStatusRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.NodeStatus.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatusRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1111,8 +1111,8 @@ class PrefillNode:
             request,
             target,
             '/kvmesh.v1.PrefillNode/WatchEvents',
-            protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.NodeEvent.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.NodeEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1135,28 +1135,28 @@ class DecodeNodeStub:
         """
         self.Reserve = channel.unary_unary(
                 '/kvmesh.v1.DecodeNode/Reserve',
-                request_serializer=protos_dot_kvmesh__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.ReserveResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReserveResponse.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/kvmesh.v1.DecodeNode/Decode',
-                request_serializer=protos_dot_kvmesh__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.DecodeResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvmesh.v1.DecodeNode/Release',
-                request_serializer=protos_dot_kvmesh__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.ReleaseResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/kvmesh.v1.DecodeNode/Status',
-                request_serializer=protos_dot_kvmesh__pb2.NodeStatusRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.NodeStatus.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatusRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatus.FromString,
                 _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/kvmesh.v1.DecodeNode/WatchEvents',
-                request_serializer=protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh__pb2.NodeEvent.FromString,
+                request_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeEvent.FromString,
                 _registered_method=True)
 
 
@@ -1200,28 +1200,28 @@ def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=protos_dot_kvmesh__pb2.ReserveRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.ReserveResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReserveRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReserveResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=protos_dot_kvmesh__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.DecodeRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.DecodeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=protos_dot_kvmesh__pb2.ReleaseRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.ReleaseResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=protos_dot_kvmesh__pb2.NodeStatusRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.NodeStatus.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatusRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatus.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
-                    request_deserializer=protos_dot_kvmesh__pb2.WatchEventsRequest.FromString,
-                    response_serializer=protos_dot_kvmesh__pb2.NodeEvent.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh__pb2.NodeEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1249,8 +1249,8 @@ class DecodeNode:
             request,
             target,
             '/kvmesh.v1.DecodeNode/Reserve',
-            protos_dot_kvmesh__pb2.ReserveRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.ReserveResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ReserveRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1276,8 +1276,8 @@ class DecodeNode:
             request,
             target,
             '/kvmesh.v1.DecodeNode/Decode',
-            protos_dot_kvmesh__pb2.DecodeRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.DecodeResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.DecodeRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1303,8 +1303,8 @@ class DecodeNode:
             request,
             target,
             '/kvmesh.v1.DecodeNode/Release',
-            protos_dot_kvmesh__pb2.ReleaseRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.ReleaseResponse.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ReleaseRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1330,8 +1330,8 @@ class DecodeNode:
             request,
             target,
             '/kvmesh.v1.DecodeNode/Status',
-            protos_dot_kvmesh__pb2.NodeStatusRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.NodeStatus.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatusRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.NodeStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1357,8 +1357,8 @@ class DecodeNode:
             request,
             target,
             '/kvmesh.v1.DecodeNode/WatchEvents',
-            protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
-            protos_dot_kvmesh__pb2.NodeEvent.FromString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.WatchEventsRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh__pb2.NodeEvent.FromString,
             options,
             channel_credentials,
             insecure,

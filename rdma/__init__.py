@@ -1,7 +1,7 @@
 """kvmesh transfer engine: one-sided, batched, asynchronous KV-cache transfers
-between registered memory regions, over RDMA verbs (:mod:`rdma.verbs`) when a
-device is present and TCP (:mod:`rdma.tcp`) otherwise; see
-:func:`rdma.factory.make_transport`."""
+between registered memory regions, over RDMA verbs (:mod:`kvmesh.rdma.verbs`) when a
+device is present and TCP (:mod:`kvmesh.rdma.tcp`) otherwise; see
+:func:`kvmesh.rdma.factory.make_transport`."""
 
 from .engine import Slice, Transfer, TransferEngine, TransferStatus
 from .factory import make_transport

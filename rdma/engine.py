@@ -227,7 +227,7 @@ class TransferEngine:
                  transport: Transport | str | None = None,
                  transport_options: dict | None = None) -> None:
         """``transport`` is a :class:`Transport` instance, or a kind for
-        :func:`rdma.factory.make_transport`: ``"tcp"``, ``"rdma"`` or
+        :func:`kvmesh.rdma.factory.make_transport`: ``"tcp"``, ``"rdma"`` or
         ``"auto"`` (the default: RDMA verbs when a device is usable, else TCP
         with one log line saying why).  ``transport_options`` are passed to
         the factory (e.g. ``devices=["mlx5_0"]``). ``poll_us`` is the TCP

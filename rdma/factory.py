@@ -49,7 +49,7 @@ def make_transport(kind: str = "auto", *, secret: bytes, host: str = "127.0.0.1"
                    connect_timeout: float = 3.0, poll_us: int = 200,
                    **verbs_options) -> Transport:
     """Build a transport.  ``verbs_options`` go to
-    :class:`rdma.verbs.VerbsTransport` (``devices``, ``piece_bytes``, ...)
+    :class:`kvmesh.rdma.verbs.VerbsTransport` (``devices``, ``piece_bytes``, ...)
     and are ignored by TCP."""
     global _fallback_logged
     if kind == "auto":

@@ -1,4 +1,4 @@
-"""TCP implementation of :class:`rdma.transport.Transport`.
+"""TCP implementation of :class:`kvmesh.rdma.transport.Transport`.
 
 Threads, not coroutines, do all socket I/O: blocking socket calls release the
 GIL, so several connections move bytes in parallel and the asyncio event loop
@@ -13,7 +13,7 @@ Latency path: a single small WRITE/READ (up to ``FAST_MAX_BYTES``) submitted
 on the event-loop thread goes over a per-peer *fast lane* instead: one more
 authenticated connection that the event loop drives itself (non-blocking
 ``sendmsg``, reply parsed in an ``add_reader`` callback), so the request costs
-no thread handoff at all; see :class:`rdma.tcp_lane._FastLane`.
+no thread handoff at all; see :class:`kvmesh.rdma.tcp_lane._FastLane`.
 
 Busy polling (``poll_us``, default 200): a server thread waiting for the next
 request (or a WRITE payload) spins on non-blocking receives that long before it
@@ -21,10 +21,10 @@ blocks, and the event loop spins that long for a small fast-lane reply.  On a
 VM a sleeping thread's wake-up costs tens of microseconds per hop, which is most
 of a 64 KiB request's time.  At most ``spinners`` server threads spin at once
 (however many connections there are), and windows that run out make later
-waits skip polling for a while (:class:`rdma.wire.PollBackoff`).
+waits skip polling for a while (:class:`kvmesh.rdma.wire.PollBackoff`).
 ``poll_us=0`` never spins.
 
-Wire format (network byte order), after the handshake in :mod:`rdma.wire`::
+Wire format (network byte order), after the handshake in :mod:`kvmesh.rdma.wire`::
 
     request: op u8 | flags u8 | rsv u16 | crc32 u32 | region u32 | req_id u64
              | offset u64 | length u64          (+ payload for WRITE / NOTIFY)
@@ -32,9 +32,9 @@ Wire format (network byte order), after the handshake in :mod:`rdma.wire`::
              (+ data for a READ that succeeded, + utf-8 message for an error)
 
 Modules: this one holds :class:`TcpTransport` (lifecycle, client-side submit,
-stats); :mod:`rdma.tcp_channel` the client channels (sender/receiver threads,
-retries); :mod:`rdma.tcp_lane` the fast lane; :mod:`rdma.tcp_server` the accept
-loop and per-connection request serving; :mod:`rdma.tcp_proto` the framing
+stats); :mod:`kvmesh.rdma.tcp_channel` the client channels (sender/receiver threads,
+retries); :mod:`kvmesh.rdma.tcp_lane` the fast lane; :mod:`kvmesh.rdma.tcp_server` the accept
+loop and per-connection request serving; :mod:`kvmesh.rdma.tcp_proto` the framing
 constants.  Each tunable is defined in the module that reads it and re-exported
 here: to change one at run time (tests), patch it in the module that defines it.
 """

@@ -1,4 +1,4 @@
-"""Client channels of the TCP transport (:class:`rdma.tcp.TcpTransport`).
+"""Client channels of the TCP transport (:class:`kvmesh.rdma.tcp.TcpTransport`).
 
 Per peer the transport keeps ``conns_per_peer`` :class:`_Channel` s.  Each has a
 sender thread that pipelines queued requests, coalescing small ones into one
@@ -7,7 +7,7 @@ a receiver thread matches replies to requests by id and ``recv_into`` s READ dat
 straight into local memory.  A request lost with its socket is retried on a fresh
 connection, up to ``MAX_ATTEMPTS`` attempts in all (a NOTIFY that was already sent is
 not: its delivery is unknown).  :func:`_open_socket` is also used by the fast lane
-(:mod:`rdma.tcp_lane`), whose lost requests fall back to these channels.
+(:mod:`kvmesh.rdma.tcp_lane`), whose lost requests fall back to these channels.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .wire import (REP, REQ, AuthError, Reader, client_handshake, configure_sock
 if TYPE_CHECKING:
     from .tcp import TcpTransport
 
-log = logging.getLogger("rdma.tcp")  # the transport's logger, as before the split
+log = logging.getLogger("kvmesh.rdma.tcp")  # the transport's logger, as before the split
 
 MAX_ATTEMPTS = 2            # one retry on a fresh connection
 MAX_BATCH_REQS = 128        # requests coalesced into one sendmsg

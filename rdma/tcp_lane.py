@@ -1,11 +1,11 @@
-"""The fast lane of the TCP transport (:class:`rdma.tcp.TcpTransport`): the latency
+"""The fast lane of the TCP transport (:class:`kvmesh.rdma.tcp.TcpTransport`): the latency
 path for a single small WRITE/READ submitted on the event-loop thread.
 
 One more authenticated connection per peer, driven by the event loop itself
 (non-blocking ``sendmsg``, reply parsed in an ``add_reader`` callback, optional busy
 polling for the reply), so such a request costs no thread handoff.  The server side is
-the same as for the channels (:mod:`rdma.tcp_server`); requests lost with the lane's
-socket are retried on the peer's channels (:mod:`rdma.tcp_channel`).
+the same as for the channels (:mod:`kvmesh.rdma.tcp_server`); requests lost with the lane's
+socket are retried on the peer's channels (:mod:`kvmesh.rdma.tcp_channel`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Framing constants of the TCP transport's request/reply protocol, shared by the
-client side (:mod:`rdma.tcp_channel`, :mod:`rdma.tcp_lane`) and the server side
-(:mod:`rdma.tcp_server`).  The header layouts themselves (``REQ``/``REP``) live in
-:mod:`rdma.wire`; the wire format is described in :mod:`rdma.tcp`, which re-exports
+client side (:mod:`kvmesh.rdma.tcp_channel`, :mod:`kvmesh.rdma.tcp_lane`) and the server side
+(:mod:`kvmesh.rdma.tcp_server`).  The header layouts themselves (``REQ``/``REP``) live in
+:mod:`kvmesh.rdma.wire`; the wire format is described in :mod:`kvmesh.rdma.tcp`, which re-exports
 these names."""
 
 F_CRC = 0x01                # request flag: payload / READ data carries a crc32

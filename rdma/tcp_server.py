@@ -1,4 +1,4 @@
-"""Server side of the TCP transport (:class:`rdma.tcp.TcpTransport`).
+"""Server side of the TCP transport (:class:`kvmesh.rdma.tcp.TcpTransport`).
 
 :meth:`TcpTransport.start` runs :func:`accept_loop` on a thread; it starts one
 :func:`serve` thread per accepted connection, which authenticates the peer and then
@@ -7,7 +7,7 @@ straight into the registered region, READ data goes out zero-copy from it, NOTIF
 payloads go to the transport's ``on_notify`` callback, and acks are coalesced into
 few ``sendmsg`` s.  While it waits for the next request (or for a WRITE payload of
 up to ``POLL_MAX_BYTES``) the thread busy-polls the socket for up to the transport's
-``poll_s`` before it blocks (:func:`rdma.wire.recv_spin`), if one of the transport's
+``poll_s`` before it blocks (:func:`kvmesh.rdma.wire.recv_spin`), if one of the transport's
 few spinner slots is free (at most ``TcpTransport.spinners`` threads spin at once,
 however many connections there are) and its :class:`~rdma.wire.PollBackoff` agrees.
 
@@ -32,7 +32,7 @@ from .wire import (REP, REQ, AuthError, PollBackoff, recv_exact, recv_spin, send
 if TYPE_CHECKING:
     from .tcp import TcpTransport
 
-log = logging.getLogger("rdma.tcp")  # the transport's logger, as before the split
+log = logging.getLogger("kvmesh.rdma.tcp")  # the transport's logger, as before the split
 
 MAX_PENDING_ACKS = 64       # server flushes replies at least this often...
 MAX_PENDING_REPLY_BYTES = 1 << 20  # ...or once this much READ data is queued

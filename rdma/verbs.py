@@ -1,4 +1,4 @@
-"""RDMA verbs implementation of :class:`rdma.transport.Transport`.
+"""RDMA verbs implementation of :class:`kvmesh.rdma.transport.Transport`.
 
 Data path: WRITE/READ work requests become RC ``IBV_WR_RDMA_WRITE`` /
 ``IBV_WR_RDMA_READ`` work requests, cut into ``piece_bytes`` pieces and

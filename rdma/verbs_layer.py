@@ -1,4 +1,4 @@
-"""The "verbs layer" seam under :class:`rdma.verbs.VerbsTransport`.
+"""The "verbs layer" seam under :class:`kvmesh.rdma.verbs.VerbsTransport`.
 
 :class:`VerbsLayer` is the small set of libibverbs operations the transport
 needs (open_device / alloc_pd / reg_mr / create_cq / create_qp / modify_qp /

@@ -17,23 +17,23 @@ import time
 
 import grpc
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from services.common.auth import api_key_from_env, bearer_metadata
-from services.common.channels import TlsFiles, configure, make_channel
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common.auth import api_key_from_env, bearer_metadata
+from kvmesh.services.common.channels import TlsFiles, configure, make_channel
 
 DEFAULT_CONDUCTOR = "127.0.0.1:50051"
 
 
 def _service_main(role: str):
     if role == "conductor":
-        from services.conductor.server import main
+        from kvmesh.services.conductor.server import main
     elif role == "store-master":
-        from services.store_master.server import main
+        from kvmesh.services.store_master.server import main
     elif role == "prefill":
-        from services.prefill.server import main
+        from kvmesh.services.prefill.server import main
     else:
-        from services.decode.server import main
+        from kvmesh.services.decode.server import main
     return main
 
 
@@ -140,7 +140,7 @@ async def _status(args: argparse.Namespace) -> int:
 
 
 async def _health(args: argparse.Namespace) -> int:
-    from services.common.health import wait_serving
+    from kvmesh.services.common.health import wait_serving
 
     ok, last = await wait_serving(args.address, args.service, timeout=args.wait)
     if not args.quiet:
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     for role in roles:
         sub.add_parser(role, help=f"run one {role} service (see kvmesh {role} --help)")
-    from services.launcher import add_up_arguments
+    from kvmesh.services.launcher import add_up_arguments
 
     add_up_arguments(sub.add_parser("up", help="run a whole cluster on this machine"))
     g = sub.add_parser("generate", help="stream a completion from a running cluster")
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             parser.error(str(e))
     if args.cmd == "up":
-        from services.launcher import up
+        from kvmesh.services.launcher import up
 
         sys.exit(up(args))
     if args.cmd == "generate":

@@ -82,7 +82,7 @@ class Etcd:
 
 class LocalCluster:
     """etcd (unless ``etcd_endpoint`` is given) + store-master + conductor + nodes, each a
-    ``python -m services.cli <role>`` process with its log in ``workdir``."""
+    ``python -m kvmesh.services.cli <role>`` process with its log in ``workdir``."""
 
     def __init__(self, workdir: str | None = None, *, cluster: str = "default",
                  prefill: int = 1, decode: int = 1, conductor_port: int = 0,
@@ -133,7 +133,7 @@ class LocalCluster:
         if not self.tls_dir:
             return []
         if not self._pki:
-            from services.common.pki import DevCA
+            from kvmesh.services.common.pki import DevCA
 
             self._ca = DevCA(self.tls_dir)
             self._pki["client"] = self._ca.issue("client")
@@ -144,7 +144,7 @@ class LocalCluster:
 
     def client_tls(self):
         """The client identity (a ``channels.TlsFiles``), or None without TLS."""
-        from services.common.channels import TlsFiles
+        from kvmesh.services.common.channels import TlsFiles
 
         if not self.tls_dir:
             return None
@@ -153,7 +153,7 @@ class LocalCluster:
 
     def spawn(self, name: str, role: str, extra: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
-        p = subprocess.Popen([sys.executable, "-m", "services.cli", role, *self._common(name),
+        p = subprocess.Popen([sys.executable, "-m", "kvmesh.services.cli", role, *self._common(name),
                               *extra], stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.procs[name] = p
@@ -176,7 +176,7 @@ class LocalCluster:
         return self
 
     def status(self, timeout: float = 2):
-        from services.cli import cluster_status
+        from kvmesh.services.cli import cluster_status
 
         return asyncio.run(cluster_status(self.conductor, timeout, api_key=self.api_key,
                                           tls=self.client_tls()))
@@ -317,11 +317,11 @@ def up(args: argparse.Namespace) -> int:
         cluster.start()
         print(f"cluster ready in {time.monotonic() - t0:.1f}s: conductor at {cluster.conductor}, "
               f"etcd at {cluster.etcd_endpoint}", flush=True)
-        from services.cli import format_status
+        from kvmesh.services.cli import format_status
 
         print(format_status(cluster.status()), flush=True)
         if args.demo is not None:
-            from services.cli import main as cli_main
+            from kvmesh.services.cli import main as cli_main
 
             print(f"\n>>> {args.demo}", flush=True)
             try:

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
 
 NODE_ARGS = ["--block-size", "16", "--kv-memory", "16MiB", "--segment-memory", "16MiB"]
 # every request takes the disaggregated route (prefill node -> decode node)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from services.launcher import Etcd, free_port
+from kvmesh.services.launcher import Etcd, free_port
 
 __all__ = ["EtcdServer", "etcd_server", "free_port"]
 

@@ -20,12 +20,12 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-from services.common.hashing import prefix_hashes  # noqa: E402
-from services.engine.checkpoint import CheckpointError, LoadedModel, load_model  # noqa: E402
-from services.engine.config import rope_inv_freq  # noqa: E402
-from services.engine.kv_pool import KVPool  # noqa: E402
-from services.engine.sampling import Sampling, find_stop, sample, sample_with_logprob  # noqa: E402
-from services.engine.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer  # noqa: E402
+from kvmesh.services.common.hashing import prefix_hashes  # noqa: E402
+from kvmesh.services.engine.checkpoint import CheckpointError, LoadedModel, load_model  # noqa: E402
+from kvmesh.services.engine.config import rope_inv_freq  # noqa: E402
+from kvmesh.services.engine.kv_pool import KVPool  # noqa: E402
+from kvmesh.services.engine.sampling import Sampling, find_stop, sample, sample_with_logprob  # noqa: E402
+from kvmesh.services.engine.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer  # noqa: E402
 
 ATOL = 1e-4
 BS = 8

@@ -10,9 +10,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from protos import kvmesh_pb2 as pb  # noqa: E402
-from services.engine.tokenizer import load_tokenizer  # noqa: E402
-from services.launcher import LocalCluster  # noqa: E402
+from kvmesh.protos import kvmesh_pb2 as pb  # noqa: E402
+from kvmesh.services.engine.tokenizer import load_tokenizer  # noqa: E402
+from kvmesh.services.launcher import LocalCluster  # noqa: E402
 from tests.cluster_util import DISAGG_ONLY, generate  # noqa: E402
 from tests.test_checkpoint import build, train_tokenizer  # noqa: E402
 

@@ -10,13 +10,13 @@ import subprocess
 import sys
 import time
 
-from services.engine.model import LlamaModel
-from services.engine.tokenizer import ByteTokenizer
-from services.launcher import free_port
+from kvmesh.services.engine.model import LlamaModel
+from kvmesh.services.engine.tokenizer import ByteTokenizer
+from kvmesh.services.launcher import free_port
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvmesh.services.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -27,7 +27,7 @@ def _children(pid: int) -> list[int]:
 
 def test_up_generate_status_and_clean_stop(tmp_path):
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port),
+    up = subprocess.Popen([sys.executable, "-m", "kvmesh.services.cli", "up", "--port", str(port),
                            "--block-size", "16", "--workdir", str(tmp_path)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -70,7 +70,7 @@ def test_up_generate_status_and_clean_stop(tmp_path):
 def test_generate_output_is_the_reference_text(tmp_path):
     """`kvmesh up --demo` serves one prompt and stops; its tokens are the reference's."""
     port = free_port()
-    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", str(port),
+    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "up", "--port", str(port),
                           "--block-size", "16", "--demo", "Hi", "--max-tokens", "5",
                           "--workdir", str(tmp_path)], capture_output=True, text=True,
                          timeout=120)

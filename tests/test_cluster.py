@@ -9,9 +9,9 @@ import time
 import grpc
 import pytest
 
-from services.engine.model import LlamaModel
-from services.engine.tokenizer import ByteTokenizer
-from services.launcher import LocalCluster
+from kvmesh.services.engine.model import LlamaModel
+from kvmesh.services.engine.tokenizer import ByteTokenizer
+from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, node, status
 
 SHARED = ("You are kvmesh, a serving cluster that keeps every token's KV state once "
@@ -89,7 +89,7 @@ def test_bad_input_is_invalid_argument(cluster, kw, fragment):
 
 
 def test_tiny_ttft_slo_is_rejected_before_any_work(cluster):
-    from protos import kvmesh_pb2 as pb
+    from kvmesh.protos import kvmesh_pb2 as pb
 
     before = {n.node_id: n for n in status(cluster.conductor).nodes}
     t0 = time.monotonic()
@@ -109,7 +109,7 @@ def test_tiny_ttft_slo_is_rejected_before_any_work(cluster):
 def test_stop_tokens_stop_strings_and_logprobs(cluster, reference):
     import torch
 
-    from protos import kvmesh_pb2 as pb
+    from kvmesh.protos import kvmesh_pb2 as pb
 
     prompt = "Stop conditions are checked on every token."
     ref = reference(prompt, 24)
@@ -130,7 +130,7 @@ def test_stop_tokens_stop_strings_and_logprobs(cluster, reference):
 
     req = pb.GenerateRequest(prompt=prompt, max_tokens=5, sampling=pb.SamplingParams(logprobs=True))
     import grpc as _grpc
-    from protos import kvmesh_pb2_grpc as pbg
+    from kvmesh.protos import kvmesh_pb2_grpc as pbg
     with _grpc.insecure_channel(cluster.conductor) as ch:
         msgs = list(pbg.ConductorStub(ch).Generate(req, timeout=30))
     tokens = [t for m in msgs for t in m.token_ids]
@@ -143,7 +143,7 @@ def test_stop_tokens_stop_strings_and_logprobs(cluster, reference):
 
 
 def test_bad_sampling_fields_name_the_field(cluster):
-    from protos import kvmesh_pb2 as pb
+    from kvmesh.protos import kvmesh_pb2 as pb
 
     for sampling, field in [(pb.SamplingParams(temperature=-1), "sampling.temperature"),
                             (pb.SamplingParams(top_p=2), "sampling.top_p"),

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from services.engine.model import LlamaModel
-from services.engine.tokenizer import ByteTokenizer
-from services.launcher import LocalCluster
+from kvmesh.services.engine.model import LlamaModel
+from kvmesh.services.engine.tokenizer import ByteTokenizer
+from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import NODE_ARGS, generate, status
 
 TTL = 3

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import ConfigError, load, parse_memory, parse_size
-from services.conductor.server import ConductorConfig
-from services.decode.server import DecodeConfig
+from kvmesh.services.common.config import ConfigError, load, parse_memory, parse_size
+from kvmesh.services.conductor.server import ConductorConfig
+from kvmesh.services.decode.server import DecodeConfig
 
 
 def test_precedence_flags_env_toml_defaults(tmp_path):
@@ -52,10 +52,10 @@ def test_help_lists_field_docs(capsys):
 
 
 @pytest.mark.parametrize("module,cls", [
-    ("services.prefill.server", "PrefillConfig"), ("services.decode.server", "DecodeConfig"),
-    ("services.conductor.server", "ConductorConfig"),
-    ("services.store_master.server", "StoreMasterConfig"),
-    ("services.store.node", "StoreNodeConfig")])
+    ("kvmesh.services.prefill.server", "PrefillConfig"), ("kvmesh.services.decode.server", "DecodeConfig"),
+    ("kvmesh.services.conductor.server", "ConductorConfig"),
+    ("kvmesh.services.store_master.server", "StoreMasterConfig"),
+    ("kvmesh.services.store.node", "StoreNodeConfig")])
 def test_every_service_help_renders(capsys, module, cls):
     """A help text with a literal % (``40%``) must not break argparse's formatting."""
     import importlib

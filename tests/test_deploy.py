@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.config import ConfigError, load
-from services.conductor.server import ConductorConfig
-from services.decode.server import DecodeConfig
-from services.prefill.server import PrefillConfig
-from services.store_master.server import StoreMasterConfig
+from kvmesh.services.common.config import ConfigError, load
+from kvmesh.services.conductor.server import ConductorConfig
+from kvmesh.services.decode.server import DecodeConfig
+from kvmesh.services.prefill.server import PrefillConfig
+from kvmesh.services.store_master.server import StoreMasterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "deploy" / "systemd"

@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from services.common.hashing import model_fingerprint, prefix_hashes, preset_weights_digest
-from services.engine.config import PRESETS, resolve_dtype
-from services.engine.kv_pool import KVPool, OutOfBlocks
-from services.engine.model import LlamaModel, apply_rope
-from services.engine.prefix_cache import PrefixCache
-from services.engine.tokenizer import ByteTokenizer
+from kvmesh.services.common.hashing import model_fingerprint, prefix_hashes, preset_weights_digest
+from kvmesh.services.engine.config import PRESETS, resolve_dtype
+from kvmesh.services.engine.kv_pool import KVPool, OutOfBlocks
+from kvmesh.services.engine.model import LlamaModel, apply_rope
+from kvmesh.services.engine.prefix_cache import PrefixCache
+from kvmesh.services.engine.tokenizer import ByteTokenizer
 
 BS = 16
 ATOL = 1e-4

@@ -8,9 +8,9 @@ import uuid
 import grpc
 import pytest
 
-from protos.etcd import auth_pb2, rpc_pb2, rpc_pb2_grpc
-from services.common.etcd import EtcdClient, EtcdError, EtcdUnavailable, WatchEvent
-from services.common.registry import Membership, Registration, node_key, nodes_prefix
+from kvmesh.protos.etcd import auth_pb2, rpc_pb2, rpc_pb2_grpc
+from kvmesh.services.common.etcd import EtcdClient, EtcdError, EtcdUnavailable, WatchEvent
+from kvmesh.services.common.registry import Membership, Registration, node_key, nodes_prefix
 try:
     from tests.etcd_server import etcd_server, free_port
 except ImportError:  # tests/ not importable as a package (plain `pytest` run)

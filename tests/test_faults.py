@@ -1,4 +1,4 @@
-"""Short cases of the fault suite (the long ones: ``python -m loadtest.faults``): a decode
+"""Short cases of the fault suite (the long ones: ``python -m kvmesh.loadtest.faults``): a decode
 node SIGKILLed mid-load, a conductor restart mid-load, and KV bytes flipped on the data
 plane with integrity checking on. Each runs under a steady load of greedy requests whose
 outputs are known; no wrong token, no hung request, every request ends with its output
@@ -11,8 +11,8 @@ import signal
 
 import pytest
 
-from loadtest import faults as F
-from services.launcher import LocalCluster
+from kvmesh.loadtest import faults as F
+from kvmesh.services.launcher import LocalCluster
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -28,9 +28,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from protos import kvmesh_pb2 as pb  # noqa: E402
-from services.common.auth import bearer_metadata  # noqa: E402
-from services.launcher import LocalCluster, free_port  # noqa: E402
+from kvmesh.protos import kvmesh_pb2 as pb  # noqa: E402
+from kvmesh.services.common.auth import bearer_metadata  # noqa: E402
+from kvmesh.services.launcher import LocalCluster, free_port  # noqa: E402
 from tests.cluster_util import NODE_ARGS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -323,7 +323,7 @@ def test_fuzz_data_plane_handshake(cluster, data):
 @pytest.fixture(scope="module")
 def store_fast(cluster):
     """The store-master's raw-TCP control path (advertised in StoreHello)."""
-    from protos import kvmesh_pb2_grpc as pbg
+    from kvmesh.protos import kvmesh_pb2_grpc as pbg
 
     addr = next(n.grpc_address for n in cluster.status(timeout=5).nodes
                 if n.role == "store-master")
@@ -342,7 +342,7 @@ def test_fuzz_store_control_path(store_fast, method, body, declared, cut):
     a clean status or a closed connection; the master then still answers a valid call."""
     import struct
 
-    from services.store_master import wire
+    from kvmesh.services.store_master import wire
 
     _count("store control path")
     n = len(body) if declared is None else declared

@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.common.health import check
-from services.launcher import LocalCluster
+from kvmesh.services.common.health import check
+from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import NODE_ARGS, status
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,7 +46,7 @@ def test_health_reflection_and_shutdown(tmp_path):
                     "grpc.reflection.v1alpha.ServerReflection"} <= services, (role, services)
 
         # The CLI healthcheck: 0 when SERVING, 1 otherwise.
-        ok = subprocess.run([sys.executable, "-m", "services.cli", "health",
+        ok = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "health",
                              nodes["conductor"].grpc_address], capture_output=True, text=True,
                             timeout=30)
         assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
@@ -69,7 +69,7 @@ def test_health_reflection_and_shutdown(tmp_path):
                 break
             time.sleep(0.05)
         assert "NOT_SERVING" in seen, seen
-        bad = subprocess.run([sys.executable, "-m", "services.cli", "health", addr],
+        bad = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "health", addr],
                              capture_output=True, text=True, timeout=30)
         assert bad.returncode == 1
         cluster.procs["decode-0"].wait(30)

@@ -9,9 +9,9 @@ import urllib.request
 
 import pytest
 
-from services.conductor.http_api import (DEFAULT_CHAT_TEMPLATE, _StopCutter,
+from kvmesh.services.conductor.http_api import (DEFAULT_CHAT_TEMPLATE, _StopCutter,
                                          load_checkpoint_template, render_chat, render_default)
-from services.launcher import LocalCluster, free_port
+from kvmesh.services.launcher import LocalCluster, free_port
 from tests.cluster_util import NODE_ARGS, generate
 
 openai = pytest.importorskip("openai")

@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
-from protos import kvmesh_pb2 as pb
-from services.launcher import LocalCluster
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import NODE_ARGS, generate
 
 LIMITS = ["--max-tokens-limit", "2000", "--max-prompt-tokens", "100",

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from loadtest import metrics as M
-from loadtest import workload as W
-from loadtest.sim.core import SimConfig, simulate
+from kvmesh.loadtest import metrics as M
+from kvmesh.loadtest import workload as W
+from kvmesh.loadtest.sim.core import SimConfig, simulate
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -149,9 +149,9 @@ def test_simulator_deterministic_and_kvmesh_beats_random_under_load():
 
 @pytest.mark.timeout(120)
 def test_small_real_cluster_replay_matches_reference(tmp_path):
-    from loadtest.driver import drive
-    from services.engine.model import LlamaModel
-    from services.launcher import LocalCluster
+    from kvmesh.loadtest.driver import drive
+    from kvmesh.services.engine.model import LlamaModel
+    from kvmesh.services.launcher import LocalCluster
 
     recs = [{"timestamp": i * 150, "input_length": 512 * (2 + i % 3) - 7 * i,
              "output_length": 8 * 16, "hash_ids": [1, 2, 3, 4][: 2 + i % 3] if i % 2 else

@@ -28,7 +28,7 @@ TOTAL = 48 * MiB
 SINK = textwrap.dedent("""
     import asyncio, json, sys
     import numpy as np
-    from rdma import TransferEngine
+    from kvmesh.rdma import TransferEngine
     async def main():
         eng = TransferEngine(sys.argv[1].encode(), host=sys.argv[2], transport="tcp")
         await eng.start()
@@ -42,7 +42,7 @@ SINK = textwrap.dedent("""
 SENDER = textwrap.dedent("""
     import asyncio, json, sys, time
     import numpy as np
-    from rdma import Slice, TransferEngine
+    from kvmesh.rdma import Slice, TransferEngine
     async def main():
         secret, host, peer, rrid, total = sys.argv[1:6]
         total, rrid, MiB = int(total), int(rrid), 1 << 20

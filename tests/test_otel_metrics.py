@@ -9,8 +9,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import Counter
 
-from services.common import metrics, otel_metrics
-from services.common.otel_metrics import PrometheusBridge, metrics_data_to_dict
+from kvmesh.services.common import metrics, otel_metrics
+from kvmesh.services.common.otel_metrics import PrometheusBridge, metrics_data_to_dict
 
 
 @pytest.fixture
@@ -159,8 +159,8 @@ def test_store_use_by_tier_is_exported():
     """The store-master's /metrics shows blocks and capacity per tier (DRAM, SSD)."""
     from prometheus_client import generate_latest
 
-    from services.common.metrics import REGISTRY, track
-    from services.store_master.metadata import StoreMetadata
+    from kvmesh.services.common.metrics import REGISTRY, track
+    from kvmesh.services.store_master.metadata import StoreMetadata
 
     class Master:
         node_id, role = "store-tiers", "store-master"

@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (  # no
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
     ExportTraceServiceRequest, ExportTraceServiceResponse)
 
-from services.launcher import LocalCluster  # noqa: E402
+from kvmesh.services.launcher import LocalCluster  # noqa: E402
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from services.conductor.estimator import DecodeModel, PrefillModel
-from services.conductor.index import CacheIndex
-from services.conductor.policy import (COLOCATED, DIRECT, DISAGG, DecodeNodeState,
+from kvmesh.services.conductor.estimator import DecodeModel, PrefillModel
+from kvmesh.services.conductor.index import CacheIndex
+from kvmesh.services.conductor.policy import (COLOCATED, DIRECT, DISAGG, DecodeNodeState,
                                        PolicyConfig, PrefillNodeState, Request, Scheduler)
 
 BS = 16

@@ -1,10 +1,10 @@
-"""The committed protobuf/gRPC stubs must match what ``python -m protos.gen`` produces."""
+"""The committed protobuf/gRPC stubs must match what ``python -m kvmesh.protos.gen`` produces."""
 
 from pathlib import Path
 
 import pytest
 
-from protos import gen
+from kvmesh.protos import gen
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,8 @@ def test_protos_found():
 @pytest.mark.parametrize("rel", gen.generated_files(), ids=lambda p: p.as_posix())
 def test_stub_is_fresh(fresh: Path, rel: Path):
     committed = gen.ROOT / rel
-    assert committed.exists(), f"{rel} missing: run `python -m protos.gen`"
-    assert committed.read_bytes() == (fresh / rel).read_bytes(), f"{rel} is stale: run `python -m protos.gen`"
+    assert committed.exists(), f"{rel} missing: run `python -m kvmesh.protos.gen`"
+    assert committed.read_bytes() == (fresh / rel).read_bytes(), f"{rel} is stale: run `python -m kvmesh.protos.gen`"
 
 
 def test_no_unexpected_stubs(fresh: Path):

@@ -13,11 +13,11 @@ import time
 import grpc
 import pytest
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from services.engine.model import LlamaModel
-from services.engine.tokenizer import ByteTokenizer
-from services.launcher import LocalCluster
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.engine.model import LlamaModel
+from kvmesh.services.engine.tokenizer import ByteTokenizer
+from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import generate, node
 
 # no store segments: a prefix lives only in the pool of the node that computed it

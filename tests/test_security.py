@@ -24,14 +24,14 @@ import urllib.request
 import grpc
 import pytest
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from services.common.auth import (ANONYMOUS, ApiKeys, Principal, Unauthenticated,
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common.auth import (ANONYMOUS, ApiKeys, Principal, Unauthenticated,
                                   bearer_metadata, parse_entry, tenant_seed)
-from services.common.channels import TlsFiles, channel_credentials
-from services.common.config import ConfigError
-from services.common.settings import DEV_SECRET
-from services.launcher import LocalCluster, free_port
+from kvmesh.services.common.channels import TlsFiles, channel_credentials
+from kvmesh.services.common.config import ConfigError
+from kvmesh.services.common.settings import DEV_SECRET
+from kvmesh.services.launcher import LocalCluster, free_port
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS
 
 pytestmark = pytest.mark.timeout(180)
@@ -84,7 +84,7 @@ def test_tenant_seed_cannot_be_forged_by_a_salt():
 
 
 def test_tls_config_validation(tmp_path):
-    from services.common.settings import ServiceConfig
+    from kvmesh.services.common.settings import ServiceConfig
 
     cert = tmp_path / "c.pem"
     cert.write_text("x")
@@ -146,7 +146,7 @@ def _status_code(fn) -> grpc.StatusCode:
 
 
 def test_mtls_refuses_plaintext_and_strangers(cluster, tmp_path):
-    from services.common.pki import DevCA
+    from kvmesh.services.common.pki import DevCA
 
     ok = cluster.client_tls()
     stranger = DevCA(str(tmp_path / "other")).issue("client")
@@ -229,28 +229,28 @@ def test_tenant_isolation(cluster):
 def test_cli_against_tls_cluster(cluster):
     client = cluster.tls_args("client")
     env = {**os.environ, "KVMESH_API_KEY": "ka"}
-    out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "hello tls",
+    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "generate", "hello tls",
                           "--conductor", cluster.conductor, "--max-tokens", "3", "-v", *client],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert "completion=3" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "services.cli", "status", "--once", "--json",
+    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "status", "--once", "--json",
                           "--conductor", cluster.conductor, *client, "--api-key", "kb"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["nodes"]) >= 3
     # without the client certificate the CLI is refused
-    out = subprocess.run([sys.executable, "-m", "services.cli", "status", "--once",
+    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "status", "--once",
                           "--conductor", cluster.conductor, "--tls-ca", client[5],
                           "--api-key", "kb"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
-    out = subprocess.run([sys.executable, "-m", "services.cli", "health", cluster.conductor,
+    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "health", cluster.conductor,
                           *client], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 
 
 def test_data_plane_refuses_wrong_secret(cluster):
-    from rdma import Slice, TransferEngine, TransferError
+    from kvmesh.rdma import Slice, TransferEngine, TransferError
 
     node = next(n for n in cluster.status(timeout=5).nodes if n.role == "decode")
     assert node.data_address
@@ -277,7 +277,7 @@ def test_data_plane_refuses_wrong_secret(cluster):
 
 @pytest.fixture
 def secure_etcd(tmp_path):
-    from services.common.pki import DevCA
+    from kvmesh.services.common.pki import DevCA
 
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed")
@@ -304,10 +304,10 @@ def secure_etcd(tmp_path):
 
 
 def test_etcd_tls_and_auth(secure_etcd):
-    from protos.etcd import rpc_pb2 as epb
-    from protos.etcd import rpc_pb2_grpc as epbg
-    from services.common.etcd import EtcdClient, EtcdError, etcd_credentials
-    from services.common.registry import Membership, Registration
+    from kvmesh.protos.etcd import rpc_pb2 as epb
+    from kvmesh.protos.etcd import rpc_pb2_grpc as epbg
+    from kvmesh.services.common.etcd import EtcdClient, EtcdError, etcd_credentials
+    from kvmesh.services.common.registry import Membership, Registration
 
     endpoint, ident, proc = secure_etcd
     creds = etcd_credentials(ident.ca, ident.cert, ident.key)

@@ -16,12 +16,12 @@ import zlib
 import grpc
 import pytest
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from rdma import TransferEngine
-from services.common.settings import DEV_SECRET
-from services.store.client import StoreClient
-from services.store.local import StoreCluster
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.rdma import TransferEngine
+from kvmesh.services.common.settings import DEV_SECRET
+from kvmesh.services.store.client import StoreClient
+from kvmesh.services.store.local import StoreCluster
 
 
 def value(key: bytes, n: int) -> bytes:

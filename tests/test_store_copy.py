@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from services.store import copy as C
+from kvmesh.services.store import copy as C
 
 
 @pytest.mark.parametrize("n", [1, 4096, C.PARALLEL_MIN - 1, C.PARALLEL_MIN, 3 * C.PARALLEL_MIN + 5])
@@ -58,7 +58,7 @@ def test_copy_many_fills_every_slot_and_nothing_else(sizes):
 
 
 def test_split_frames_keeps_partial_frames_and_stops_at_an_oversized_one():
-    from services.store_master.wire import HEAD, MAX_FRAME, split_frames
+    from kvmesh.services.store_master.wire import HEAD, MAX_FRAME, split_frames
 
     wire_bytes = HEAD.pack(3, 1, 7) + b"abc" + HEAD.pack(0, 2, 0) + HEAD.pack(5, 3, 1) + b"hello"
     buf = bytearray()

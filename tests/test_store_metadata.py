@@ -3,7 +3,7 @@ pins, watermarks, multi-replica hot blocks, spill/promote plans, re-report, even
 
 from __future__ import annotations
 
-from services.store_master.metadata import DRAM, SSD, BlockState, StoreMetadata
+from kvmesh.services.store_master.metadata import DRAM, SSD, BlockState, StoreMetadata
 
 KB = 1024
 
@@ -174,7 +174,7 @@ def test_local_put_slots_reserve_commit_release():
     """PutLocal: slots reserved in the writer's own segment count as used, are never
     evicted, become COMPLETE blocks only at commit, survive a re-report and are freed
     when the lender re-mounts."""
-    from services.store_master.metadata import BlockState, StoreMetadata
+    from kvmesh.services.store_master.metadata import BlockState, StoreMetadata
 
     m = StoreMetadata(high_watermark=0.9, low_watermark=0.8)
     m.mount("w", "w:1", 0, 16 * 4096)

@@ -9,12 +9,12 @@ import time
 import grpc
 import pytest
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from services.common.hashing import prefix_hashes
-from services.engine.model import LlamaModel
-from services.engine.tokenizer import ByteTokenizer
-from services.launcher import LocalCluster
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common.hashing import prefix_hashes
+from kvmesh.services.engine.model import LlamaModel
+from kvmesh.services.engine.tokenizer import ByteTokenizer
+from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, status
 
 BS = 16

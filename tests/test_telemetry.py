@@ -12,8 +12,8 @@ import urllib.request
 import grpc
 import pytest
 
-from services.common.telemetry import read_spans
-from services.launcher import LocalCluster
+from kvmesh.services.common.telemetry import read_spans
+from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, status
 
 pytestmark = pytest.mark.timeout(120)
@@ -209,16 +209,16 @@ def test_status_cli_once_and_json(traced):
     import sys
 
     cluster, _ = traced
-    out = subprocess.run([sys.executable, "-m", "services.cli", "status", "--conductor",
+    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "status", "--conductor",
                           cluster.conductor, "--once"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert "TTFT p50/p90/p99" in out.stdout and "acceptance" in out.stdout
-    js = subprocess.run([sys.executable, "-m", "services.cli", "status", "--conductor",
+    js = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "status", "--conductor",
                          cluster.conductor, "--json"], capture_output=True, text=True, timeout=30)
     data = json.loads(js.stdout)
     assert "ttft_p50_ms" in data and all(n.get("metrics_address") for n in data["nodes"])
     # --watch refreshes until interrupted.
-    w = subprocess.Popen([sys.executable, "-m", "services.cli", "status", "--conductor",
+    w = subprocess.Popen([sys.executable, "-m", "kvmesh.services.cli", "status", "--conductor",
                           cluster.conductor, "--watch", "--interval", "0.3"],
                          stdout=subprocess.PIPE, text=True)
     time.sleep(3)

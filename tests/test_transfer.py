@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from rdma import Slice, TransferEngine, TransferError, TransferStatus
-from rdma.tcp import TcpTransport
-from rdma.wire import MAGIC, NONCE_BYTES, recv_exact, recv_spin
+from kvmesh.rdma import Slice, TransferEngine, TransferError, TransferStatus
+from kvmesh.rdma.tcp import TcpTransport
+from kvmesh.rdma.wire import MAGIC, NONCE_BYTES, recv_exact, recv_spin
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -229,7 +229,7 @@ async def test_checksum_mismatch_detected():
 
 async def test_peer_dies_mid_transfer_fails_not_hangs():
     """A peer that authenticates, swallows some bytes and drops the connection."""
-    from rdma.wire import server_handshake
+    from kvmesh.rdma.wire import server_handshake
 
     ls = socket.create_server(("127.0.0.1", 0))
     ls.settimeout(10)
@@ -399,7 +399,7 @@ async def test_fast_lane_checksum_and_corruption():
 
 
 async def test_fast_lane_lost_connection_retries_then_peer_gone_fails(pair, monkeypatch):
-    import rdma.tcp_lane as tcp_lane
+    import kvmesh.rdma.tcp_lane as tcp_lane
 
     monkeypatch.setattr(tcp_lane, "FAST_RETRY_S", 0.0)
     a, b = pair
@@ -442,7 +442,7 @@ async def test_cancelled_awaiter_does_not_disturb_others(pair):
 PEER_SCRIPT = textwrap.dedent("""
     import asyncio, sys
     import numpy as np
-    from rdma import TransferEngine
+    from kvmesh.rdma import TransferEngine
 
     async def main():
         eng = TransferEngine(sys.argv[1].encode())
@@ -593,7 +593,7 @@ async def test_engines_without_busy_polling_move_the_same_bytes():
 
 
 def test_poll_backoff_doubles_while_windows_run_out_and_resets_on_a_catch():
-    from rdma.wire import PollBackoff
+    from kvmesh.rdma.wire import PollBackoff
 
     b = PollBackoff(cap=4)
     assert b.should_poll()

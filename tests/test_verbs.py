@@ -1,7 +1,7 @@
 """Tests for the RDMA verbs transport (rdma/verbs.py).
 
 Everything but the last test runs against ``FakeVerbs``: an in-memory
-implementation of the :class:`rdma.verbs_layer.VerbsLayer` seam that enforces
+implementation of the :class:`kvmesh.rdma.verbs_layer.VerbsLayer` seam that enforces
 the RC queue-pair state machine, checks lkeys/rkeys and bounds like a NIC, and
 performs RDMA WRITE/READ with memmove when the completion queue is polled.
 The real-device test runs wherever libibverbs lists a device and skips here.
@@ -18,11 +18,11 @@ import threading
 import numpy as np
 import pytest
 
-import rdma.factory as factory
-import rdma.verbs as verbs
-from rdma import Slice, TcpTransport, TransferEngine, TransferError, make_transport
-from rdma.verbs import VerbsTransport
-from rdma.verbs_layer import Completion, DeviceInfo, PortInfo, VerbsLayer, memory_numa_node
+import kvmesh.rdma.factory as factory
+import kvmesh.rdma.verbs as verbs
+from kvmesh.rdma import Slice, TcpTransport, TransferEngine, TransferError, make_transport
+from kvmesh.rdma.verbs import VerbsTransport
+from kvmesh.rdma.verbs_layer import Completion, DeviceInfo, PortInfo, VerbsLayer, memory_numa_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -336,13 +336,13 @@ def test_factory_auto_falls_back_to_tcp_with_one_log_line(caplog, monkeypatch):
     monkeypatch.delenv("KVMESH_TRANSPORT", raising=False)
     monkeypatch.setattr(factory, "_fallback_logged", False)
     monkeypatch.setattr(factory, "_probe_result", (False, "no RDMA device (test)"))
-    with caplog.at_level(logging.INFO, logger="rdma.factory"):
+    with caplog.at_level(logging.INFO, logger="kvmesh.rdma.factory"):
         t1 = make_transport("auto", secret=SECRET)
         t2 = make_transport(secret=SECRET)
         e = TransferEngine(SECRET)
     assert isinstance(t1, TcpTransport) and isinstance(t2, TcpTransport)
     assert e.transport_kind == "TcpTransport"
-    lines = [r.getMessage() for r in caplog.records if r.name == "rdma.factory"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvmesh.rdma.factory"]
     assert len(lines) == 1 and "no RDMA device (test)" in lines[0]
     with pytest.raises(RuntimeError, match="no RDMA device"):
         make_transport("rdma", secret=SECRET)

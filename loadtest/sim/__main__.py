@@ -1,8 +1,8 @@
 """Paper-scale simulation with the real conductor policy.
 
-    python -m loadtest.sim                     # all experiments on the full trace (~1 min)
-    python -m loadtest.sim --trace my.jsonl --prefill 16 --decode 16 --time-scale 0.5
-    python -m loadtest.sim --only policies     # policies | overload | scale
+    python -m kvmesh.loadtest.sim                     # all experiments on the full trace (~1 min)
+    python -m kvmesh.loadtest.sim --trace my.jsonl --prefill 16 --decode 16 --time-scale 0.5
+    python -m kvmesh.loadtest.sim --only policies     # policies | overload | scale
 
 Experiments:
 - ``policies``: the whole trace at its own rate, no rejection (SLOs off), every policy;
@@ -28,10 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from loadtest.metrics import summarize  # noqa: E402
-from loadtest.sim.core import CostModel, SimConfig, simulate  # noqa: E402
-from loadtest.workload import DEFAULT_TRACE, load_trace  # noqa: E402
-from services.conductor.policy import POLICIES  # noqa: E402
+from kvmesh.loadtest.metrics import summarize  # noqa: E402
+from kvmesh.loadtest.sim.core import CostModel, SimConfig, simulate  # noqa: E402
+from kvmesh.loadtest.workload import DEFAULT_TRACE, load_trace  # noqa: E402
+from kvmesh.services.conductor.policy import POLICIES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 OFF = 1e12
@@ -55,8 +55,8 @@ def run_policies(trace, base: SimConfig, policies, ttft_slo, tbt_slo, progress=N
 def decision_rate(prefill: int, decode: int, n: int = 3000, seed: int = 0) -> dict:
     """decide + commit + prefill_done + request_done per second with many nodes and a
     populated index (each node holds 2,000 random 512-token prefixes of a shared pool)."""
-    from services.conductor.index import CacheIndex
-    from services.conductor.policy import (DecodeNodeState, PolicyConfig, PrefillNodeState,
+    from kvmesh.services.conductor.index import CacheIndex
+    from kvmesh.services.conductor.policy import (DecodeNodeState, PolicyConfig, PrefillNodeState,
                                            Request, Scheduler)
 
     rng = random.Random(seed)
@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         # the cache index iterates sets of node ids: fix str hashing so that runs repeat
         # bit for bit
         os.environ["PYTHONHASHSEED"] = "0"
-        os.execv(sys.executable, [sys.executable, "-m", "loadtest.sim", *sys.argv[1:]])
-    p = argparse.ArgumentParser(prog="python -m loadtest.sim", description=__doc__.split("\n")[0])
+        os.execv(sys.executable, [sys.executable, "-m", "kvmesh.loadtest.sim", *sys.argv[1:]])
+    p = argparse.ArgumentParser(prog="python -m kvmesh.loadtest.sim", description=__doc__.split("\n")[0])
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--prefill", type=int, default=8)
     p.add_argument("--decode", type=int, default=8)
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                                      if pol in ("cache-load", "kvmesh")}
     (out / "sim.json").write_text(json.dumps(result, indent=1))
     if not a.no_report:
-        from loadtest.report import write_report
+        from kvmesh.loadtest.report import write_report
         print(write_report(out))
     return 0
 

@@ -1,5 +1,5 @@
 """A discrete-event simulation of a kvmesh cluster at paper scale, driven by the REAL
-conductor policy (``services.conductor.policy.Scheduler`` with a simulated clock, the real
+conductor policy (``kvmesh.services.conductor.policy.Scheduler`` with a simulated clock, the real
 ``CacheIndex`` and the real ``PrefillModel``/``DecodeModel`` estimators).
 
 What is simulated (times from :class:`CostModel`):
@@ -30,8 +30,8 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from services.conductor.index import CacheIndex
-from services.conductor.policy import (COLOCATED, DISAGG, DecodeNodeState, PolicyConfig,
+from kvmesh.services.conductor.index import CacheIndex
+from kvmesh.services.conductor.policy import (COLOCATED, DISAGG, DecodeNodeState, PolicyConfig,
                                        PrefillNodeState, Request, Scheduler)
 
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.etcd import rpc_pb2 as protos_dot_etcd_dot_rpc__pb2
+from kvmesh.protos.etcd import rpc_pb2 as kvmesh_dot_protos_dot_etcd_dot_rpc__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/etcd/rpc_pb2_grpc.py depends on'
+        + ' but the generated code in kvmesh/protos/etcd/rpc_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class KVStub:
         """
         self.Range = channel.unary_unary(
                 '/etcdserverpb.KV/Range',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.RangeRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.RangeResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.RangeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.RangeResponse.FromString,
                 _registered_method=True)
         self.Put = channel.unary_unary(
                 '/etcdserverpb.KV/Put',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.PutRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.PutResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.PutRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.PutResponse.FromString,
                 _registered_method=True)
         self.DeleteRange = channel.unary_unary(
                 '/etcdserverpb.KV/DeleteRange',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.DeleteRangeRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.DeleteRangeResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DeleteRangeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DeleteRangeResponse.FromString,
                 _registered_method=True)
         self.Txn = channel.unary_unary(
                 '/etcdserverpb.KV/Txn',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.TxnRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.TxnResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.TxnRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.TxnResponse.FromString,
                 _registered_method=True)
         self.Compact = channel.unary_unary(
                 '/etcdserverpb.KV/Compact',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.CompactionRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.CompactionResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.CompactionRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.CompactionResponse.FromString,
                 _registered_method=True)
 
 
@@ -113,28 +113,28 @@ def add_KVServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Range': grpc.unary_unary_rpc_method_handler(
                     servicer.Range,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.RangeRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.RangeResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.RangeRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.RangeResponse.SerializeToString,
             ),
             'Put': grpc.unary_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.PutRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.PutResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.PutRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.PutResponse.SerializeToString,
             ),
             'DeleteRange': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteRange,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.DeleteRangeRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.DeleteRangeResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DeleteRangeRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DeleteRangeResponse.SerializeToString,
             ),
             'Txn': grpc.unary_unary_rpc_method_handler(
                     servicer.Txn,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.TxnRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.TxnResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.TxnRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.TxnResponse.SerializeToString,
             ),
             'Compact': grpc.unary_unary_rpc_method_handler(
                     servicer.Compact,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.CompactionRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.CompactionResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.CompactionRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.CompactionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -162,8 +162,8 @@ class KV:
             request,
             target,
             '/etcdserverpb.KV/Range',
-            protos_dot_etcd_dot_rpc__pb2.RangeRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.RangeResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.RangeRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.RangeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -189,8 +189,8 @@ class KV:
             request,
             target,
             '/etcdserverpb.KV/Put',
-            protos_dot_etcd_dot_rpc__pb2.PutRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.PutResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.PutRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -216,8 +216,8 @@ class KV:
             request,
             target,
             '/etcdserverpb.KV/DeleteRange',
-            protos_dot_etcd_dot_rpc__pb2.DeleteRangeRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.DeleteRangeResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DeleteRangeRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DeleteRangeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -243,8 +243,8 @@ class KV:
             request,
             target,
             '/etcdserverpb.KV/Txn',
-            protos_dot_etcd_dot_rpc__pb2.TxnRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.TxnResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.TxnRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.TxnResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -270,8 +270,8 @@ class KV:
             request,
             target,
             '/etcdserverpb.KV/Compact',
-            protos_dot_etcd_dot_rpc__pb2.CompactionRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.CompactionResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.CompactionRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.CompactionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -294,8 +294,8 @@ class WatchStub:
         """
         self.Watch = channel.stream_stream(
                 '/etcdserverpb.Watch/Watch',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.WatchRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.WatchResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.WatchRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.WatchResponse.FromString,
                 _registered_method=True)
 
 
@@ -318,8 +318,8 @@ def add_WatchServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Watch': grpc.stream_stream_rpc_method_handler(
                     servicer.Watch,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.WatchRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.WatchResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.WatchRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.WatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,8 +347,8 @@ class Watch:
             request_iterator,
             target,
             '/etcdserverpb.Watch/Watch',
-            protos_dot_etcd_dot_rpc__pb2.WatchRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.WatchResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.WatchRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.WatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -371,28 +371,28 @@ class LeaseStub:
         """
         self.LeaseGrant = channel.unary_unary(
                 '/etcdserverpb.Lease/LeaseGrant',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.LeaseGrantRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.LeaseGrantResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseGrantRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseGrantResponse.FromString,
                 _registered_method=True)
         self.LeaseRevoke = channel.unary_unary(
                 '/etcdserverpb.Lease/LeaseRevoke',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.LeaseRevokeRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.LeaseRevokeResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseRevokeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseRevokeResponse.FromString,
                 _registered_method=True)
         self.LeaseKeepAlive = channel.stream_stream(
                 '/etcdserverpb.Lease/LeaseKeepAlive',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveResponse.FromString,
                 _registered_method=True)
         self.LeaseTimeToLive = channel.unary_unary(
                 '/etcdserverpb.Lease/LeaseTimeToLive',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveResponse.FromString,
                 _registered_method=True)
         self.LeaseLeases = channel.unary_unary(
                 '/etcdserverpb.Lease/LeaseLeases',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.LeaseLeasesRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.LeaseLeasesResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseLeasesRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseLeasesResponse.FromString,
                 _registered_method=True)
 
 
@@ -442,28 +442,28 @@ def add_LeaseServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'LeaseGrant': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaseGrant,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.LeaseGrantRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.LeaseGrantResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseGrantRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseGrantResponse.SerializeToString,
             ),
             'LeaseRevoke': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaseRevoke,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.LeaseRevokeRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.LeaseRevokeResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseRevokeRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseRevokeResponse.SerializeToString,
             ),
             'LeaseKeepAlive': grpc.stream_stream_rpc_method_handler(
                     servicer.LeaseKeepAlive,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveResponse.SerializeToString,
             ),
             'LeaseTimeToLive': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaseTimeToLive,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveResponse.SerializeToString,
             ),
             'LeaseLeases': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaseLeases,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.LeaseLeasesRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.LeaseLeasesResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseLeasesRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -491,8 +491,8 @@ class Lease:
             request,
             target,
             '/etcdserverpb.Lease/LeaseGrant',
-            protos_dot_etcd_dot_rpc__pb2.LeaseGrantRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.LeaseGrantResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseGrantRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseGrantResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -518,8 +518,8 @@ class Lease:
             request,
             target,
             '/etcdserverpb.Lease/LeaseRevoke',
-            protos_dot_etcd_dot_rpc__pb2.LeaseRevokeRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.LeaseRevokeResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseRevokeRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseRevokeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -545,8 +545,8 @@ class Lease:
             request_iterator,
             target,
             '/etcdserverpb.Lease/LeaseKeepAlive',
-            protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseKeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -572,8 +572,8 @@ class Lease:
             request,
             target,
             '/etcdserverpb.Lease/LeaseTimeToLive',
-            protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseTimeToLiveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -599,8 +599,8 @@ class Lease:
             request,
             target,
             '/etcdserverpb.Lease/LeaseLeases',
-            protos_dot_etcd_dot_rpc__pb2.LeaseLeasesRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.LeaseLeasesResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseLeasesRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.LeaseLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -623,28 +623,28 @@ class ClusterStub:
         """
         self.MemberAdd = channel.unary_unary(
                 '/etcdserverpb.Cluster/MemberAdd',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.MemberAddRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.MemberAddResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberAddRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberAddResponse.FromString,
                 _registered_method=True)
         self.MemberRemove = channel.unary_unary(
                 '/etcdserverpb.Cluster/MemberRemove',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.MemberRemoveRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.MemberRemoveResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberRemoveRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberRemoveResponse.FromString,
                 _registered_method=True)
         self.MemberUpdate = channel.unary_unary(
                 '/etcdserverpb.Cluster/MemberUpdate',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.MemberUpdateRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.MemberUpdateResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberUpdateRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberUpdateResponse.FromString,
                 _registered_method=True)
         self.MemberList = channel.unary_unary(
                 '/etcdserverpb.Cluster/MemberList',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.MemberListRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.MemberListResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberListRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberListResponse.FromString,
                 _registered_method=True)
         self.MemberPromote = channel.unary_unary(
                 '/etcdserverpb.Cluster/MemberPromote',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.MemberPromoteRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.MemberPromoteResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberPromoteRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberPromoteResponse.FromString,
                 _registered_method=True)
 
 
@@ -691,28 +691,28 @@ def add_ClusterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'MemberAdd': grpc.unary_unary_rpc_method_handler(
                     servicer.MemberAdd,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.MemberAddRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.MemberAddResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberAddRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberAddResponse.SerializeToString,
             ),
             'MemberRemove': grpc.unary_unary_rpc_method_handler(
                     servicer.MemberRemove,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.MemberRemoveRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.MemberRemoveResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberRemoveRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberRemoveResponse.SerializeToString,
             ),
             'MemberUpdate': grpc.unary_unary_rpc_method_handler(
                     servicer.MemberUpdate,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.MemberUpdateRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.MemberUpdateResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberUpdateRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberUpdateResponse.SerializeToString,
             ),
             'MemberList': grpc.unary_unary_rpc_method_handler(
                     servicer.MemberList,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.MemberListRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.MemberListResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberListRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberListResponse.SerializeToString,
             ),
             'MemberPromote': grpc.unary_unary_rpc_method_handler(
                     servicer.MemberPromote,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.MemberPromoteRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.MemberPromoteResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberPromoteRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberPromoteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -740,8 +740,8 @@ class Cluster:
             request,
             target,
             '/etcdserverpb.Cluster/MemberAdd',
-            protos_dot_etcd_dot_rpc__pb2.MemberAddRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.MemberAddResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberAddRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberAddResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -767,8 +767,8 @@ class Cluster:
             request,
             target,
             '/etcdserverpb.Cluster/MemberRemove',
-            protos_dot_etcd_dot_rpc__pb2.MemberRemoveRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.MemberRemoveResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberRemoveRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberRemoveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -794,8 +794,8 @@ class Cluster:
             request,
             target,
             '/etcdserverpb.Cluster/MemberUpdate',
-            protos_dot_etcd_dot_rpc__pb2.MemberUpdateRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.MemberUpdateResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberUpdateRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberUpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -821,8 +821,8 @@ class Cluster:
             request,
             target,
             '/etcdserverpb.Cluster/MemberList',
-            protos_dot_etcd_dot_rpc__pb2.MemberListRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.MemberListResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberListRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberListResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -848,8 +848,8 @@ class Cluster:
             request,
             target,
             '/etcdserverpb.Cluster/MemberPromote',
-            protos_dot_etcd_dot_rpc__pb2.MemberPromoteRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.MemberPromoteResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberPromoteRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MemberPromoteResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -872,38 +872,38 @@ class MaintenanceStub:
         """
         self.Alarm = channel.unary_unary(
                 '/etcdserverpb.Maintenance/Alarm',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AlarmRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AlarmResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AlarmRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AlarmResponse.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/etcdserverpb.Maintenance/Status',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.StatusRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.StatusResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.StatusRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.StatusResponse.FromString,
                 _registered_method=True)
         self.Defragment = channel.unary_unary(
                 '/etcdserverpb.Maintenance/Defragment',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.DefragmentRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.DefragmentResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DefragmentRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DefragmentResponse.FromString,
                 _registered_method=True)
         self.Hash = channel.unary_unary(
                 '/etcdserverpb.Maintenance/Hash',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.HashRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.HashResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashResponse.FromString,
                 _registered_method=True)
         self.HashKV = channel.unary_unary(
                 '/etcdserverpb.Maintenance/HashKV',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.HashKVRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.HashKVResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashKVRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashKVResponse.FromString,
                 _registered_method=True)
         self.Snapshot = channel.unary_stream(
                 '/etcdserverpb.Maintenance/Snapshot',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.SnapshotRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.SnapshotResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.SnapshotResponse.FromString,
                 _registered_method=True)
         self.MoveLeader = channel.unary_unary(
                 '/etcdserverpb.Maintenance/MoveLeader',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.MoveLeaderRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.MoveLeaderResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MoveLeaderRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MoveLeaderResponse.FromString,
                 _registered_method=True)
 
 
@@ -970,38 +970,38 @@ def add_MaintenanceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Alarm': grpc.unary_unary_rpc_method_handler(
                     servicer.Alarm,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AlarmRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AlarmResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AlarmRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AlarmResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.StatusRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.StatusResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.StatusRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.StatusResponse.SerializeToString,
             ),
             'Defragment': grpc.unary_unary_rpc_method_handler(
                     servicer.Defragment,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.DefragmentRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.DefragmentResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DefragmentRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DefragmentResponse.SerializeToString,
             ),
             'Hash': grpc.unary_unary_rpc_method_handler(
                     servicer.Hash,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.HashRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.HashResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashResponse.SerializeToString,
             ),
             'HashKV': grpc.unary_unary_rpc_method_handler(
                     servicer.HashKV,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.HashKVRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.HashKVResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashKVRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashKVResponse.SerializeToString,
             ),
             'Snapshot': grpc.unary_stream_rpc_method_handler(
                     servicer.Snapshot,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.SnapshotRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.SnapshotResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.SnapshotRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.SnapshotResponse.SerializeToString,
             ),
             'MoveLeader': grpc.unary_unary_rpc_method_handler(
                     servicer.MoveLeader,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.MoveLeaderRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.MoveLeaderResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MoveLeaderRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MoveLeaderResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1029,8 +1029,8 @@ class Maintenance:
             request,
             target,
             '/etcdserverpb.Maintenance/Alarm',
-            protos_dot_etcd_dot_rpc__pb2.AlarmRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AlarmResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AlarmRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AlarmResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1056,8 +1056,8 @@ class Maintenance:
             request,
             target,
             '/etcdserverpb.Maintenance/Status',
-            protos_dot_etcd_dot_rpc__pb2.StatusRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.StatusResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.StatusRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1083,8 +1083,8 @@ class Maintenance:
             request,
             target,
             '/etcdserverpb.Maintenance/Defragment',
-            protos_dot_etcd_dot_rpc__pb2.DefragmentRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.DefragmentResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DefragmentRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.DefragmentResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1110,8 +1110,8 @@ class Maintenance:
             request,
             target,
             '/etcdserverpb.Maintenance/Hash',
-            protos_dot_etcd_dot_rpc__pb2.HashRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.HashResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1137,8 +1137,8 @@ class Maintenance:
             request,
             target,
             '/etcdserverpb.Maintenance/HashKV',
-            protos_dot_etcd_dot_rpc__pb2.HashKVRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.HashKVResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashKVRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.HashKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1164,8 +1164,8 @@ class Maintenance:
             request,
             target,
             '/etcdserverpb.Maintenance/Snapshot',
-            protos_dot_etcd_dot_rpc__pb2.SnapshotRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.SnapshotResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.SnapshotRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.SnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1191,8 +1191,8 @@ class Maintenance:
             request,
             target,
             '/etcdserverpb.Maintenance/MoveLeader',
-            protos_dot_etcd_dot_rpc__pb2.MoveLeaderRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.MoveLeaderResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MoveLeaderRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.MoveLeaderResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1215,83 +1215,83 @@ class AuthStub:
         """
         self.AuthEnable = channel.unary_unary(
                 '/etcdserverpb.Auth/AuthEnable',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthEnableRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthEnableResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthEnableRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthEnableResponse.FromString,
                 _registered_method=True)
         self.AuthDisable = channel.unary_unary(
                 '/etcdserverpb.Auth/AuthDisable',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthDisableRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthDisableResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthDisableRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthDisableResponse.FromString,
                 _registered_method=True)
         self.Authenticate = channel.unary_unary(
                 '/etcdserverpb.Auth/Authenticate',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthenticateRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthenticateResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthenticateRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthenticateResponse.FromString,
                 _registered_method=True)
         self.UserAdd = channel.unary_unary(
                 '/etcdserverpb.Auth/UserAdd',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserAddRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserAddResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserAddRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserAddResponse.FromString,
                 _registered_method=True)
         self.UserGet = channel.unary_unary(
                 '/etcdserverpb.Auth/UserGet',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserGetRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserGetResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGetRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGetResponse.FromString,
                 _registered_method=True)
         self.UserList = channel.unary_unary(
                 '/etcdserverpb.Auth/UserList',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserListRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserListResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserListRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserListResponse.FromString,
                 _registered_method=True)
         self.UserDelete = channel.unary_unary(
                 '/etcdserverpb.Auth/UserDelete',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteResponse.FromString,
                 _registered_method=True)
         self.UserChangePassword = channel.unary_unary(
                 '/etcdserverpb.Auth/UserChangePassword',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordResponse.FromString,
                 _registered_method=True)
         self.UserGrantRole = channel.unary_unary(
                 '/etcdserverpb.Auth/UserGrantRole',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleResponse.FromString,
                 _registered_method=True)
         self.UserRevokeRole = channel.unary_unary(
                 '/etcdserverpb.Auth/UserRevokeRole',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleResponse.FromString,
                 _registered_method=True)
         self.RoleAdd = channel.unary_unary(
                 '/etcdserverpb.Auth/RoleAdd',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleAddRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleAddResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleAddRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleAddResponse.FromString,
                 _registered_method=True)
         self.RoleGet = channel.unary_unary(
                 '/etcdserverpb.Auth/RoleGet',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleGetRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleGetResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGetRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGetResponse.FromString,
                 _registered_method=True)
         self.RoleList = channel.unary_unary(
                 '/etcdserverpb.Auth/RoleList',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleListRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleListResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleListRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleListResponse.FromString,
                 _registered_method=True)
         self.RoleDelete = channel.unary_unary(
                 '/etcdserverpb.Auth/RoleDelete',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteResponse.FromString,
                 _registered_method=True)
         self.RoleGrantPermission = channel.unary_unary(
                 '/etcdserverpb.Auth/RoleGrantPermission',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionResponse.FromString,
                 _registered_method=True)
         self.RoleRevokePermission = channel.unary_unary(
                 '/etcdserverpb.Auth/RoleRevokePermission',
-                request_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionRequest.SerializeToString,
-                response_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionResponse.FromString,
+                request_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionResponse.FromString,
                 _registered_method=True)
 
 
@@ -1415,83 +1415,83 @@ def add_AuthServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'AuthEnable': grpc.unary_unary_rpc_method_handler(
                     servicer.AuthEnable,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthEnableRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthEnableResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthEnableRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthEnableResponse.SerializeToString,
             ),
             'AuthDisable': grpc.unary_unary_rpc_method_handler(
                     servicer.AuthDisable,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthDisableRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthDisableResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthDisableRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthDisableResponse.SerializeToString,
             ),
             'Authenticate': grpc.unary_unary_rpc_method_handler(
                     servicer.Authenticate,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthenticateRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthenticateResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthenticateRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthenticateResponse.SerializeToString,
             ),
             'UserAdd': grpc.unary_unary_rpc_method_handler(
                     servicer.UserAdd,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserAddRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserAddResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserAddRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserAddResponse.SerializeToString,
             ),
             'UserGet': grpc.unary_unary_rpc_method_handler(
                     servicer.UserGet,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserGetRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserGetResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGetRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGetResponse.SerializeToString,
             ),
             'UserList': grpc.unary_unary_rpc_method_handler(
                     servicer.UserList,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserListRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserListResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserListRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserListResponse.SerializeToString,
             ),
             'UserDelete': grpc.unary_unary_rpc_method_handler(
                     servicer.UserDelete,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteResponse.SerializeToString,
             ),
             'UserChangePassword': grpc.unary_unary_rpc_method_handler(
                     servicer.UserChangePassword,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordResponse.SerializeToString,
             ),
             'UserGrantRole': grpc.unary_unary_rpc_method_handler(
                     servicer.UserGrantRole,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleResponse.SerializeToString,
             ),
             'UserRevokeRole': grpc.unary_unary_rpc_method_handler(
                     servicer.UserRevokeRole,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleResponse.SerializeToString,
             ),
             'RoleAdd': grpc.unary_unary_rpc_method_handler(
                     servicer.RoleAdd,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleAddRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleAddResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleAddRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleAddResponse.SerializeToString,
             ),
             'RoleGet': grpc.unary_unary_rpc_method_handler(
                     servicer.RoleGet,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleGetRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleGetResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGetRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGetResponse.SerializeToString,
             ),
             'RoleList': grpc.unary_unary_rpc_method_handler(
                     servicer.RoleList,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleListRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleListResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleListRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleListResponse.SerializeToString,
             ),
             'RoleDelete': grpc.unary_unary_rpc_method_handler(
                     servicer.RoleDelete,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteResponse.SerializeToString,
             ),
             'RoleGrantPermission': grpc.unary_unary_rpc_method_handler(
                     servicer.RoleGrantPermission,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionResponse.SerializeToString,
             ),
             'RoleRevokePermission': grpc.unary_unary_rpc_method_handler(
                     servicer.RoleRevokePermission,
-                    request_deserializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionRequest.FromString,
-                    response_serializer=protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1519,8 +1519,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/AuthEnable',
-            protos_dot_etcd_dot_rpc__pb2.AuthEnableRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthEnableResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthEnableRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthEnableResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1546,8 +1546,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/AuthDisable',
-            protos_dot_etcd_dot_rpc__pb2.AuthDisableRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthDisableResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthDisableRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthDisableResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1573,8 +1573,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/Authenticate',
-            protos_dot_etcd_dot_rpc__pb2.AuthenticateRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthenticateResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthenticateRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthenticateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1600,8 +1600,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/UserAdd',
-            protos_dot_etcd_dot_rpc__pb2.AuthUserAddRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthUserAddResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserAddRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserAddResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1627,8 +1627,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/UserGet',
-            protos_dot_etcd_dot_rpc__pb2.AuthUserGetRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthUserGetResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGetRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGetResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1654,8 +1654,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/UserList',
-            protos_dot_etcd_dot_rpc__pb2.AuthUserListRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthUserListResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserListRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserListResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1681,8 +1681,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/UserDelete',
-            protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserDeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1708,8 +1708,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/UserChangePassword',
-            protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserChangePasswordResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1735,8 +1735,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/UserGrantRole',
-            protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserGrantRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1762,8 +1762,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/UserRevokeRole',
-            protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthUserRevokeRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1789,8 +1789,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/RoleAdd',
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleAddRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleAddResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleAddRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleAddResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1816,8 +1816,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/RoleGet',
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleGetRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleGetResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGetRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGetResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1843,8 +1843,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/RoleList',
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleListRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleListResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleListRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleListResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1870,8 +1870,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/RoleDelete',
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleDeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1897,8 +1897,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/RoleGrantPermission',
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleGrantPermissionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1924,8 +1924,8 @@ class Auth:
             request,
             target,
             '/etcdserverpb.Auth/RoleRevokePermission',
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionRequest.SerializeToString,
-            protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionResponse.FromString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionRequest.SerializeToString,
+            kvmesh_dot_protos_dot_etcd_dot_rpc__pb2.AuthRoleRevokePermissionResponse.FromString,
             options,
             channel_credentials,
             insecure,

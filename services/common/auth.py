@@ -36,7 +36,7 @@ from typing import Iterable
 
 import grpc
 
-from services.common.config import ConfigError
+from kvmesh.services.common.config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ inside the store or the conductor needs no config plumbing. Both also take an ex
 ``tls`` (a :class:`TlsFiles`) for clients such as ``kvmesh generate``.
 
 Tracing survives TLS: plaintext channels go through ``grpc.aio.insecure_channel`` (which
-``services.common.telemetry`` patches); secure ones get ``telemetry.client_interceptors()``
+``kvmesh.services.common.telemetry`` patches); secure ones get ``telemetry.client_interceptors()``
 here. ``--tls-server-name`` overrides the name checked against the server's certificate
 (for clusters whose certificates do not list every advertised address).
 """
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from services.common.config import ConfigError
+from kvmesh.services.common.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def make_channel(addr: str, tls: TlsFiles | None = None,
     if not tls.enabled:
         return grpc.aio.insecure_channel(addr, options=opts or None,
                                          interceptors=list(interceptors or []) or None)
-    from services.common import telemetry
+    from kvmesh.services.common import telemetry
 
     if tls.server_name:
         opts.append(("grpc.ssl_target_name_override", tls.server_name))

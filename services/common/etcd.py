@@ -16,7 +16,7 @@ from typing import AsyncIterator, Literal
 import grpc
 import grpc.aio
 
-from protos.etcd import rpc_pb2, rpc_pb2_grpc
+from kvmesh.protos.etcd import rpc_pb2, rpc_pb2_grpc
 
 log = logging.getLogger(__name__)
 

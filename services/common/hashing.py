@@ -9,7 +9,7 @@ import struct
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
-    from services.engine.config import ModelConfig
+    from kvmesh.services.engine.config import ModelConfig
 
 HASH_BYTES = 16
 

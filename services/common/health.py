@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from protos import kvmesh_pb2 as pb
-from services.common.channels import make_channel
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.services.common.channels import make_channel
 
 ROLE_SERVICES = {
     "conductor": "Conductor",

@@ -11,22 +11,22 @@ from typing import Any
 import grpc
 import torch
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from rdma import TransferEngine
-from services.common.config import parse_memory, parse_size
-from services.common.node_events import EventHub, profile
-from services.common.registry import Membership, nodes_prefix
-from services.common.service import Service
-from services.common.settings import NodeConfig
-from services.engine.checkpoint import LoadedModel, load_model
-from services.engine.config import ModelConfig, dtype_name, resolve_dtype
-from services.engine.kv_pool import KVPool
-from services.engine.model import LlamaModel
-from services.engine.tokenizer import ByteTokenizer, HFTokenizer
-from services.store.client import StoreClient
-from services.store.segment import SegmentHost
-from services.common.channels import make_channel
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.rdma import TransferEngine
+from kvmesh.services.common.config import parse_memory, parse_size
+from kvmesh.services.common.node_events import EventHub, profile
+from kvmesh.services.common.registry import Membership, nodes_prefix
+from kvmesh.services.common.service import Service
+from kvmesh.services.common.settings import NodeConfig
+from kvmesh.services.engine.checkpoint import LoadedModel, load_model
+from kvmesh.services.engine.config import ModelConfig, dtype_name, resolve_dtype
+from kvmesh.services.engine.kv_pool import KVPool
+from kvmesh.services.engine.model import LlamaModel
+from kvmesh.services.engine.tokenizer import ByteTokenizer, HFTokenizer
+from kvmesh.services.store.client import StoreClient
+from kvmesh.services.store.segment import SegmentHost
+from kvmesh.services.common.channels import make_channel
 
 log = logging.getLogger(__name__)
 

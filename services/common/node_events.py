@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2 as pb
 
 MAX_PENDING = 4096
 

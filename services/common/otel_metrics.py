@@ -1,6 +1,6 @@
 """OpenTelemetry export of kvmesh's metrics: the Prometheus registry, bridged.
 
-Every kvmesh metric lives in one place, the Prometheus :data:`services.common.metrics.REGISTRY`
+Every kvmesh metric lives in one place, the Prometheus :data:`kvmesh.services.common.metrics.REGISTRY`
 (served on ``/metrics``). This module exports *the same* ``kvmesh_*`` series through
 OpenTelemetry too, without a second set of instruments on the hot paths:
 :class:`PrometheusBridge` registers one OTel *observable* instrument per Prometheus sample
@@ -100,7 +100,7 @@ class PrometheusBridge:
     def __init__(self, meter: Meter, registry: Any = None, prefix: str = "kvmesh_",
                  max_age_s: float = 1.0) -> None:
         if registry is None:
-            from services.common.metrics import REGISTRY
+            from kvmesh.services.common.metrics import REGISTRY
 
             registry = REGISTRY
         self.meter = meter
@@ -244,7 +244,7 @@ class JsonLinesMetricExporter(MetricExporter):
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """Every export written by :class:`JsonLinesMetricExporter` under ``path`` (a file or a
     directory of ``*.jsonl``), oldest first within each file."""
-    from services.common.telemetry import read_jsonl  # telemetry imports this module
+    from kvmesh.services.common.telemetry import read_jsonl  # telemetry imports this module
 
     return read_jsonl(path)
 
@@ -252,7 +252,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ setup
 
 def _otlp_metric_exporter():
-    from services.common.telemetry import otlp_exporter
+    from kvmesh.services.common.telemetry import otlp_exporter
 
     return otlp_exporter("metrics")
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import Callable
 
-from services.common.etcd import EtcdClient, EtcdClosed, EtcdError, WatchEvent
+from kvmesh.services.common.etcd import EtcdClient, EtcdClosed, EtcdError, WatchEvent
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ Every service also gets (here, so the four roles share them):
   * the standard gRPC health service (``grpc.health.v1.Health``; SERVING only once the
     node is registered in etcd and its model is loaded) and server reflection;
   * a Prometheus ``/metrics`` HTTP endpoint on ``--metrics-port`` (0 = any free port;
-    advertised in etcd as ``"metrics"``; -1 = off), see ``services.common.metrics``;
+    advertised in etcd as ``"metrics"``; -1 = off), see ``kvmesh.services.common.metrics``;
   * OpenTelemetry tracing with W3C context over gRPC metadata, on only when an exporter
-    is configured (see ``services.common.telemetry``)."""
+    is configured (see ``kvmesh.services.common.telemetry``)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from typing import Any, Callable
 
 import grpc
 
-from services.common import channels, metrics, telemetry
-from services.common.etcd import EtcdClient, etcd_credentials
-from services.common.health import Health
-from services.common.registry import Registration, node_key
-from services.common.settings import ServiceConfig
+from kvmesh.services.common import channels, metrics, telemetry
+from kvmesh.services.common.etcd import EtcdClient, etcd_credentials
+from kvmesh.services.common.health import Health
+from kvmesh.services.common.registry import Registration, node_key
+from kvmesh.services.common.settings import ServiceConfig
 
 log = logging.getLogger(__name__)
 

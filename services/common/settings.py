@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from services.common.config import ConfigError, option, parse_memory, parse_size
+from kvmesh.services.common.config import ConfigError, option, parse_memory, parse_size
 
 DEV_SECRET = "kvmesh-dev-secret"
 
@@ -57,7 +57,7 @@ class ServiceConfig:
             raise ConfigError("grace_s: must be >= 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level: {self.log_level!r} is not DEBUG, INFO, WARNING or ERROR")
-        from services.common.channels import TlsFiles
+        from kvmesh.services.common.channels import TlsFiles
 
         TlsFiles.from_config(self).validate("tls")
         if self.tls_ca and not self.tls_cert:
@@ -102,7 +102,7 @@ class NodeConfig(ServiceConfig):
 
     def validate(self) -> None:
         super().validate()
-        from services.engine.config import PRESETS, resolve_dtype
+        from kvmesh.services.engine.config import PRESETS, resolve_dtype
 
         if self.model not in PRESETS and not os.path.isdir(self.model):
             raise ConfigError(f"model: {self.model!r} is neither a preset ({', '.join(PRESETS)}) "

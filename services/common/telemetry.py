@@ -12,7 +12,7 @@ OpenTelemetry tracer provider only when one of these is set:
       a directory (or ends with "/"), each process writes ``<role>-<pid>.jsonl`` in it.
 
 Otherwise the OpenTelemetry API stays a no-op and no interceptor is installed.
-The same call starts the OpenTelemetry *metrics* export (``services.common.otel_metrics``:
+The same call starts the OpenTelemetry *metrics* export (``kvmesh.services.common.otel_metrics``:
 the Prometheus registry bridged to OTel instruments) under the same OTLP variables, or
 KVMESH_METRICS_FILE; ``shutdown_tracing`` flushes both.
 
@@ -154,9 +154,9 @@ def _otlp_exporter():
 
 
 def _setup_metrics(role: str, node_id: str) -> None:
-    """OpenTelemetry export of the kvmesh_* metrics (``services.common.otel_metrics``)."""
+    """OpenTelemetry export of the kvmesh_* metrics (``kvmesh.services.common.otel_metrics``)."""
     try:
-        from services.common import otel_metrics
+        from kvmesh.services.common import otel_metrics
 
         otel_metrics.setup_metrics(role, node_id)
     except Exception as e:  # metrics export is optional; never block a service
@@ -197,7 +197,7 @@ def setup_tracing(role: str, node_id: str) -> bool:
 
 
 def shutdown_tracing() -> None:
-    from services.common import otel_metrics
+    from kvmesh.services.common import otel_metrics
 
     otel_metrics.shutdown_metrics()
     if _provider is not None:

@@ -10,9 +10,9 @@ from typing import Any
 
 import grpc
 
-from protos import kvmesh_pb2_grpc as pbg
-from services.common.registry import Membership
-from services.common.channels import make_channel
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common.registry import Membership
+from kvmesh.services.common.channels import make_channel
 
 log = logging.getLogger(__name__)
 

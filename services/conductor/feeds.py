@@ -10,10 +10,10 @@ import statistics
 
 import grpc
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from services.conductor.cluster import ClusterView, NodeInfo
-from services.conductor.policy import DecodeNodeState, PrefillNodeState, Scheduler
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.conductor.cluster import ClusterView, NodeInfo
+from kvmesh.services.conductor.policy import DecodeNodeState, PrefillNodeState, Scheduler
 
 log = logging.getLogger(__name__)
 

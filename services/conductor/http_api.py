@@ -24,7 +24,7 @@ room) -> 429 with ``Retry-After`` (whole seconds, rounded up) and ``retry-after-
 no node for the model -> 503; a failure after streaming began ends the SSE stream with
 an ``error`` event. With conductor ``--api-keys`` every /v1 endpoint wants
 ``Authorization: Bearer <key>`` (missing or wrong -> 401 ``authentication_error``); the
-key's tenant salts the request's prefix hashes (see ``services.common.auth``).
+key's tenant salts the request's prefix hashes (see ``kvmesh.services.common.auth``).
 
 Chat template: the checkpoint's ``chat_template`` from ``tokenizer_config.json`` (found
 through the nodes' ``model_path``) rendered with jinja2 when both exist; otherwise the
@@ -49,9 +49,9 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from protos import kvmesh_pb2 as pb
-from services.common import telemetry
-from services.conductor.observe import observed
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.services.common import telemetry
+from kvmesh.services.conductor.observe import observed
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class HttpApi:
     def _authenticate(self, request: web.Request) -> None:
         """Checks the bearer API key (conductor ``--api-keys``) and sets the request's
         tenant; raises ApiError 401. Open when no key is configured."""
-        from services.common.auth import Unauthenticated, current_principal
+        from kvmesh.services.common.auth import Unauthenticated, current_principal
 
         keys = getattr(self.c, "api_keys", None)
         if keys is None or not keys.enabled:
@@ -367,8 +367,8 @@ class HttpApi:
 
     async def _run(self, request: web.Request, req: pb.GenerateRequest, opts: dict,
                    chat: bool) -> web.StreamResponse:
-        from services.common.auth import current_principal
-        from services.conductor.server import Rejected, client_id
+        from kvmesh.services.common.auth import current_principal
+        from kvmesh.services.conductor.server import Rejected, client_id
 
         client_id.set(current_principal.get().tenant if self.c.api_keys.enabled
                       else (request.remote or ""))
@@ -404,7 +404,7 @@ class HttpApi:
                 "prompt_tokens_details": {"cached_tokens": u.cached_tokens if u is not None else 0}}
 
     async def _collect(self, agen, first, cutter, rid, created, model, chat) -> web.Response:
-        from services.conductor.server import Rejected
+        from kvmesh.services.conductor.server import Rejected
 
         text, ids, reason, usage = "", [], "", None
         resp = first
@@ -440,7 +440,7 @@ class HttpApi:
 
     async def _stream(self, request, agen, first, cutter, rid, created, model, chat,
                       include_usage) -> web.StreamResponse:
-        from services.conductor.server import Rejected
+        from kvmesh.services.conductor.server import Rejected
 
         out = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",

@@ -8,7 +8,7 @@ import math
 
 from prometheus_client.core import GaugeMetricFamily
 
-from services.conductor.policy import Scheduler
+from kvmesh.services.conductor.policy import Scheduler
 
 
 class ModelErrorCollector:

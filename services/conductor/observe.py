@@ -10,8 +10,8 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from services.common import metrics as m
-from services.common import telemetry
+from kvmesh.services.common import metrics as m
+from kvmesh.services.common import telemetry
 
 
 def rejection_reason(code: grpc.StatusCode, metadata) -> str:
@@ -52,7 +52,7 @@ def admission_attributes(r: Any, d: Any) -> dict[str, Any]:
 
 async def observed(conductor: Any, req) -> AsyncIterator:
     """``conductor.generate(req)`` with its metrics recorded on the way through."""
-    from services.conductor.server import Rejected
+    from kvmesh.services.conductor.server import Rejected
 
     stats: m.RequestStats = conductor.request_stats
     cfg = conductor.cfg
@@ -129,7 +129,7 @@ async def observed(conductor: Any, req) -> AsyncIterator:
 def fill_status(conductor: Any, out) -> None:
     """Adds the request summary and the nodes' metrics/HTTP addresses to a
     ``ClusterStatusResponse``."""
-    from protos import kvmesh_pb2 as pb
+    from kvmesh.protos import kvmesh_pb2 as pb
 
     s = conductor.request_stats.summary()
     out.requests_accepted = s["requests_accepted"]

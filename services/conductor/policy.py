@@ -38,8 +38,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from services.conductor.estimator import DecodeModel, ErrorTracker, PrefillModel
-from services.conductor.index import CacheIndex
+from kvmesh.services.conductor.estimator import DecodeModel, ErrorTracker, PrefillModel
+from kvmesh.services.conductor.index import CacheIndex
 
 POLICIES = ("random", "load", "cache", "cache-load", "kvmesh")
 DISAGG, COLOCATED, DIRECT = "disaggregated", "colocated", "decode-direct"

@@ -31,28 +31,28 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from services.common.auth import (ApiKeyInterceptor, ApiKeys, StrictDecoding,
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common.auth import (ApiKeyInterceptor, ApiKeys, StrictDecoding,
                                   current_principal, tenant_seed)
-from services.common.config import ConfigError, load, option
-from services.common.hashing import prefix_hashes
-from services.common.registry import Membership, nodes_prefix
-from services.common.service import Service, run, setup_logging
-from services.common.settings import ServiceConfig
-from services.common.metrics import RequestStats
-from services.common.telemetry import record_span
-from services.conductor.cluster import ClusterView, NodeInfo
-from services.conductor.http_api import HttpApi
-from services.conductor.observe import admission_attributes, fill_status, observed
-from services.common.metrics import REGISTRY as METRICS_REGISTRY
-from services.conductor.feeds import NodeFeeds
-from services.conductor.model_metrics import ModelErrorCollector
-from services.conductor.policy import (DISAGG, POLICIES, Decision, PolicyConfig, Request,
+from kvmesh.services.common.config import ConfigError, load, option
+from kvmesh.services.common.hashing import prefix_hashes
+from kvmesh.services.common.registry import Membership, nodes_prefix
+from kvmesh.services.common.service import Service, run, setup_logging
+from kvmesh.services.common.settings import ServiceConfig
+from kvmesh.services.common.metrics import RequestStats
+from kvmesh.services.common.telemetry import record_span
+from kvmesh.services.conductor.cluster import ClusterView, NodeInfo
+from kvmesh.services.conductor.http_api import HttpApi
+from kvmesh.services.conductor.observe import admission_attributes, fill_status, observed
+from kvmesh.services.common.metrics import REGISTRY as METRICS_REGISTRY
+from kvmesh.services.conductor.feeds import NodeFeeds
+from kvmesh.services.conductor.model_metrics import ModelErrorCollector
+from kvmesh.services.conductor.policy import (DISAGG, POLICIES, Decision, PolicyConfig, Request,
                                        Scheduler)
-from services.engine.sampling import Sampling
-from services.conductor.text import TextStream
-from services.engine.tokenizer import load_tokenizer
+from kvmesh.services.engine.sampling import Sampling
+from kvmesh.services.conductor.text import TextStream
+from kvmesh.services.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from typing import Callable
 
 import torch
 
-from services.common.hashing import prefix_hashes
-from services.engine.kv_pool import OutOfBlocks
-from services.engine.sampling import Sampling, sample_with_logprob
+from kvmesh.services.common.hashing import prefix_hashes
+from kvmesh.services.engine.kv_pool import OutOfBlocks
+from kvmesh.services.engine.sampling import Sampling, sample_with_logprob
 
 log = logging.getLogger(__name__)
 _seq = itertools.count()

@@ -28,16 +28,16 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from services.common.config import ConfigError, load, option
-from services.common.model_node import ModelNode
-from services.common.telemetry import record_span
-from services.common.service import run, setup_logging
-from services.common.settings import NodeConfig
-from services.decode.batch import BatchScheduler, Reservation, Running
-from services.engine.kv_pool import OutOfBlocks
-from services.engine.sampling import Sampling, sample_with_logprob
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common.config import ConfigError, load, option
+from kvmesh.services.common.model_node import ModelNode
+from kvmesh.services.common.telemetry import record_span
+from kvmesh.services.common.service import run, setup_logging
+from kvmesh.services.common.settings import NodeConfig
+from kvmesh.services.decode.batch import BatchScheduler, Reservation, Running
+from kvmesh.services.engine.kv_pool import OutOfBlocks
+from kvmesh.services.engine.sampling import Sampling, sample_with_logprob
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from services.common.hashing import model_fingerprint, preset_weights_digest
+from kvmesh.services.common.hashing import model_fingerprint, preset_weights_digest
 
 from .config import PRESETS, ModelConfig, RopeScaling, dtype_name, resolve_dtype
 from .model import LlamaModel

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.hashing import model_fingerprint, preset_weights_digest
+from kvmesh.services.common.hashing import model_fingerprint, preset_weights_digest
 
 from .config import PRESETS, ModelConfig, dtype_name, resolve_dtype, rope_inv_freq
 from .kv_pool import KVPool
@@ -144,7 +144,7 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def fingerprint(self, tokenizer_name: str, block_size: int, kv_layout_version: int = 1) -> str:
-        """Model fingerprint (see :func:`services.common.hashing.model_fingerprint`)."""
+        """Model fingerprint (see :func:`kvmesh.services.common.hashing.model_fingerprint`)."""
         return model_fingerprint(self.config, self.weights_digest, dtype_name(self.dtype),
                                  tokenizer_name, block_size, kv_layout_version)
 

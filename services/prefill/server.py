@@ -26,16 +26,16 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from rdma import Slice, TransferError
-from services.common import metrics as kvm
-from services.common.config import load
-from services.common.telemetry import record_span
-from services.common.model_node import ModelNode
-from services.common.service import run, setup_logging
-from services.common.settings import NodeConfig
-from services.engine.sampling import Sampling, sample_with_logprob
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.rdma import Slice, TransferError
+from kvmesh.services.common import metrics as kvm
+from kvmesh.services.common.config import load
+from kvmesh.services.common.telemetry import record_span
+from kvmesh.services.common.model_node import ModelNode
+from kvmesh.services.common.service import run, setup_logging
+from kvmesh.services.common.settings import NodeConfig
+from kvmesh.services.engine.sampling import Sampling, sample_with_logprob
 
 log = logging.getLogger(__name__)
 

@@ -41,16 +41,16 @@ from typing import Callable, Sequence
 
 import grpc
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from rdma import Slice, TransferEngine, TransferError
-from rdma.wire import LoopTurns
-from services.common.channels import make_channel
-from services.common.registry import Membership
-from services.common.telemetry import record_span
-from services.store.copy import copy_into, copy_many, fresh_bytes_many
-from services.store.fastconn import CallError, FastConn, FastConnError
-from services.store_master import wire
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.rdma import Slice, TransferEngine, TransferError
+from kvmesh.rdma.wire import LoopTurns
+from kvmesh.services.common.channels import make_channel
+from kvmesh.services.common.registry import Membership
+from kvmesh.services.common.telemetry import record_span
+from kvmesh.services.store.copy import copy_into, copy_many, fresh_bytes_many
+from kvmesh.services.store.fastconn import CallError, FastConn, FastConnError
+from kvmesh.services.store_master import wire
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class StoreClient:
     async def lend(self, size: int, timeout: float | None = None) -> None:
         """Lends ``size`` bytes of this process's memory to the store (untracked: see
         :class:`SegmentHost`), so puts land locally and gets of them are memory copies."""
-        from services.store.segment import SegmentHost
+        from kvmesh.services.store.segment import SegmentHost
 
         if self.segment is not None:
             raise RuntimeError("this client already has a segment")

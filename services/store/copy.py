@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from rdma.wire import usable_cpus
+from kvmesh.rdma.wire import usable_cpus
 
 PARALLEL_MIN = 1 << 20
 

@@ -1,12 +1,12 @@
 """Client end of the store-master's raw-TCP control path (see
-:mod:`services.store_master.wire`): one connection, many calls in flight, matched by id.
+:mod:`kvmesh.services.store_master.wire`): one connection, many calls in flight, matched by id.
 
 The event loop drives a plain non-blocking socket (``add_reader``), so a call can also
 busy-poll for its answer: for up to ``poll_us`` after sending, the loop thread keeps
 trying a non-blocking receive instead of going back to sleep in the loop, and an
 answer that comes back inside the window costs no wake-up (tens of microseconds on a
 VM, a third of a small get). Windows that run out make later calls skip polling
-(:class:`rdma.wire.PollBackoff`), so a slow or busy master costs little spinning;
+(:class:`kvmesh.rdma.wire.PollBackoff`), so a slow or busy master costs little spinning;
 ``poll_us=0`` never spins.
 """
 
@@ -16,8 +16,8 @@ import asyncio
 import socket
 import time
 
-from rdma.wire import PollBackoff
-from services.store_master.wire import HEAD, split_frames
+from kvmesh.rdma.wire import PollBackoff
+from kvmesh.services.store_master.wire import HEAD, split_frames
 
 POLL_BACKOFF = 16
 _RECV_BYTES = 256 << 10

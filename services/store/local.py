@@ -11,9 +11,9 @@ import time
 
 import grpc
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from services.launcher import Etcd, free_port
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.launcher import Etcd, free_port
 
 
 class StoreCluster:
@@ -45,11 +45,11 @@ class StoreCluster:
         return p
 
     def start_master(self) -> None:
-        self._spawn("store-master-0", ["-m", "services.cli", "store-master", "--port",
+        self._spawn("store-master-0", ["-m", "kvmesh.services.cli", "store-master", "--port",
                                        str(self.master_port), *self.master_args])
 
     def start_node(self, i: int, extra: list[str] | None = None) -> None:
-        self._spawn(f"store-node-{i}", ["-m", "services.store.node", "--segment-memory",
+        self._spawn(f"store-node-{i}", ["-m", "kvmesh.services.store.node", "--segment-memory",
                                         self.segment, *self.node_args, *(extra or [])])
 
     def start(self, timeout: float = 30) -> "StoreCluster":

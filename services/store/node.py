@@ -2,19 +2,19 @@
 cluster KV store - no model. Used by benchmarks and tests, and by operators who want
 store capacity on machines without accelerators.
 
-    python -m services.store.node --etcd 127.0.0.1:2379 --segment-memory 2GiB
+    python -m kvmesh.services.store.node --etcd 127.0.0.1:2379 --segment-memory 2GiB
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rdma import TransferEngine
-from services.common.config import ConfigError, load, option, parse_size
-from services.common.registry import Membership, nodes_prefix
-from services.common.service import Service, run, setup_logging
-from services.common.settings import DEV_SECRET, ServiceConfig
-from services.store.segment import SegmentHost
+from kvmesh.rdma import TransferEngine
+from kvmesh.services.common.config import ConfigError, load, option, parse_size
+from kvmesh.services.common.registry import Membership, nodes_prefix
+from kvmesh.services.common.service import Service, run, setup_logging
+from kvmesh.services.common.settings import DEV_SECRET, ServiceConfig
+from kvmesh.services.store.segment import SegmentHost
 
 
 @dataclass

@@ -35,10 +35,10 @@ from collections import OrderedDict
 
 import grpc
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from services.common.channels import make_channel
-from rdma import Slice, TransferEngine
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common.channels import make_channel
+from kvmesh.rdma import Slice, TransferEngine
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The store-master's raw-TCP control path (framing in :mod:`services.store_master.wire`).
+"""The store-master's raw-TCP control path (framing in :mod:`kvmesh.services.store_master.wire`).
 
 Served alongside gRPC on the same event loop and the same :class:`StoreMetadata`, so the
 two paths see one state. A hot call whose answer needs no I/O (the usual case) is
@@ -9,7 +9,7 @@ it has no authentication of its own, like plaintext gRPC.
 
 The loop drives the connections' non-blocking sockets itself (not asyncio transports)
 so that, after answering, it can busy-poll for the next call (``fast_poll_us``; see
-:class:`FastPathServer`); the client end (:mod:`services.store.fastconn`) polls for
+:class:`FastPathServer`); the client end (:mod:`kvmesh.services.store.fastconn`) polls for
 its answer the same way.
 """
 
@@ -24,11 +24,11 @@ import time
 
 import grpc
 
-from protos import kvmesh_pb2 as pb
-from rdma.wire import PollBackoff
-from services.store_master import wire
-from services.store_master.server import MAX_HASHES, _check_hashes
-from services.store_master.wire import HEAD, split_frames
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.rdma.wire import PollBackoff
+from kvmesh.services.store_master import wire
+from kvmesh.services.store_master.server import MAX_HASHES, _check_hashes
+from kvmesh.services.store_master.wire import HEAD, split_frames
 
 log = logging.getLogger(__name__)
 _RECV_BYTES = 256 << 10

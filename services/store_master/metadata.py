@@ -10,9 +10,9 @@ spilled to the owning node's SSD tier when it has one, else dropped) -> it is go
 its last replica goes (Remove, eviction, its node's lease ends, a put that never ended is
 reclaimed after ``put_timeout_s``).
 
-The data model is in :mod:`services.store_master.model` and the replica movement
+The data model is in :mod:`kvmesh.services.store_master.model` and the replica movement
 policy (allocation, eviction and spilling, promotion, hot-block replication) in
-:mod:`services.store_master.policy`; this module re-exports the model's names.
+:mod:`kvmesh.services.store_master.policy`; this module re-exports the model's names.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import time
 from collections import OrderedDict
 from typing import Callable, Iterable
 
-from services.store_master.model import (DRAM, SSD, Block, BlockState,  # noqa: F401
+from kvmesh.services.store_master.model import (DRAM, SSD, Block, BlockState,  # noqa: F401
                                          EventSink, Plan, Replica, Segment)
-from services.store_master.policy import ReplicaPolicy
+from kvmesh.services.store_master.policy import ReplicaPolicy
 
 
 class StoreMetadata(ReplicaPolicy):

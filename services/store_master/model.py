@@ -2,7 +2,7 @@
 allocator and read load), blocks (one per key) and their replicas (segment, offset,
 tier, state), and the :class:`Plan` a data-moving step is described by. Plain objects
 with no policy: :class:`~services.store_master.metadata.StoreMetadata` owns them and
-decides (with :mod:`services.store_master.policy`) where replicas go and when they
+decides (with :mod:`kvmesh.services.store_master.policy`) where replicas go and when they
 leave.
 """
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from services.store_master.model import DRAM, SSD, Block, BlockState, Plan, Replica, Segment
+from kvmesh.services.store_master.model import DRAM, SSD, Block, BlockState, Plan, Replica, Segment
 
 
 class ReplicaPolicy:

@@ -16,7 +16,7 @@ A block's life through it:
      (the owning node reads its file, checksum verified; a bad file is a miss).
      **Lease rule** (reader-checked): the reader computes its deadline as the time it
      *sent* GetReplicas plus ``lease_ms`` and treats a read that completes after it as
-     a miss (recompute) - see :mod:`services.store.client`. Until the lease ends the
+     a miss (recompute) - see :mod:`kvmesh.services.store.client`. Until the lease ends the
      master never evicts, spills or reuses the block's space;
   5. hot blocks (decayed read count over ``hot_reads`` within ``hot_window_s``) get
      another DRAM replica on another node, up to ``max_replicas``: the master asks the
@@ -43,16 +43,16 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos import kvmesh_pb2 as pb
-from protos import kvmesh_pb2_grpc as pbg
-from services.common.config import ConfigError, load, option
-from services.common.registry import Membership, nodes_prefix
-from services.common.service import Service, run, setup_logging
-from services.common.settings import ServiceConfig
-from services.store_master.metadata import DRAM, SSD, Block, Plan, Replica, StoreMetadata
-from services.common import channels
-from services.common.channels import make_channel
-from services.store_master import wire
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common.config import ConfigError, load, option
+from kvmesh.services.common.registry import Membership, nodes_prefix
+from kvmesh.services.common.service import Service, run, setup_logging
+from kvmesh.services.common.settings import ServiceConfig
+from kvmesh.services.store_master.metadata import DRAM, SSD, Block, Plan, Replica, StoreMetadata
+from kvmesh.services.common import channels
+from kvmesh.services.common.channels import make_channel
+from kvmesh.services.store_master import wire
 
 log = logging.getLogger(__name__)
 
@@ -447,7 +447,7 @@ class StoreMaster(Service):
         pbg.add_StoreMasterServicer_to_server(self.servicer, self.server)
         # before the gRPC port opens, so every StoreHello already advertises it
         if self.cfg.fast_path and not channels.current().enabled:
-            from services.store_master.fastpath import serve_fast_path
+            from kvmesh.services.store_master.fastpath import serve_fast_path
             self._fast, self.servicer.fast_address = await serve_fast_path(
                 self.servicer, self.cfg.host, self.cfg.fast_port, self.cfg.fast_poll_us)
             log.info("raw-TCP control path on %s", self.servicer.fast_address)
