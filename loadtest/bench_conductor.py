@@ -24,8 +24,13 @@ from collections import deque
 from pathlib import Path
 
 from kvmesh.services.conductor.estimator import DecodeModel, PrefillModel
-from kvmesh.services.conductor.policy import (DecodeNodeState, PolicyConfig, PrefillNodeState,
-                                       Request, Scheduler)
+from kvmesh.services.conductor.policy import (
+    DecodeNodeState,
+    PolicyConfig,
+    PrefillNodeState,
+    Request,
+    Scheduler,
+)
 
 BS = 256
 BLOCKS_PER_REQUEST = 32
@@ -35,14 +40,23 @@ RESULTS = Path(__file__).parent / "results"
 def build(n_prefill: int, n_blocks: int, rng: random.Random) -> tuple[Scheduler, list[list[bytes]]]:
     s = Scheduler(PolicyConfig(policy="kvmesh", colocate_below_tokens=512), rng=rng)
     for i in range(n_prefill):
-        s.prefill[f"p{i}"] = PrefillNodeState(f"p{i}", BS, block_nbytes=20 << 20,
-                                              layer_nbytes=(20 << 20) // 80,
-                                              model=PrefillModel(20, 0.05, 2e-6),
-                                              bandwidth=20e6)
+        s.prefill[f"p{i}"] = PrefillNodeState(
+            f"p{i}",
+            BS,
+            block_nbytes=20 << 20,
+            layer_nbytes=(20 << 20) // 80,
+            model=PrefillModel(20, 0.05, 2e-6),
+            bandwidth=20e6,
+        )
     for i in range(max(2, n_prefill // 4)):
-        s.decode[f"d{i}"] = DecodeNodeState(f"d{i}", BS, 100_000, 100_000,
-                                            model=DecodeModel(20, 0.2, 1e-5),
-                                            prefill_model=PrefillModel(20, 0.05, 2e-6))
+        s.decode[f"d{i}"] = DecodeNodeState(
+            f"d{i}",
+            BS,
+            100_000,
+            100_000,
+            model=DecodeModel(20, 0.2, 1e-5),
+            prefill_model=PrefillModel(20, 0.05, 2e-6),
+        )
     chains = []
     names = list(s.prefill)
     for c in range(n_blocks // BLOCKS_PER_REQUEST):
@@ -64,10 +78,13 @@ def run(n_prefill: int, n_blocks: int, n_decisions: int, seed: int = 0) -> dict:
         if rng.random() < 0.7:
             chain = rng.choice(chains)
             k = rng.randint(BLOCKS_PER_REQUEST // 2, BLOCKS_PER_REQUEST)
-            hashes = chain[:k] + [rng.getrandbits(128).to_bytes(16, "little")
-                                  for _ in range(BLOCKS_PER_REQUEST - k)]
+            hashes = chain[:k] + [
+                rng.getrandbits(128).to_bytes(16, "little") for _ in range(BLOCKS_PER_REQUEST - k)
+            ]
         else:
-            hashes = [rng.getrandbits(128).to_bytes(16, "little") for _ in range(BLOCKS_PER_REQUEST)]
+            hashes = [
+                rng.getrandbits(128).to_bytes(16, "little") for _ in range(BLOCKS_PER_REQUEST)
+            ]
         reqs.append(Request(f"r{i}", BLOCKS_PER_REQUEST * BS + 17, hashes, 256, 1e9, 1e9))
     pending: deque = deque()
     lat = []
@@ -93,13 +110,19 @@ def run(n_prefill: int, n_blocks: int, n_decisions: int, seed: int = 0) -> dict:
     finally:
         gc.enable()
     lat.sort()
-    return {"prefill_nodes": n_prefill, "decode_nodes": len(s.decode), "blocks": n_blocks,
-            "decisions": n_decisions, "accepted": accepted,
-            "decisions_per_s": n_decisions / sum(lat) * 1e9,
-            "loop_decisions_per_s": n_decisions / total,
-            "p50_us": lat[len(lat) // 2] / 1000, "p99_us": lat[int(len(lat) * 0.99)] / 1000,
-            "build_s": build_s,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "prefill_nodes": n_prefill,
+        "decode_nodes": len(s.decode),
+        "blocks": n_blocks,
+        "decisions": n_decisions,
+        "accepted": accepted,
+        "decisions_per_s": n_decisions / sum(lat) * 1e9,
+        "loop_decisions_per_s": n_decisions / total,
+        "p50_us": lat[len(lat) // 2] / 1000,
+        "p99_us": lat[int(len(lat) * 0.99)] / 1000,
+        "build_s": build_s,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def main() -> None:
@@ -114,8 +137,10 @@ def main() -> None:
     sizes = [10_000] if args.quick else [10_000, 1_000_000]
     n = 2000 if args.quick else args.decisions
     rows = []
-    print(f"{'prefill':>7} {'decode':>6} {'blocks':>9} {'decisions/s':>12} {'p50 us':>8} "
-          f"{'p99 us':>8} {'goal':>6} {'rss MiB':>8}")
+    print(
+        f"{'prefill':>7} {'decode':>6} {'blocks':>9} {'decisions/s':>12} {'p50 us':>8} "
+        f"{'p99 us':>8} {'goal':>6} {'rss MiB':>8}"
+    )
     for blocks in sizes:
         for nodes in (8, 64, 256):
             reps = [run(nodes, blocks, n, seed) for seed in range(3 if not args.quick else 1)]
@@ -124,12 +149,16 @@ def main() -> None:
                 row[k] = statistics.median(r[k] for r in reps)
             goal = ""
             if nodes == 64 and blocks == 1_000_000:
-                goal = "met" if row["decisions_per_s"] >= 20000 and row["p99_us"] <= 1000 else "MISSED"
+                goal = (
+                    "met" if row["decisions_per_s"] >= 20000 and row["p99_us"] <= 1000 else "MISSED"
+                )
             row["goal"] = goal
             rows.append(row)
-            print(f"{nodes:>7} {row['decode_nodes']:>6} {blocks:>9} {row['decisions_per_s']:>12,.0f} "
-                  f"{row['p50_us']:>8.1f} {row['p99_us']:>8.1f} {goal:>6} {row['peak_rss_mib']:>8.0f}",
-                  flush=True)
+            print(
+                f"{nodes:>7} {row['decode_nodes']:>6} {blocks:>9} {row['decisions_per_s']:>12,.0f} "
+                f"{row['p50_us']:>8.1f} {row['p99_us']:>8.1f} {goal:>6} {row['peak_rss_mib']:>8.0f}",
+                flush=True,
+            )
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "conductor.json"
     out.write_text(json.dumps({"rows": rows, "note": "median of 3 runs, one core"}, indent=2))

@@ -52,19 +52,33 @@ def run_one(model_name: str, dtype: str, context: int, budget_s: float) -> dict:
     small = cfg.num_params() > 10_000_000
     steps = 8 if small else 16
     per_req = -(-(context + steps + 1) // BS)
-    pool = KVPool(cfg, num_blocks=max(-(-max(PROMPTS) // BS), max(BATCHES) * per_req),
-                  block_size=BS, dtype=m.dtype)
+    pool = KVPool(
+        cfg,
+        num_blocks=max(-(-max(PROMPTS) // BS), max(BATCHES) * per_req),
+        block_size=BS,
+        dtype=m.dtype,
+    )
     weights_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
     g = torch.Generator().manual_seed(0)
     vocab = min(cfg.vocab_size, 258)
-    out: dict = {"model": model_name, "dtype": dtype, "threads": torch.get_num_threads(),
-                 "params": cfg.num_params(), "weights_mib": weights_bytes / 2**20,
-                 "kv_pool_mib": pool.nbytes / 2**20, "load_s": load_s, "prefill": {}, "decode": {}}
+    out: dict = {
+        "model": model_name,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "params": cfg.num_params(),
+        "weights_mib": weights_bytes / 2**20,
+        "kv_pool_mib": pool.nbytes / 2**20,
+        "load_s": load_s,
+        "prefill": {},
+        "decode": {},
+    }
 
     def over() -> bool:
         return time.perf_counter() - t_start > budget_s
 
-    m.forward_prefill(torch.randint(0, vocab, (64,), generator=g), 0, pool, list(range(4)))  # warm-up
+    m.forward_prefill(
+        torch.randint(0, vocab, (64,), generator=g), 0, pool, list(range(4))
+    )  # warm-up
 
     def prefill(prompts) -> None:
         for n in prompts:
@@ -83,16 +97,22 @@ def run_one(model_name: str, dtype: str, context: int, budget_s: float) -> dict:
                 m.forward_prefill(toks, 0, pool, table)
                 times.append(time.perf_counter() - t0)
             s = min(times)  # best of reps: the box may be shared, min is the least disturbed
-            out["prefill"][str(n)] = {"tokens_per_s": n / s, "seconds": s, "reps": reps,
-                                      "median_s": statistics.median(times)}
+            out["prefill"][str(n)] = {
+                "tokens_per_s": n / s,
+                "seconds": s,
+                "reps": reps,
+                "median_s": statistics.median(times),
+            }
 
     prefill(PROMPTS[:1])  # 512 first, the costly 4096 last so the time budget cuts it first
     # Realistic KV for every request: prefill one context once, copy its blocks to all
     # tables (N(0,1) random KV makes batch-1 attention ~15x slower on this CPU).
-    m.forward_prefill(torch.randint(0, vocab, (context,), generator=g), 0, pool, list(range(per_req)))
+    m.forward_prefill(
+        torch.randint(0, vocab, (context,), generator=g), 0, pool, list(range(per_req))
+    )
     with torch.no_grad():
         for i in range(1, max(BATCHES)):
-            pool.kv[i * per_req:(i + 1) * per_req] = pool.kv[:per_req]
+            pool.kv[i * per_req : (i + 1) * per_req] = pool.kv[:per_req]
     for b in BATCHES:
         if over():
             out["decode"][str(b)] = None
@@ -107,9 +127,13 @@ def run_one(model_name: str, dtype: str, context: int, budget_s: float) -> dict:
             times.append(time.perf_counter() - t0)
             cur = logits.argmax(-1).tolist()
         step = min(times)
-        out["decode"][str(b)] = {"tokens_per_s": b / step, "ms_per_step": step * 1e3,
-                                 "median_ms_per_step": statistics.median(times) * 1e3,
-                                 "steps": steps, "context": context}
+        out["decode"][str(b)] = {
+            "tokens_per_s": b / step,
+            "ms_per_step": step * 1e3,
+            "median_ms_per_step": statistics.median(times) * 1e3,
+            "steps": steps,
+            "context": context,
+        }
     prefill(PROMPTS[1:])
     out["loadavg_1m"] = os.getloadavg()[0]  # other processes on the box skew the figures
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -122,7 +146,9 @@ def fmt(x, key, digits=0):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--context", type=int, default=256, help="decode context length per request")
@@ -138,32 +164,58 @@ def main() -> None:
     t0 = time.perf_counter()
     for model in a.models.split(","):
         for dtype in a.dtypes.split(","):
-            cmd = [sys.executable, "-m", "kvmesh.loadtest.bench_engine", "--child", model, dtype,
-                   "--context", str(a.context), "--budget-s", str(a.budget_s)]
-            proc = subprocess.run(cmd, capture_output=True, text=True,
-                                  cwd=Path(__file__).resolve().parents[1])
+            cmd = [
+                sys.executable,
+                "-m",
+                "kvmesh.loadtest.bench_engine",
+                "--child",
+                model,
+                dtype,
+                "--context",
+                str(a.context),
+                "--budget-s",
+                str(a.budget_s),
+            ]
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]
+            )
             if proc.returncode != 0:
                 sys.stderr.write(proc.stderr)
                 raise SystemExit(f"benchmark child {model}/{dtype} failed")
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             results.append(r)
-            print(f"[{time.perf_counter() - t0:5.0f}s] {model}/{dtype} done in {r['seconds']:.1f}s", flush=True)
+            print(
+                f"[{time.perf_counter() - t0:5.0f}s] {model}/{dtype} done in {r['seconds']:.1f}s",
+                flush=True,
+            )
 
-    hdr = (f"{'model':6} {'dtype':9} {'prefill512 tok/s':>17} {'prefill4096 tok/s':>18} "
-           f"{'dec b1 tok/s':>13} {'dec b8 tok/s':>13} {'dec b32 tok/s':>14} {'peak RSS MiB':>13}")
+    hdr = (
+        f"{'model':6} {'dtype':9} {'prefill512 tok/s':>17} {'prefill4096 tok/s':>18} "
+        f"{'dec b1 tok/s':>13} {'dec b8 tok/s':>13} {'dec b32 tok/s':>14} {'peak RSS MiB':>13}"
+    )
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for r in results:
         p, d = r["prefill"], r["decode"]
-        print(f"{r['model']:6} {r['dtype']:9} {fmt(p['512'], 'tokens_per_s'):>17} "
-              f"{fmt(p['4096'], 'tokens_per_s'):>18} {fmt(d['1'], 'tokens_per_s', 1):>13} "
-              f"{fmt(d['8'], 'tokens_per_s', 1):>13} {fmt(d['32'], 'tokens_per_s', 1):>14} "
-              f"{r['peak_rss_mib']:>13,.0f}")
-    doc = {"benchmark": "engine", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                       "loadavg_at_start": load0,
-                       "python": platform.python_version()},
-           "block_size": BS, "context": a.context, "results": results,
-           "total_s": time.perf_counter() - t0}
+        print(
+            f"{r['model']:6} {r['dtype']:9} {fmt(p['512'], 'tokens_per_s'):>17} "
+            f"{fmt(p['4096'], 'tokens_per_s'):>18} {fmt(d['1'], 'tokens_per_s', 1):>13} "
+            f"{fmt(d['8'], 'tokens_per_s', 1):>13} {fmt(d['32'], 'tokens_per_s', 1):>14} "
+            f"{r['peak_rss_mib']:>13,.0f}"
+        )
+    doc = {
+        "benchmark": "engine",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_at_start": load0,
+            "python": platform.python_version(),
+        },
+        "block_size": BS,
+        "context": a.context,
+        "results": results,
+        "total_s": time.perf_counter() - t0,
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=2))
     print(f"\nwrote {a.out} ({doc['total_s']:.0f}s)")

@@ -75,17 +75,17 @@ async def kvmesh_size(cl, label: str, size: int, quick: bool) -> dict:
     bkeys = [os.urandom(16) for _ in range(ops)]
     t0 = time.perf_counter()
     for i in range(0, ops, batch):
-        ok = await cl.batch_put(bkeys[i:i + batch], [val] * len(bkeys[i:i + batch]))
+        ok = await cl.batch_put(bkeys[i : i + batch], [val] * len(bkeys[i : i + batch]))
         assert all(ok), "kvmesh batch put failed"
     record(r, "batch_put", size, ops, time.perf_counter() - t0)
     t0 = time.perf_counter()
     for i in range(0, ops, batch):
-        vs = await cl.batch_get(bkeys[i:i + batch])
+        vs = await cl.batch_get(bkeys[i : i + batch])
         assert all(v is not None for v in vs)
     record(r, "batch_get", size, ops, time.perf_counter() - t0)
     if size == SIZES[0][1]:
         el = []
-        for k in bkeys[:min(1000, ops)]:
+        for k in bkeys[: min(1000, ops)]:
             t = time.perf_counter()
             assert await cl.exists(k)
             el.append(time.perf_counter() - t)
@@ -120,15 +120,29 @@ class Mooncake:
             return "mooncake_master not on PATH"
         port = _free_port()
         log = open(os.path.join(tempfile.gettempdir(), "mooncake_master.log"), "ab")
-        self.master = subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
-                                        "--enable_http_metadata_server=false",
-                                        f"--metrics_port={_free_port()}"],
-                                       stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+        self.master = subprocess.Popen(
+            [
+                binary,
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={port}",
+                "--enable_http_metadata_server=false",
+                f"--metrics_port={_free_port()}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         time.sleep(1.0)
         self.store = MooncakeDistributedStore()
-        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", self.segment_bytes, 512 << 20,
-                              "tcp", "", f"127.0.0.1:{port}")
+        rc = self.store.setup(
+            "127.0.0.1",
+            "P2PHANDSHAKE",
+            self.segment_bytes,
+            512 << 20,
+            "tcp",
+            "",
+            f"127.0.0.1:{port}",
+        )
         if rc != 0:
             return f"mooncake setup failed: {rc}"
         return None
@@ -156,17 +170,17 @@ class Mooncake:
         bkeys = [f"b{label}-{rnd}-{i}" for i in range(ops)]
         t0 = time.perf_counter()
         for i in range(0, ops, batch):
-            ks = bkeys[i:i + batch]
+            ks = bkeys[i : i + batch]
             assert store.put_batch(ks, [val] * len(ks)) == 0, "mooncake put_batch failed"
         record(r, "batch_put", size, ops, time.perf_counter() - t0)
         t0 = time.perf_counter()
         for i in range(0, ops, batch):
-            vs = store.get_batch(bkeys[i:i + batch])
+            vs = store.get_batch(bkeys[i : i + batch])
             r["misses"] = r.get("misses", 0) + sum(1 for v in vs if len(v) != size)
         record(r, "batch_get", size, ops, time.perf_counter() - t0)
         if size == SIZES[0][1]:
             el = []
-            for k in bkeys[:min(1000, ops)]:
+            for k in bkeys[: min(1000, ops)]:
                 t = time.perf_counter()
                 assert store.is_exist(k) == 1
                 el.append(time.perf_counter() - t)
@@ -205,9 +219,9 @@ def _median(runs: list[dict]) -> dict:
     return out
 
 
-async def run_both(master: str, quick: bool, lend: int, mc: Mooncake | None, rounds: int,
-                   poll_us: int = 200
-                   ) -> tuple[dict, dict]:
+async def run_both(
+    master: str, quick: bool, lend: int, mc: Mooncake | None, rounds: int, poll_us: int = 200
+) -> tuple[dict, dict]:
     """Per size, kvmesh then Mooncake, for ``rounds`` rounds, so both see the same
     background load; each metric is the median over rounds."""
     from kvmesh.rdma import TransferEngine
@@ -254,9 +268,9 @@ def tune_malloc() -> str:
         return "malloc untuned"
 
 
-def bench(segment: str, quick: bool, topology: str, mooncake: bool, rounds: int,
-          poll_us: int = 200
-          ) -> tuple[dict, dict | str]:
+def bench(
+    segment: str, quick: bool, topology: str, mooncake: bool, rounds: int, poll_us: int = 200
+) -> tuple[dict, dict | str]:
     from kvmesh.services.common.config import parse_size
     from kvmesh.services.store.local import StoreCluster
 
@@ -270,15 +284,20 @@ def bench(segment: str, quick: bool, topology: str, mooncake: bool, rounds: int,
             mc = None
     work = tempfile.mkdtemp(prefix="kvmesh-bench-store-")
     local = topology == "local"
-    c = StoreCluster(work, nodes=0 if local else 1, segment=segment, lease_ttl=10,
-                     master_args=["--fast-poll-us", str(poll_us)],
-                     node_args=["--te-poll-us", str(poll_us)])
+    c = StoreCluster(
+        work,
+        nodes=0 if local else 1,
+        segment=segment,
+        lease_ttl=10,
+        master_args=["--fast-poll-us", str(poll_us)],
+        node_args=["--te-poll-us", str(poll_us)],
+    )
     try:
         c.start(timeout=60)
-        coro = run_both(c.master, quick, parse_size(segment) if local else 0, mc, rounds,
-                        poll_us)
+        coro = run_both(c.master, quick, parse_size(segment) if local else 0, mc, rounds, poll_us)
         try:
             import uvloop  # kvmesh's services all run on uvloop
+
             kv, mcr = uvloop.run(coro)
         except ImportError:
             kv, mcr = asyncio.run(coro)
@@ -299,17 +318,22 @@ def table(kv: dict, mc: dict | str) -> str:
             b = mc[label][m] if isinstance(mc, dict) else None
             unit = "ops_s" if label == "4KiB" else "gb_s"
             fa = f"{a[unit]:,.0f} op/s" if unit == "ops_s" else f"{a[unit]:.2f} GB/s"
-            fb = "-" if b is None else (f"{b[unit]:,.0f} op/s" if unit == "ops_s"
-                                        else f"{b[unit]:.2f} GB/s")
+            fb = (
+                "-"
+                if b is None
+                else (f"{b[unit]:,.0f} op/s" if unit == "ops_s" else f"{b[unit]:.2f} GB/s")
+            )
             ratio = "-" if b is None else f"{a[unit] / b[unit]:.2f}x"
             rows.append(f"{label:>7} {m:<10} {fa:>14} {fb:>14} {ratio:>7}")
     k4 = kv["4KiB"]
     m4 = mc["4KiB"] if isinstance(mc, dict) else {}
     for m in ("get_p50_us", "get_p99_us", "exists_p50_us", "exists_p99_us"):
         b = m4.get(m)
-        rows.append(f"{'4KiB':>7} {m:<10} {k4[m]:>11.0f} us "
-                    f"{'-' if b is None else f'{b:>11.0f} us':>14} "
-                    f"{'-' if b is None else f'{b / k4[m]:.2f}x':>7}")
+        rows.append(
+            f"{'4KiB':>7} {m:<10} {k4[m]:>11.0f} us "
+            f"{'-' if b is None else f'{b:>11.0f} us':>14} "
+            f"{'-' if b is None else f'{b / k4[m]:.2f}x':>7}"
+        )
     return "\n".join(rows)
 
 
@@ -318,40 +342,70 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--segment", default="1536MiB", help="segment each side lends (<= 2GiB)")
     ap.add_argument("--quick", action="store_true", help="fewer operations")
     ap.add_argument("--no-mooncake", action="store_true")
-    ap.add_argument("--no-tune-malloc", action="store_true",
-                    help="keep glibc's default (dynamic) mmap threshold")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="rounds per size (kvmesh and mooncake alternate); medians reported")
-    ap.add_argument("--poll-us", type=int, default=200,
-                    help="busy-poll window of kvmesh's client, master and store node (0 = off)")
-    ap.add_argument("--topology", choices=("local", "remote"), default="local",
-                    help="local: the kvmesh client lends its own segment (as Mooncake's "
-                         "does); remote: a store-node process lends it")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "store.json"))
+    ap.add_argument(
+        "--no-tune-malloc",
+        action="store_true",
+        help="keep glibc's default (dynamic) mmap threshold",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds per size (kvmesh and mooncake alternate); medians reported",
+    )
+    ap.add_argument(
+        "--poll-us",
+        type=int,
+        default=200,
+        help="busy-poll window of kvmesh's client, master and store node (0 = off)",
+    )
+    ap.add_argument(
+        "--topology",
+        choices=("local", "remote"),
+        default="local",
+        help="local: the kvmesh client lends its own segment (as Mooncake's "
+        "does); remote: a store-node process lends it",
+    )
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "store.json")
+    )
     args = ap.parse_args(argv)
-    topo = ("kvmesh client lends its own segment (local-first puts, local-copy gets), "
-            "store-master in another process" if args.topology == "local" else
-            "kvmesh client lends nothing; one store-node process lends the segment "
-            "(transfer engine over loopback TCP)")
+    topo = (
+        "kvmesh client lends its own segment (local-first puts, local-copy gets), "
+        "store-master in another process"
+        if args.topology == "local"
+        else "kvmesh client lends nothing; one store-node process lends the segment "
+        "(transfer engine over loopback TCP)"
+    )
     topo_mc = "mooncake client lends its own segment (setup), mooncake_master in another process"
     print(f"topology: kvmesh: {topo}\n          mooncake: {topo_mc}", flush=True)
     malloc = tune_malloc() if not args.no_tune_malloc else "malloc untuned"
     print(f"one client process for both stores: {malloc}", flush=True)
     print("kvmesh and mooncake stores, interleaved per size ...", flush=True)
-    kv, mc = bench(args.segment, args.quick, args.topology, not args.no_mooncake, args.rounds,
-                   args.poll_us)
+    kv, mc = bench(
+        args.segment, args.quick, args.topology, not args.no_mooncake, args.rounds, args.poll_us
+    )
     print(f"topology: kvmesh: {topo}; mooncake: {topo_mc}; {malloc}")
     print(table(kv, mc))
     if isinstance(mc, str):
         print(f"mooncake: {mc}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"kvmesh": kv, "mooncake": mc, "quick": args.quick,
-                   "segment": args.segment, "unix_time": time.time(), "rounds": args.rounds,
-                   "topology": {"kvmesh": topo, "mooncake": topo_mc}, "malloc": malloc,
-                   "note": "ratio = kvmesh / mooncake (latency rows: mooncake / kvmesh)"},
-                  f, indent=2)
+        json.dump(
+            {
+                "kvmesh": kv,
+                "mooncake": mc,
+                "quick": args.quick,
+                "segment": args.segment,
+                "unix_time": time.time(),
+                "rounds": args.rounds,
+                "topology": {"kvmesh": topo, "mooncake": topo_mc},
+                "malloc": malloc,
+                "note": "ratio = kvmesh / mooncake (latency rows: mooncake / kvmesh)",
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {args.out}")
 
 

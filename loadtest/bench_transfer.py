@@ -53,8 +53,10 @@ MODES = ("batched", "single")
 STREAM_BUF = 4 * MiB
 # Reference: Mooncake transfer engine, TCP transport, batched (GB/s), used
 # when the wheel is not installed.
-MOONCAKE = {"write": {64 * KiB: 1.1, MiB: 1.7, 16 * MiB: 1.8, 64 * MiB: 1.8},
-            "read": {64 * KiB: 1.2, MiB: 2.0, 16 * MiB: 1.8, 64 * MiB: 1.8}}
+MOONCAKE = {
+    "write": {64 * KiB: 1.1, MiB: 1.7, 16 * MiB: 1.8, 64 * MiB: 1.8},
+    "read": {64 * KiB: 1.2, MiB: 2.0, 16 * MiB: 1.8, 64 * MiB: 1.8},
+}
 MOONCAKE_MAX_BATCH = 1024  # entries per Mooncake batch call (see _mooncake_client_main)
 SECRET = b"bench-secret"
 RESULTS = Path(__file__).resolve().parent / "results" / "transfer.json"
@@ -81,7 +83,7 @@ def _stream_sink(ls: socket.socket) -> None:
                     break
                 left = struct.unpack("!Q", hdr)[0]
                 while left:
-                    n = conn.recv_into(buf[:min(left, STREAM_BUF)])
+                    n = conn.recv_into(buf[: min(left, STREAM_BUF)])
                     if not n:
                         return
                     left -= n
@@ -95,8 +97,10 @@ async def _peer_main(total: int, conns: int, chunk: int) -> None:
     rid = eng.register(region)
     ls = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_stream_sink, args=(ls,), daemon=True).start()
-    print(json.dumps({"address": eng.address, "region": rid,
-                      "stream_port": ls.getsockname()[1]}), flush=True)
+    print(
+        json.dumps({"address": eng.address, "region": rid, "stream_port": ls.getsockname()[1]}),
+        flush=True,
+    )
     await asyncio.to_thread(sys.stdin.read)  # until the parent closes stdin
     ls.close()
     await eng.close()
@@ -107,6 +111,7 @@ async def _peer_main(total: int, conns: int, chunk: int) -> None:
 def _mooncake_engine():
     os.environ.setdefault("GLOG_minloglevel", "2")
     from mooncake.engine import TransferEngine as MooncakeEngine
+
     te = MooncakeEngine()
     rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     if rc != 0:
@@ -128,9 +133,18 @@ def _mooncake_client_main(total: int, max_point_s: float) -> None:
     """Spawn a Mooncake peer, then measure one repetition per stdin command
     (``{"bs", "op", "mode"}`` -> ``{"gbps"}``); EOF ends it with RSS figures."""
     peer_proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--mooncake-peer",
-         "--total-mib", str(total // MiB)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL, text=True)
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--mooncake-peer",
+            "--total-mib",
+            str(total // MiB),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     res: dict = {}
     try:
         peer = json.loads(peer_proc.stdout.readline())
@@ -149,9 +163,16 @@ def _mooncake_client_main(total: int, max_point_s: float) -> None:
             # Mooncake's TCP lane rejects very large batches ("queue-full"),
             # so submit at most MOONCAKE_MAX_BATCH entries per call.
             for i in range(0, len(offs), MOONCAKE_MAX_BATCH):
-                part = offs[i:i + MOONCAKE_MAX_BATCH]
-                if batch(target, [base + o for o in part],
-                         [rbase + o for o in part], [bs] * len(part)) != 0:
+                part = offs[i : i + MOONCAKE_MAX_BATCH]
+                if (
+                    batch(
+                        target,
+                        [base + o for o in part],
+                        [rbase + o for o in part],
+                        [bs] * len(part),
+                    )
+                    != 0
+                ):
                     raise RuntimeError(f"mooncake batched {op} failed")
             return len(offs) * bs
 
@@ -173,8 +194,7 @@ def _mooncake_client_main(total: int, max_point_s: float) -> None:
             fn = batched if cmd["mode"] == "batched" else single
             t0 = time.perf_counter()
             nbytes = fn(cmd["op"], offs, bs)
-            print(json.dumps({"gbps": nbytes / (time.perf_counter() - t0) / 1e9}),
-                  flush=True)
+            print(json.dumps({"gbps": nbytes / (time.perf_counter() - t0) / 1e9}), flush=True)
         res["peak_rss_mib"] = _peak_rss_mib()
     finally:
         peer_proc.stdin.close()
@@ -195,10 +215,20 @@ class _Mooncake:
 
     def __init__(self, total: int, max_point_s: float) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--mooncake-client",
-             "--total-mib", str(total // MiB), "--max-point-s", str(max_point_s)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True)
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--mooncake-client",
+                "--total-mib",
+                str(total // MiB),
+                "--max-point-s",
+                str(max_point_s),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         self._reply()  # {"ready": true}
 
     def _reply(self) -> dict:
@@ -229,12 +259,16 @@ class _Mooncake:
 def _start_mooncake(total: int, max_point_s: float) -> tuple[_Mooncake | None, str]:
     """A Mooncake driver, or (None, reason) when the wheel is missing/broken."""
     if importlib.util.find_spec("mooncake") is None:
-        return None, ("mooncake-transfer-engine-non-cuda is not installed; using the "
-                      "hard-coded reference figures (batched only)")
+        return None, (
+            "mooncake-transfer-engine-non-cuda is not installed; using the "
+            "hard-coded reference figures (batched only)"
+        )
     try:
-        return _Mooncake(total, max_point_s), ("Mooncake TransferEngine (tcp, "
-                                               "P2PHANDSHAKE) measured in this run, "
-                                               "interleaved with kvmesh")
+        return _Mooncake(total, max_point_s), (
+            "Mooncake TransferEngine (tcp, "
+            "P2PHANDSHAKE) measured in this run, "
+            "interleaved with kvmesh"
+        )
     except (RuntimeError, ValueError, OSError) as e:
         return None, f"Mooncake start failed ({e!r}); using the reference figures"
 
@@ -253,8 +287,15 @@ def _stream_once(s: socket.socket, src: memoryview, total: int) -> float:
     return total / (time.perf_counter() - t0) / 1e9
 
 
-async def _engine_rates(peer: dict, total: int, reps: int, conns: int,
-                        chunk: int, max_point_s: float, mc: _Mooncake | None) -> dict:
+async def _engine_rates(
+    peer: dict,
+    total: int,
+    reps: int,
+    conns: int,
+    chunk: int,
+    max_point_s: float,
+    mc: _Mooncake | None,
+) -> dict:
     eng = TransferEngine(SECRET, conns_per_peer=conns, chunk_bytes=chunk)
     await eng.start()
     local = np.random.default_rng(0).integers(0, 256, size=total, dtype=np.uint8)
@@ -319,13 +360,19 @@ async def _engine_rates(peer: dict, total: int, reps: int, conns: int,
         # sanity: what we read back is what we wrote
         check = np.zeros(MiB, dtype=np.uint8)
         await eng.read(addr, [Slice(eng.register(check), 0, rrid, 5 * MiB, MiB)])
-        assert np.array_equal(check, local[5 * MiB:6 * MiB]), "data mismatch"
+        assert np.array_equal(check, local[5 * MiB : 6 * MiB]), "data mismatch"
         bw = eng.bandwidth(addr)
     finally:
         stream.close()
         await eng.close()
-    return {"rates": out, "mooncake": mc_out, "mooncake_error": mc_error, "rss": rss,
-            "bandwidth": bw, "stream_runs": stream_runs}
+    return {
+        "rates": out,
+        "mooncake": mc_out,
+        "mooncake_error": mc_error,
+        "rss": rss,
+        "bandwidth": bw,
+        "stream_runs": stream_runs,
+    }
 
 
 def _label(bs: int) -> str:
@@ -337,10 +384,18 @@ def main() -> None:
     ap.add_argument("--total-mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--conns", type=int, default=4)
-    ap.add_argument("--chunk-mib", type=int, default=2,
-                    help="slices larger than this are cut into pieces (the engine default)")
-    ap.add_argument("--max-point-s", type=float, default=3.0,
-                    help="cap on one single-mode repetition (bounds slow points)")
+    ap.add_argument(
+        "--chunk-mib",
+        type=int,
+        default=2,
+        help="slices larger than this are cut into pieces (the engine default)",
+    )
+    ap.add_argument(
+        "--max-point-s",
+        type=float,
+        default=3.0,
+        help="cap on one single-mode repetition (bounds slow points)",
+    )
     ap.add_argument("--no-mooncake", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
@@ -364,14 +419,26 @@ def main() -> None:
     else:
         mc, mc_note = _start_mooncake(total, args.max_point_s)
     proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--peer", "--total-mib",
-         str(args.total_mib), "--conns", str(args.conns), "--chunk-mib", str(args.chunk_mib)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--peer",
+            "--total-mib",
+            str(args.total_mib),
+            "--conns",
+            str(args.conns),
+            "--chunk-mib",
+            str(args.chunk_mib),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     peer_rss = None
     try:
         peer = json.loads(proc.stdout.readline())
-        kv = asyncio.run(_engine_rates(peer, total, args.reps, args.conns, chunk,
-                                       args.max_point_s, mc))
+        kv = asyncio.run(
+            _engine_rates(peer, total, args.reps, args.conns, chunk, args.max_point_s, mc)
+        )
     finally:
         mc_rss = mc.close() if mc is not None else {}
         proc.stdin.close()
@@ -385,8 +452,10 @@ def main() -> None:
     stream_runs = kv["stream_runs"]
     stream = statistics.median(stream_runs)
     if kv["mooncake_error"] is not None:
-        mc_note = (f"Mooncake failed mid-run ({kv['mooncake_error']}); points without "
-                   "a Mooncake figure use the reference figures")
+        mc_note = (
+            f"Mooncake failed mid-run ({kv['mooncake_error']}); points without "
+            "a Mooncake figure use the reference figures"
+        )
     mc_rates = {op: {m: dict(kv["mooncake"][op][m]) for m in MODES} for op in OPS}
     measured = mc is not None and kv["mooncake_error"] is None
     if not measured:
@@ -395,12 +464,16 @@ def main() -> None:
                 mc_rates[op]["batched"].setdefault(bs, ref)
 
     rows = []
-    print(f"plain python socket stream (1 conn, {STREAM_BUF // MiB} MiB buffers): "
-          f"{stream:.2f} GB/s (median of {len(stream_runs)} runs interleaved with the "
-          f"points; min {min(stream_runs):.2f}, max {max(stream_runs):.2f})")
+    print(
+        f"plain python socket stream (1 conn, {STREAM_BUF // MiB} MiB buffers): "
+        f"{stream:.2f} GB/s (median of {len(stream_runs)} runs interleaved with the "
+        f"points; min {min(stream_runs):.2f}, max {max(stream_runs):.2f})"
+    )
     print(f"mooncake: {mc_note}")
-    hdr = (f"{'block':>8} | {'op':5} | {'mode':7} | {'kvmesh':>6} | {'mooncake':>8} | "
-           f"{'/mooncake':>9} | {'/stream':>7} | {'RSS MiB':>7}")
+    hdr = (
+        f"{'block':>8} | {'op':5} | {'mode':7} | {'kvmesh':>6} | {'mooncake':>8} | "
+        f"{'/mooncake':>9} | {'/stream':>7} | {'RSS MiB':>7}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for kind in OPS:
@@ -409,35 +482,60 @@ def main() -> None:
                 r = kv["rates"][kind][mode][bs]
                 ref = mc_rates[kind][mode].get(bs)
                 rss = kv["rss"][(kind, mode, bs)]
-                rows.append({"op": kind, "mode": mode, "block_bytes": bs,
-                             "gbps": round(r, 3), "ratio_stream": round(r / stream, 3),
-                             "mooncake_gbps": None if ref is None else round(ref, 3),
-                             "mooncake_measured": bs in kv["mooncake"][kind][mode],
-                             "ratio_mooncake": None if not ref else round(r / ref, 3),
-                             "peak_rss_mib": round(rss, 1)})
-                print(f"{_label(bs):>8} | {kind:5} | {mode:7} | {r:6.2f} | "
-                      + (f"{ref:8.2f} | {r / ref:8.2f}x" if ref else f"{'-':>8} | {'-':>9}")
-                      + f" | {r / stream:6.2f}x | {rss:7.0f}")
-    rss_line = {"kvmesh_client": round(kv_rss, 1),
-                "kvmesh_peer": None if peer_rss is None else round(peer_rss, 1)}
+                rows.append(
+                    {
+                        "op": kind,
+                        "mode": mode,
+                        "block_bytes": bs,
+                        "gbps": round(r, 3),
+                        "ratio_stream": round(r / stream, 3),
+                        "mooncake_gbps": None if ref is None else round(ref, 3),
+                        "mooncake_measured": bs in kv["mooncake"][kind][mode],
+                        "ratio_mooncake": None if not ref else round(r / ref, 3),
+                        "peak_rss_mib": round(rss, 1),
+                    }
+                )
+                print(
+                    f"{_label(bs):>8} | {kind:5} | {mode:7} | {r:6.2f} | "
+                    + (f"{ref:8.2f} | {r / ref:8.2f}x" if ref else f"{'-':>8} | {'-':>9}")
+                    + f" | {r / stream:6.2f}x | {rss:7.0f}"
+                )
+    rss_line = {
+        "kvmesh_client": round(kv_rss, 1),
+        "kvmesh_peer": None if peer_rss is None else round(peer_rss, 1),
+    }
     if mc_rss.get("peak_rss_mib") is not None:
         rss_line["mooncake_client"] = round(mc_rss["peak_rss_mib"], 1)
-        rss_line["mooncake_peer"] = (None if mc_rss.get("peer_peak_rss_mib") is None
-                                     else round(mc_rss["peer_peak_rss_mib"], 1))
+        rss_line["mooncake_peer"] = (
+            None
+            if mc_rss.get("peer_peak_rss_mib") is None
+            else round(mc_rss["peer_peak_rss_mib"], 1)
+        )
     print("peak RSS MiB: " + ", ".join(f"{k} {v}" for k, v in rss_line.items()))
     elapsed = time.perf_counter() - t_start
     print(f"total benchmark time {elapsed:.1f} s")
-    result = {"bench": "transfer", "transport": "tcp-loopback",
-              "total_bytes_per_point": total, "reps": args.reps,
-              "max_point_s": args.max_point_s,
-              "conns_per_peer": args.conns, "chunk_bytes": chunk,
-              "stream_gbps": round(stream, 3),
-              "stream_runs_gbps": [round(x, 3) for x in stream_runs],
-              "mooncake": mc_note, "peak_rss_mib": rss_line,
-              "measured_bandwidth_bps": kv["bandwidth"], "points": rows,
-              "host": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                       "machine": platform.machine()},
-              "elapsed_s": round(elapsed, 1), "timestamp": time.time()}
+    result = {
+        "bench": "transfer",
+        "transport": "tcp-loopback",
+        "total_bytes_per_point": total,
+        "reps": args.reps,
+        "max_point_s": args.max_point_s,
+        "conns_per_peer": args.conns,
+        "chunk_bytes": chunk,
+        "stream_gbps": round(stream, 3),
+        "stream_runs_gbps": [round(x, 3) for x in stream_runs],
+        "mooncake": mc_note,
+        "peak_rss_mib": rss_line,
+        "measured_bandwidth_bps": kv["bandwidth"],
+        "points": rows,
+        "host": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+        },
+        "elapsed_s": round(elapsed, 1),
+        "timestamp": time.time(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -26,10 +26,10 @@ from kvmesh.protos import kvmesh_pb2_grpc as pbg
 class Record:
     rid: str
     scheduled_ms: float
-    sent_ms: float = 0.0              # relative to the run's start
+    sent_ms: float = 0.0  # relative to the run's start
     prompt_tokens: int = 0
     max_tokens: int = 0
-    status: str = "OK"                # gRPC status code name
+    status: str = "OK"  # gRPC status code name
     reject_reason: str = ""
     retry_after_ms: float = 0.0
     ttft_ms: float | None = None
@@ -37,7 +37,7 @@ class Record:
     token_times_ms: list[float] = field(default_factory=list)  # per token, from sent
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = ""
-    route: str = ""                   # disaggregated | colocated (no prefill node)
+    route: str = ""  # disaggregated | colocated (no prefill node)
     prefill_node: str = ""
     decode_node: str = ""
     estimated_ttft_ms: float = 0.0
@@ -56,12 +56,28 @@ class Record:
         return d
 
 
-async def _one(stub: pbg.ConductorStub, it: Item, prompt: list[int], t0: float,
-               timeout: float, slo: tuple[float, float] | None) -> Record:
-    rec = Record(it.rid, it.t_ms, prompt_tokens=len(prompt), max_tokens=it.max_tokens,
-                 session=it.session, turn=it.turn)
-    req = pb.GenerateRequest(token_ids=prompt, max_tokens=it.max_tokens, request_id=it.rid,
-                             sampling=pb.SamplingParams(temperature=0.0))
+async def _one(
+    stub: pbg.ConductorStub,
+    it: Item,
+    prompt: list[int],
+    t0: float,
+    timeout: float,
+    slo: tuple[float, float] | None,
+) -> Record:
+    rec = Record(
+        it.rid,
+        it.t_ms,
+        prompt_tokens=len(prompt),
+        max_tokens=it.max_tokens,
+        session=it.session,
+        turn=it.turn,
+    )
+    req = pb.GenerateRequest(
+        token_ids=prompt,
+        max_tokens=it.max_tokens,
+        request_id=it.rid,
+        sampling=pb.SamplingParams(temperature=0.0),
+    )
     if slo:
         req.slo.ttft_ms, req.slo.tbt_ms = slo
     start = time.perf_counter()
@@ -89,7 +105,7 @@ async def _one(stub: pbg.ConductorStub, it: Item, prompt: list[int], t0: float,
     except grpc.aio.AioRpcError as e:
         rec.status = e.code().name
         rec.error = (e.details() or "")[:300]
-        for k, v in (e.trailing_metadata() or ()):
+        for k, v in e.trailing_metadata() or ():
             if k == "kvmesh-reject-reason":
                 rec.reject_reason = v
             elif k == "retry-after-ms":
@@ -97,14 +113,21 @@ async def _one(stub: pbg.ConductorStub, it: Item, prompt: list[int], t0: float,
     return rec
 
 
-async def drive(target: str, items: list[Item], *, timeout: float = 120.0,
-                slo: tuple[float, float] | None = None, progress=None,
-                use_real_outputs: bool = True) -> list[Record]:
+async def drive(
+    target: str,
+    items: list[Item],
+    *,
+    timeout: float = 120.0,
+    slo: tuple[float, float] | None = None,
+    progress=None,
+    use_real_outputs: bool = True,
+) -> list[Record]:
     """Runs ``items`` against the conductor at ``target``; one record per item, in item
     order. ``progress`` (e.g. a tqdm bar) gets ``update(1)`` per finished request."""
     records: dict[str, Record] = {}
-    async with grpc.aio.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", 64 << 20)]) as ch:
+    async with grpc.aio.insecure_channel(
+        target, options=[("grpc.max_receive_message_length", 64 << 20)]
+    ) as ch:
         stub = pbg.ConductorStub(ch)
         t0 = time.perf_counter()
 
@@ -126,8 +149,11 @@ async def drive(target: str, items: list[Item], *, timeout: float = 120.0,
                 await at(it.t_ms)
                 if k:
                     await asyncio.sleep(it.think_ms / 1000.0)
-                p = turn_prompt(prompt, out, it.new_ids) if (k and use_real_outputs) \
+                p = (
+                    turn_prompt(prompt, out, it.new_ids)
+                    if (k and use_real_outputs)
                     else it.token_ids
+                )
                 rec = await _one(stub, it, p, t0, timeout, slo)
                 records[it.rid] = rec
                 if progress is not None:
@@ -156,10 +182,16 @@ def scrape(addresses: list[str], timeout: float = 3.0) -> dict[str, float]:
     transfer bytes and seconds by path, late hits by reason, prefill tokens by kind."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    want = ("kvmesh_transfer_bytes_total", "kvmesh_transfer_seconds_sum",
-            "kvmesh_transfer_seconds_count", "kvmesh_late_hits_total", "kvmesh_prefill_tokens",
-            "kvmesh_prefill_tokens_total", "kvmesh_prefill_tokens_avoided",
-            "kvmesh_prefill_tokens_avoided_total")
+    want = (
+        "kvmesh_transfer_bytes_total",
+        "kvmesh_transfer_seconds_sum",
+        "kvmesh_transfer_seconds_count",
+        "kvmesh_late_hits_total",
+        "kvmesh_prefill_tokens",
+        "kvmesh_prefill_tokens_total",
+        "kvmesh_prefill_tokens_avoided",
+        "kvmesh_prefill_tokens_avoided_total",
+    )
     out: dict[str, float] = {}
     for addr in addresses:
         try:

@@ -38,11 +38,10 @@ import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -57,8 +56,18 @@ RETRIABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
 EOS = 257
 TTL = 3
 HANG_SLACK_S = 5.0
-NODE_ARGS = ["--model", "tiny", "--block-size", "16", "--kv-memory", "16MiB",
-             "--segment-memory", "16MiB", "--threads", "1"]
+NODE_ARGS = [
+    "--model",
+    "tiny",
+    "--block-size",
+    "16",
+    "--kv-memory",
+    "16MiB",
+    "--segment-memory",
+    "16MiB",
+    "--threads",
+    "1",
+]
 DISAGG_ONLY = ["--colocate-below-tokens", "0", "--direct-share", "1.0"]
 
 
@@ -68,8 +77,10 @@ def make_prompts(n: int = 24, seed: int = 7) -> list[list[int]]:
     16, so the prefix cache and the store are used) + a distinct 12..44-token suffix."""
     rng = random.Random(seed)
     systems = [[rng.randrange(32, 127) for _ in range(32)] for _ in range(3)]
-    return [systems[i % 3] + [rng.randrange(32, 127) for _ in range(rng.randrange(12, 45))]
-            for i in range(n)]
+    return [
+        systems[i % 3] + [rng.randrange(32, 127) for _ in range(rng.randrange(12, 45))]
+        for i in range(n)
+    ]
 
 
 def expected_outputs(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -99,7 +110,7 @@ class Req:
     t_start: float
     deadline_s: float
     t_end: float = 0.0
-    outcome: str = ""          # ok | wrong | failed (retriable, deadline) | error | hung
+    outcome: str = ""  # ok | wrong | failed (retriable, deadline) | error | hung
     attempts: list[Attempt] = field(default_factory=list)
     wrong_partial: bool = False
     last_code: str = ""
@@ -107,10 +118,20 @@ class Req:
     tbt_s: list[float] = field(default_factory=list)
 
 
-async def run_request(stub, idx: int, prompt: list[int], expect: list[int], max_tokens: int,
-                      t0: float, deadline_s: float, *, slo: tuple[float, float] | None = None,
-                      retry: bool = True, attempt_timeout_s: float | None = None,
-                      salt: str = "") -> Req:
+async def run_request(
+    stub,
+    idx: int,
+    prompt: list[int],
+    expect: list[int],
+    max_tokens: int,
+    t0: float,
+    deadline_s: float,
+    *,
+    slo: tuple[float, float] | None = None,
+    retry: bool = True,
+    attempt_timeout_s: float | None = None,
+    salt: str = "",
+) -> Req:
     """One request to its end: retries retriable statuses until ``deadline_s``."""
     start = time.perf_counter()
     req = Req(idx, start - t0, deadline_s)
@@ -122,13 +143,17 @@ async def run_request(stub, idx: int, prompt: list[int], expect: list[int], max_
             break
         att = Attempt(time.perf_counter() - t0)
         req.attempts.append(att)
-        g = pb.GenerateRequest(token_ids=prompt, max_tokens=max_tokens,
-                               sampling=pb.SamplingParams(temperature=0.0), cache_salt=salt)
+        g = pb.GenerateRequest(
+            token_ids=prompt,
+            max_tokens=max_tokens,
+            sampling=pb.SamplingParams(temperature=0.0),
+            cache_salt=salt,
+        )
         if slo:
             g.slo.ttft_ms, g.slo.tbt_ms = slo
         got: list[int] = []
         retry_after = 0.0
-        a0, last_t = time.perf_counter(), None
+        a0, _last_t = time.perf_counter(), None
         times: list[float] = []
         try:
             call = stub.Generate(g, timeout=min(left, attempt_timeout_s or left))
@@ -145,7 +170,7 @@ async def run_request(stub, idx: int, prompt: list[int], expect: list[int], max_
         except grpc.aio.AioRpcError as e:
             att.code = e.code().name
             att.detail = (e.details() or "")[:200]
-            for k, v in (e.trailing_metadata() or ()):
+            for k, v in e.trailing_metadata() or ():
                 if k == "retry-after-ms":
                     try:
                         retry_after = float(v) / 1000
@@ -154,7 +179,7 @@ async def run_request(stub, idx: int, prompt: list[int], expect: list[int], max_
         att.t_end = time.perf_counter() - t0
         att.tokens = len(got)
         req.last_code = att.code
-        if got != expect[:len(got)]:
+        if got != expect[: len(got)]:
             req.wrong_partial = True
         if att.code == "OK":
             req.outcome = "ok" if got == expect else "wrong"
@@ -182,8 +207,16 @@ async def run_request(stub, idx: int, prompt: list[int], expect: list[int], max_
 class Load:
     """``concurrency`` closed-loop clients over the prompt set until stopped."""
 
-    def __init__(self, conductor: str, prompts, expect, max_tokens: int, concurrency: int,
-                 deadline_s: float, think_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        conductor: str,
+        prompts,
+        expect,
+        max_tokens: int,
+        concurrency: int,
+        deadline_s: float,
+        think_s: float = 0.05,
+    ) -> None:
         self.conductor, self.prompts, self.expect = conductor, prompts, expect
         self.max_tokens, self.concurrency = max_tokens, concurrency
         self.deadline_s, self.think_s = deadline_s, think_s
@@ -205,13 +238,27 @@ class Load:
             i += self.concurrency
             try:
                 r = await asyncio.wait_for(
-                    run_request(stub, idx, self.prompts[idx], self.expect[idx],
-                                self.max_tokens, self.t0, self.deadline_s, salt=salt),
-                    self.deadline_s + HANG_SLACK_S)
-            except asyncio.TimeoutError:
+                    run_request(
+                        stub,
+                        idx,
+                        self.prompts[idx],
+                        self.expect[idx],
+                        self.max_tokens,
+                        self.t0,
+                        self.deadline_s,
+                        salt=salt,
+                    ),
+                    self.deadline_s + HANG_SLACK_S,
+                )
+            except TimeoutError:
                 self.hung += 1
-                r = Req(idx, self.now() - self.deadline_s - HANG_SLACK_S, self.deadline_s,
-                        self.now(), "hung")
+                r = Req(
+                    idx,
+                    self.now() - self.deadline_s - HANG_SLACK_S,
+                    self.deadline_s,
+                    self.now(),
+                    "hung",
+                )
             self.reqs.append(r)
             await asyncio.sleep(self.think_s)
 
@@ -220,8 +267,7 @@ class Load:
         self.t0 = time.perf_counter()
         async with grpc.aio.insecure_channel(self.conductor) as ch:
             stub = pbg.ConductorStub(ch)
-            clients = [asyncio.create_task(self._client(stub, k))
-                       for k in range(self.concurrency)]
+            clients = [asyncio.create_task(self._client(stub, k)) for k in range(self.concurrency)]
             try:
                 await body(self)
             finally:
@@ -240,7 +286,7 @@ def summarize(name: str, load: Load, t_fault: float, extra: dict) -> dict:
     codes: dict[str, int] = {}
     for a in failed_atts:
         codes[a.code] = codes.get(a.code, 0) + 1
-    routed: dict[str, dict[str, int]] = {}   # attempts per node before / after the fault
+    routed: dict[str, dict[str, int]] = {}  # attempts per node before / after the fault
     for a in atts:
         for node in filter(None, (a.prefill, a.decode)):
             d = routed.setdefault(node, {"before": 0, "after": 0})
@@ -256,18 +302,26 @@ def summarize(name: str, load: Load, t_fault: float, extra: dict) -> dict:
     slowest = max((a.t_end - a.t_start for a in atts if a.t_end >= t_fault), default=0.0)
     over = [r for r in reqs if r.t_end - r.t_start > r.deadline_s + 0.5 and r.outcome != "hung"]
     return {
-        "fault": name, "requests": len(reqs), "completed": count("ok"),
+        "fault": name,
+        "requests": len(reqs),
+        "completed": count("ok"),
         "retried": sum(1 for r in reqs if len(r.attempts) > 1),
         "completed_after_retry": sum(1 for r in reqs if r.outcome == "ok" and len(r.attempts) > 1),
-        "failed_retriable": count("failed"), "failed_other": count("error"),
+        "failed_retriable": count("failed"),
+        "failed_other": count("error"),
         "wrong": count("wrong") + sum(1 for r in reqs if r.wrong_partial and r.outcome != "wrong"),
-        "hung": count("hung") + len(over), "failed_attempts": len(failed_atts),
+        "hung": count("hung") + len(over),
+        "failed_attempts": len(failed_atts),
         "failed_codes": codes,
-        "errors": sorted({a.detail for r in reqs for a in r.attempts
-                          if a.code not in RETRIABLE | {"OK"}})[:5],
-        "last_failure_s": round(last_fail - t_fault, 2), "max_gap_s": round(gap, 2),
+        "errors": sorted(
+            {a.detail for r in reqs for a in r.attempts if a.code not in RETRIABLE | {"OK"}}
+        )[:5],
+        "last_failure_s": round(last_fail - t_fault, 2),
+        "max_gap_s": round(gap, 2),
         "slowest_attempt_s": round(slowest, 2),
-        "ok_after_recovery": ok_after, "routed": routed, **extra,
+        "ok_after_recovery": ok_after,
+        "routed": routed,
+        **extra,
     }
 
 
@@ -344,8 +398,8 @@ def master_address(cluster) -> str:
 # -- the faults -------------------------------------------------------------------------------
 @dataclass
 class Plan:
-    before_s: float = 5.0      # load before the fault
-    after_s: float = 12.0      # load after the fault (>= TTL + a few seconds)
+    before_s: float = 5.0  # load before the fault
+    after_s: float = 12.0  # load after the fault (>= TTL + a few seconds)
     concurrency: int = 3
     max_tokens: int = 12
     deadline_s: float = 25.0
@@ -355,8 +409,9 @@ async def fault_kill(cluster, load: Load, plan: Plan, victim: str, res: dict) ->
     await asyncio.sleep(plan.before_s)
     res["t_fault"] = load.now()
     await asyncio.to_thread(cluster.stop_process, victim, signal.SIGKILL)
-    left = await asyncio.to_thread(wait_for, lambda: victim not in live_nodes(cluster.conductor),
-                                   TTL + 10)
+    left = await asyncio.to_thread(
+        wait_for, lambda: victim not in live_nodes(cluster.conductor), TTL + 10
+    )
     res["victim"] = victim
     res["cluster_whole_s"] = round(left, 2) if left is not None else None
     res["whole_means"] = f"{victim} left the conductor's view"
@@ -372,29 +427,30 @@ async def fault_kill_store(cluster, load: Load, plan: Plan, res: dict) -> None:
     await fault_kill(cluster, load, Plan(0.0, plan.after_s), victim, res)
 
 
-async def fault_restart(cluster, load: Load, plan: Plan, name: str, res: dict,
-                        sig: int = signal.SIGKILL) -> None:
+async def fault_restart(
+    cluster, load: Load, plan: Plan, name: str, res: dict, sig: int = signal.SIGKILL
+) -> None:
     await asyncio.sleep(plan.before_s)
     before = await asyncio.to_thread(live_nodes, cluster.conductor, True)
     res["t_fault"] = load.now()
     t = time.monotonic()
     if name == "etcd":
         await asyncio.to_thread(cluster.etcd.stop)
-        await asyncio.sleep(TTL + 1)   # every lease expires meanwhile
+        await asyncio.sleep(TTL + 1)  # every lease expires meanwhile
         await asyncio.to_thread(cluster.etcd.start)
     else:
         await asyncio.to_thread(cluster.restart_process, name, sig)
     res["down_s"] = round(time.monotonic() - t, 2)
 
-    def whole() -> bool:   # every service live before the fault is back and reachable,
+    def whole() -> bool:  # every service live before the fault is back and reachable,
         # and the store answers (a dead store-master stays in the view until its lease ends)
         try:
             with grpc.insecure_channel(cluster.conductor) as ch:
                 s = pbg.ConductorStub(ch).ClusterStatus(pb.ClusterStatusRequest(), timeout=2)
         except grpc.RpcError:
             return False
-        return ({n.node_id for n in s.nodes if n.reachable} >= before
-                and s.store_bytes_total > 0)
+        return {n.node_id for n in s.nodes if n.reachable} >= before and s.store_bytes_total > 0
+
     back = await asyncio.to_thread(wait_for, whole, 40, 0.2)
     res["cluster_whole_s"] = round(time.monotonic() - t, 2) if back is not None else None
     res["whole_means"] = "every service registered and reachable again"
@@ -411,10 +467,12 @@ def run_fault(cluster, name: str, prompts, expect, plan: Plan, action) -> dict:
     res: dict = {}
 
     async def main():
-        load = Load(cluster.conductor, prompts, expect, plan.max_tokens, plan.concurrency,
-                    plan.deadline_s)
+        load = Load(
+            cluster.conductor, prompts, expect, plan.max_tokens, plan.concurrency, plan.deadline_s
+        )
         await load.run(lambda ld: action(ld, res))
         return load
+
     t = time.monotonic()
     load = asyncio.run(main())
     t_fault = res.pop("t_fault", 0.0)
@@ -422,8 +480,11 @@ def run_fault(cluster, name: str, prompts, expect, plan: Plan, action) -> dict:
     out["duration_s"] = round(time.monotonic() - t, 1)
     out["ttl_s"] = TTL
     whole = out.get("cluster_whole_s")
-    out["recovered_in_ttl_plus_5"] = (max(out["last_failure_s"], out["max_gap_s"]) <= TTL + 5
-                                      and whole is not None and whole <= TTL + 5)
+    out["recovered_in_ttl_plus_5"] = (
+        max(out["last_failure_s"], out["max_gap_s"]) <= TTL + 5
+        and whole is not None
+        and whole <= TTL + 5
+    )
     return out
 
 
@@ -433,10 +494,16 @@ def new_cluster(workdir: str, node_args=None, env: dict | None = None, **kw):
     old = dict(os.environ)
     os.environ.update(env or {})
     try:
-        c = LocalCluster(workdir, prefill=kw.pop("prefill", 2), decode=kw.pop("decode", 2),
-                         lease_ttl=TTL, node_args=node_args or NODE_ARGS,
-                         conductor_args=kw.pop("conductor_args", DISAGG_ONLY),
-                         log_level="WARNING", **kw)
+        c = LocalCluster(
+            workdir,
+            prefill=kw.pop("prefill", 2),
+            decode=kw.pop("decode", 2),
+            lease_ttl=TTL,
+            node_args=node_args or NODE_ARGS,
+            conductor_args=kw.pop("conductor_args", DISAGG_ONLY),
+            log_level="WARNING",
+            **kw,
+        )
         c.start(120)
     finally:
         os.environ.clear()
@@ -474,10 +541,17 @@ def main_faults(faults: list[str], plan: Plan, workdir: str) -> list[dict]:
 
 def _kill(victim: str):
     def go(cluster, prompts, expect, plan):
-        row = run_fault(cluster, f"sigkill-{victim.split('-')[0]}", prompts, expect, plan,
-                        lambda ld, res: fault_kill(cluster, ld, plan, victim, res))
+        row = run_fault(
+            cluster,
+            f"sigkill-{victim.split('-')[0]}",
+            prompts,
+            expect,
+            plan,
+            lambda ld, res: fault_kill(cluster, ld, plan, victim, res),
+        )
         asyncio.run(respawn(cluster, victim))
         return row
+
     return go
 
 
@@ -487,6 +561,7 @@ def _kill_store(cluster, prompts, expect, plan):
     async def act(ld, res):
         await fault_kill_store(cluster, ld, plan, res)
         res_holder.update(res)
+
     row = run_fault(cluster, "sigkill-store-holder", prompts, expect, plan, act)
     asyncio.run(respawn(cluster, res_holder["victim"]))
     return row
@@ -494,8 +569,15 @@ def _kill_store(cluster, prompts, expect, plan):
 
 def _restart(name: str, label: str):
     def go(cluster, prompts, expect, plan):
-        return run_fault(cluster, label, prompts, expect, plan,
-                         lambda ld, res: fault_restart(cluster, ld, plan, name, res))
+        return run_fault(
+            cluster,
+            label,
+            prompts,
+            expect,
+            plan,
+            lambda ld, res: fault_restart(cluster, ld, plan, name, res),
+        )
+
     return go
 
 
@@ -515,14 +597,16 @@ def byte_flip(workdir: str, prompts, expect, plan: Plan, every: int = 30) -> dic
     ``every`` has a byte flipped after its crc; a damaged handoff fails the prefill (the
     conductor retries it on the next node, else the client retries), a damaged store read
     is a miss (recompute), a damaged put is dropped."""
-    cluster = new_cluster(workdir, NODE_ARGS + ["--checksum"],
-                          env={"KVMESH_FAULT_CORRUPT_EVERY": str(every)})
+    cluster = new_cluster(
+        workdir, NODE_ARGS + ["--checksum"], env={"KVMESH_FAULT_CORRUPT_EVERY": str(every)}
+    )
     try:
         res: dict = {}
 
         async def act(ld, r):
             r["t_fault"] = 0.0
             await asyncio.sleep(plan.before_s + plan.after_s)
+
         row = run_fault(cluster, "byte-flip", prompts, expect, plan, act)
         row["corrupt_every"] = every
         row["checksum_failures_logged"] = count_in_logs(workdir, "checksum mismatch")
@@ -543,12 +627,29 @@ def overload(workdir: str, seconds: float, factor: float, quick: bool) -> dict:
     max_tokens = 16
     expect = expected_outputs(prompts, max_tokens)
     ttft_slo, tbt_slo = 2000.0, 400.0
-    cluster = new_cluster(workdir, prefill=1, decode=1,
-                          conductor_args=["--ttft-slo-ms", str(ttft_slo), "--tbt-slo-ms",
-                                          str(tbt_slo), "--slo-margin", "0.7"])
-    out: dict = {"ttft_slo_ms": ttft_slo, "tbt_slo_ms": tbt_slo, "slo_margin": 0.7,
-                 "factor": factor, "seconds": seconds, "max_tokens": max_tokens}
+    cluster = new_cluster(
+        workdir,
+        prefill=1,
+        decode=1,
+        conductor_args=[
+            "--ttft-slo-ms",
+            str(ttft_slo),
+            "--tbt-slo-ms",
+            str(tbt_slo),
+            "--slo-margin",
+            "0.7",
+        ],
+    )
+    out: dict = {
+        "ttft_slo_ms": ttft_slo,
+        "tbt_slo_ms": tbt_slo,
+        "slo_margin": 0.7,
+        "factor": factor,
+        "seconds": seconds,
+        "max_tokens": max_tokens,
+    }
     try:
+
         async def capacity():
             # closed loop at increasing concurrency; capacity = best rate whose p90 TTFT
             # stays within the SLO
@@ -560,19 +661,26 @@ def overload(workdir: str, seconds: float, factor: float, quick: bool) -> dict:
                 async def body(ld, t=t):
                     await asyncio.sleep(5 if quick else 8)
                     t[0] = ld.now()
+
                 await load.run(body)
                 ok = [r for r in load.reqs if r.outcome == "ok"]
                 rate = len(ok) / max(t[0], 1e-9)
                 ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
                 p90 = ttfts[int(0.9 * (len(ttfts) - 1))] * 1000 if ttfts else 1e9
                 out.setdefault("capacity_probe", []).append(
-                    {"concurrency": conc, "rate_rps": round(rate, 2), "p90_ttft_ms": round(p90, 1),
-                     "wrong": sum(1 for r in load.reqs if r.outcome == "wrong")})
+                    {
+                        "concurrency": conc,
+                        "rate_rps": round(rate, 2),
+                        "p90_ttft_ms": round(p90, 1),
+                        "wrong": sum(1 for r in load.reqs if r.outcome == "wrong"),
+                    }
+                )
                 if p90 <= ttft_slo * 0.7:
                     best = max(best, rate)
                 if rate < 1.05 * best and p90 > ttft_slo * 0.25:
-                    break   # throughput has plateaued
+                    break  # throughput has plateaued
             return best
+
         cap = asyncio.run(capacity())
         out["capacity_rps"] = round(cap, 2)
         rate = factor * cap
@@ -592,26 +700,40 @@ def overload(workdir: str, seconds: float, factor: float, quick: bool) -> dict:
                         for n, pid in proc_pids(cluster).items():
                             samples.setdefault(n, []).append(rss_mib(pid))
                         await asyncio.sleep(1.0)
+
                 sampler = asyncio.create_task(sample_rss())
                 rng = random.Random(1)
                 t_next, i = 0.0, 0
 
                 async def one(idx, salt):
-                    reqs.append(await run_request(
-                        stub, idx, prompts[idx], expect[idx], max_tokens, t0, 30.0,
-                        slo=(ttft_slo, tbt_slo), retry=False, salt=salt))
+                    reqs.append(
+                        await run_request(
+                            stub,
+                            idx,
+                            prompts[idx],
+                            expect[idx],
+                            max_tokens,
+                            t0,
+                            30.0,
+                            slo=(ttft_slo, tbt_slo),
+                            retry=False,
+                            salt=salt,
+                        )
+                    )
+
                 while t_next < seconds:
                     delay = t_next - (time.perf_counter() - t0)
                     if delay > 0:
                         await asyncio.sleep(delay)
                     idx = i % len(prompts)
-                    salt = f"o{i}" if i % 2 == 0 else ""   # half uncached, as in Load
+                    salt = f"o{i}" if i % 2 == 0 else ""  # half uncached, as in Load
                     tasks.append(asyncio.create_task(one(idx, salt)))
                     i += 1
                     t_next += rng.expovariate(rate)
                 await asyncio.gather(*tasks)
                 sampler.cancel()
             return reqs
+
         reqs = asyncio.run(offered())
         for n, p in cluster.procs.items():
             if p.poll() is not None:
@@ -623,33 +745,59 @@ def overload(workdir: str, seconds: float, factor: float, quick: bool) -> dict:
         def meets(r: Req) -> bool:
             tbt = statistics.mean(r.tbt_s) if r.tbt_s else 0.0
             return r.ttft_s is not None and r.ttft_s * 1000 <= ttft_slo and tbt * 1000 <= tbt_slo
+
         rej_lat = sorted((r.attempts[0].t_end - r.attempts[0].t_start) * 1000 for r in rej)
         ttfts = sorted(r.ttft_s * 1000 for r in acc if r.ttft_s is not None)
-        out.update({
-            "sent": len(reqs), "accepted": len(acc), "rejected": len(rej),
-            "other_failures": len(other),
-            "other_codes": sorted({r.last_code for r in other}),
-            "wrong": sum(1 for r in acc if r.outcome == "wrong"),
-            "slo_met_share": round(sum(map(meets, acc)) / max(1, len(acc)), 4),
-            "goodput_rps": round(sum(map(meets, acc)) / seconds, 2),
-            "accepted_p50_ttft_ms": round(ttfts[len(ttfts) // 2], 1) if ttfts else None,
-            "accepted_p99_ttft_ms": round(ttfts[int(0.99 * (len(ttfts) - 1))], 1) if ttfts else None,
-            "rejection_latency_ms_p50": round(rej_lat[len(rej_lat) // 2], 1) if rej_lat else None,
-            "rejection_latency_ms_p99": round(rej_lat[int(0.99 * (len(rej_lat) - 1))], 1)
-            if rej_lat else None,
-            "rss_mib": {n: {"first": round(v[0], 1), "max": round(max(v), 1),
-                            "last": round(v[-1], 1)} for n, v in samples.items() if v},
-            "died": died,
-        })
+        out.update(
+            {
+                "sent": len(reqs),
+                "accepted": len(acc),
+                "rejected": len(rej),
+                "other_failures": len(other),
+                "other_codes": sorted({r.last_code for r in other}),
+                "wrong": sum(1 for r in acc if r.outcome == "wrong"),
+                "slo_met_share": round(sum(map(meets, acc)) / max(1, len(acc)), 4),
+                "goodput_rps": round(sum(map(meets, acc)) / seconds, 2),
+                "accepted_p50_ttft_ms": round(ttfts[len(ttfts) // 2], 1) if ttfts else None,
+                "accepted_p99_ttft_ms": round(ttfts[int(0.99 * (len(ttfts) - 1))], 1)
+                if ttfts
+                else None,
+                "rejection_latency_ms_p50": round(rej_lat[len(rej_lat) // 2], 1)
+                if rej_lat
+                else None,
+                "rejection_latency_ms_p99": round(rej_lat[int(0.99 * (len(rej_lat) - 1))], 1)
+                if rej_lat
+                else None,
+                "rss_mib": {
+                    n: {"first": round(v[0], 1), "max": round(max(v), 1), "last": round(v[-1], 1)}
+                    for n, v in samples.items()
+                    if v
+                },
+                "died": died,
+            }
+        )
         return out
     finally:
         cluster.stop()
 
 
 # -- report ---------------------------------------------------------------------------------------
-COLS = ["fault", "requests", "completed", "retried", "completed_after_retry",
-        "failed_retriable", "failed_other", "wrong", "hung", "last_failure_s", "max_gap_s",
-        "slowest_attempt_s", "cluster_whole_s", "recovered_in_ttl_plus_5"]
+COLS = [
+    "fault",
+    "requests",
+    "completed",
+    "retried",
+    "completed_after_retry",
+    "failed_retriable",
+    "failed_other",
+    "wrong",
+    "hung",
+    "last_failure_s",
+    "max_gap_s",
+    "slowest_attempt_s",
+    "cluster_whole_s",
+    "recovered_in_ttl_plus_5",
+]
 
 
 def fmt_row(r: dict) -> str:
@@ -658,20 +806,27 @@ def fmt_row(r: dict) -> str:
 
 def write_report(rows: list[dict], plan: Plan, name: str = "faults") -> str:
     RESULTS.mkdir(exist_ok=True)
-    lines = [f"# Fault suite (lease TTL {TTL} s; {plan.concurrency} closed-loop clients, "
-             f"{plan.max_tokens} greedy tokens, request deadline {plan.deadline_s:.0f} s; "
-             f"{plan.before_s:.0f} s of load before each fault, {plan.after_s:.0f} s after)",
-             "", "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
+    lines = [
+        f"# Fault suite (lease TTL {TTL} s; {plan.concurrency} closed-loop clients, "
+        f"{plan.max_tokens} greedy tokens, request deadline {plan.deadline_s:.0f} s; "
+        f"{plan.before_s:.0f} s of load before each fault, {plan.after_s:.0f} s after)",
+        "",
+        "| " + " | ".join(COLS) + " |",
+        "|" + "---|" * len(COLS),
+    ]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in COLS) + " |")
-    lines += ["", "- last_failure_s: seconds from the fault to the end of the last failed "
-              "attempt (every later attempt succeeded); max_gap_s: longest stretch after the "
-              "fault with no request completing; slowest_attempt_s: the slowest attempt in "
-              "flight at or after the fault; cluster_whole_s: seconds until the victim left "
-              "the view (kills), every service was back (restarts), or the cut node rejoined "
-              "(net-cut, counted from the cut).",
-              "- failed attempt codes per fault: " + "; ".join(
-                  f"{r['fault']}: {r.get('failed_codes')}" for r in rows)]
+    lines += [
+        "",
+        "- last_failure_s: seconds from the fault to the end of the last failed "
+        "attempt (every later attempt succeeded); max_gap_s: longest stretch after the "
+        "fault with no request completing; slowest_attempt_s: the slowest attempt in "
+        "flight at or after the fault; cluster_whole_s: seconds until the victim left "
+        "the view (kills), every service was back (restarts), or the cut node rejoined "
+        "(net-cut, counted from the cut).",
+        "- failed attempt codes per fault: "
+        + "; ".join(f"{r['fault']}: {r.get('failed_codes')}" for r in rows),
+    ]
     for r in rows:
         extra = {k: v for k, v in r.items() if k not in COLS and k not in ("failed_codes",)}
         lines.append(f"- {r['fault']}: {json.dumps(extra)}")
@@ -682,8 +837,11 @@ def write_report(rows: list[dict], plan: Plan, name: str = "faults") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvmesh.loadtest.faults", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m kvmesh.loadtest.faults",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--quick", action="store_true", help="shorter phases")
     ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(ALL)}")
     ap.add_argument("--overload", action="store_true", help="the overload run instead")
@@ -694,15 +852,19 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="kvmesh-faults-")
     try:
         if args.overload:
-            res = overload(os.path.join(workdir, "overload"),
-                           args.seconds if not args.quick else min(args.seconds, 20),
-                           args.factor, args.quick)
+            res = overload(
+                os.path.join(workdir, "overload"),
+                args.seconds if not args.quick else min(args.seconds, 20),
+                args.factor,
+                args.quick,
+            )
             RESULTS.mkdir(exist_ok=True)
             (RESULTS / "overload.json").write_text(json.dumps(res, indent=1))
             (RESULTS / "overload.md").write_text(
-                "# Overload\n\n```json\n" + json.dumps(res, indent=1) + "\n```\n")
+                "# Overload\n\n```json\n" + json.dumps(res, indent=1) + "\n```\n"
+            )
             print(json.dumps(res, indent=1))
-            ok = (res["slo_met_share"] >= 0.99 and not res["died"] and res["wrong"] == 0)
+            ok = res["slo_met_share"] >= 0.99 and not res["died"] and res["wrong"] == 0
             return 0 if ok else 1
         plan = Plan(3.0, 9.0) if args.quick else Plan()
         faults = [f for f in (args.only.split(",") if args.only else ALL) if f]
@@ -711,8 +873,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown fault(s) {sorted(unknown)}; known: {ALL}")
         rows = main_faults(faults, plan, workdir)
         print(write_report(rows, plan))
-        bad = [r["fault"] for r in rows if r.get("skipped") is None and (
-            r["wrong"] or r["hung"] or r["failed_other"])]
+        bad = [
+            r["fault"]
+            for r in rows
+            if r.get("skipped") is None and (r["wrong"] or r["hung"] or r["failed_other"])
+        ]
         return 1 if bad else 0
     finally:
         if args.workdir is None:

@@ -19,8 +19,15 @@ import sys
 import time
 import urllib.request
 
-from kvmesh.loadtest.faults import (DISAGG_ONLY, NODE_ARGS, TTL, Plan, live_nodes, run_fault,
-                             wait_for)
+from kvmesh.loadtest.faults import (
+    DISAGG_ONLY,
+    NODE_ARGS,
+    TTL,
+    Plan,
+    live_nodes,
+    run_fault,
+    wait_for,
+)
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -77,11 +84,29 @@ def start_etcd(workdir: str, host: str, port: int, peer: int) -> subprocess.Pope
     client, peer_url = f"http://{host}:{port}", f"http://127.0.0.1:{peer}"
     log = open(os.path.join(workdir, "etcd.log"), "ab")
     p = subprocess.Popen(
-        [shutil.which("etcd"), "--name", "kvmesh", "--data-dir", os.path.join(workdir, "etcd"),
-         "--listen-client-urls", client, "--advertise-client-urls", client,
-         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-         "--initial-cluster", f"kvmesh={peer_url}", "--log-level", "error"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            shutil.which("etcd"),
+            "--name",
+            "kvmesh",
+            "--data-dir",
+            os.path.join(workdir, "etcd"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer_url,
+            "--initial-advertise-peer-urls",
+            peer_url,
+            "--initial-cluster",
+            f"kvmesh={peer_url}",
+            "--log-level",
+            "error",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
     def healthy() -> bool:
         try:
@@ -89,6 +114,7 @@ def start_etcd(workdir: str, host: str, port: int, peer: int) -> subprocess.Pope
                 return b"true" in r.read()
         except OSError:
             return False
+
     if wait_for(healthy, 20, 0.1) is None:
         p.kill()
         raise RuntimeError("etcd did not start")
@@ -109,28 +135,51 @@ def net_cut(workdir: str, prompts, expect, plan: Plan, cut_s: float = 0.0) -> di
         port, peer = free_port(), free_port()
         etcd = start_etcd(workdir, net.ip_host, port, peer)
         host = ["--host", net.ip_host]
-        cluster = LocalCluster(workdir, prefill=1, decode=2, lease_ttl=TTL,
-                               etcd_endpoint=f"{net.ip_host}:{port}",
-                               node_args=NODE_ARGS + host, store_args=host,
-                               conductor_args=DISAGG_ONLY, log_level="WARNING")
+        cluster = LocalCluster(
+            workdir,
+            prefill=1,
+            decode=2,
+            lease_ttl=TTL,
+            etcd_endpoint=f"{net.ip_host}:{port}",
+            node_args=NODE_ARGS + host,
+            store_args=host,
+            conductor_args=DISAGG_ONLY,
+            log_level="WARNING",
+        )
         cluster.start(120)
         name = "prefill-ns"
         log = open(os.path.join(workdir, f"{name}.log"), "ab")
         cluster.procs[name] = subprocess.Popen(
-            ["ip", "netns", "exec", net.ns, sys.executable, "-m", "kvmesh.services.cli", "prefill",
-             *cluster._common(name), *NODE_ARGS, "--host", net.ip_ns],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            [
+                "ip",
+                "netns",
+                "exec",
+                net.ns,
+                sys.executable,
+                "-m",
+                "kvmesh.services.cli",
+                "prefill",
+                *cluster._common(name),
+                *NODE_ARGS,
+                "--host",
+                net.ip_ns,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         cluster.n_prefill = 2
         cluster.wait_ready(120)
-        cut_s = cut_s or TTL + 12.0   # long enough that a stuck request would show
+        cut_s = cut_s or TTL + 12.0  # long enough that a stuck request would show
 
         async def act(ld, res):
             await asyncio.sleep(plan.before_s)
             res["t_fault"] = ld.now()
             await asyncio.to_thread(net.cut)
             gone = await asyncio.to_thread(
-                wait_for, lambda: name not in live_nodes(cluster.conductor), TTL + 10)
+                wait_for, lambda: name not in live_nodes(cluster.conductor), TTL + 10
+            )
             res["left_view_s"] = round(gone, 2) if gone is not None else None
             await asyncio.sleep(max(0.0, cut_s - (ld.now() - res["t_fault"])))
             t_heal = time.monotonic()
@@ -138,21 +187,28 @@ def net_cut(workdir: str, prompts, expect, plan: Plan, cut_s: float = 0.0) -> di
             await asyncio.to_thread(net.heal)
             res["cut_s"] = round(ld.now() - res["t_fault"], 2)
             back = await asyncio.to_thread(
-                wait_for, lambda: name in live_nodes(cluster.conductor, reachable_only=True), 30)
-            res["rejoined_after_heal_s"] = round(time.monotonic() - t_heal, 2) \
-                if back is not None else None
-            res["cluster_whole_s"] = round(ld.now() - res["t_fault"], 2) \
-                if back is not None else None
-            res["whole_means"] = ("cut node left the view within the TTL, then rejoined after "
-                                  "the heal (cluster_whole_s counts from the cut)")
+                wait_for, lambda: name in live_nodes(cluster.conductor, reachable_only=True), 30
+            )
+            res["rejoined_after_heal_s"] = (
+                round(time.monotonic() - t_heal, 2) if back is not None else None
+            )
+            res["cluster_whole_s"] = (
+                round(ld.now() - res["t_fault"], 2) if back is not None else None
+            )
+            res["whole_means"] = (
+                "cut node left the view within the TTL, then rejoined after "
+                "the heal (cluster_whole_s counts from the cut)"
+            )
             await asyncio.sleep(plan.after_s)
+
         row = run_fault(cluster, "net-cut", prompts, expect, plan, act)
         # recovery from the cut is bounded by the TTL (the node must leave the view);
         # after the heal it must rejoin within the TTL + 5 s
         row["recovered_in_ttl_plus_5"] = (
             max(row["last_failure_s"], row["max_gap_s"]) <= TTL + 5
             and (row.get("left_view_s") or 1e9) <= TTL + 5
-            and (row.get("rejoined_after_heal_s") or 1e9) <= TTL + 5)
+            and (row.get("rejoined_after_heal_s") or 1e9) <= TTL + 5
+        )
         return row
     finally:
         if cluster is not None:

@@ -17,8 +17,8 @@ when served), ``ttft_ms``, ``token_times_ms`` (per token, from when it was sent)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, is_dataclass
-from typing import Iterable
 
 
 def quantile(xs: list[float], q: float) -> float | None:
@@ -65,13 +65,18 @@ def met_slo(r: dict, ttft_slo_ms: float, tbt_slo_ms: float) -> bool:
     return r["ttft_ms"] <= ttft_slo_ms and (tbt is None or tbt <= tbt_slo_ms)
 
 
-def summarize(records: Iterable, *, ttft_slo_ms: float, tbt_slo_ms: float,
-              duration_s: float | None = None) -> dict:
+def summarize(
+    records: Iterable, *, ttft_slo_ms: float, tbt_slo_ms: float, duration_s: float | None = None
+) -> dict:
     rs = [_d(r) for r in records]
     served = [r for r in rs if r.get("status") == "OK" and r.get("ttft_ms") is not None]
     rejected = [r for r in rs if r.get("status") == "RESOURCE_EXHAUSTED"]
-    failed = [r for r in rs if r.get("status") not in ("OK", "RESOURCE_EXHAUSTED")
-              or (r.get("status") == "OK" and r.get("ttft_ms") is None)]
+    failed = [
+        r
+        for r in rs
+        if r.get("status") not in ("OK", "RESOURCE_EXHAUSTED")
+        or (r.get("status") == "OK" and r.get("ttft_ms") is None)
+    ]
     ttft = [r["ttft_ms"] for r in served]
     gaps: list[float] = []
     for r in served:
@@ -101,8 +106,12 @@ def summarize(records: Iterable, *, ttft_slo_ms: float, tbt_slo_ms: float,
 
     n = len(rs)
     return {
-        "requests": n, "served": len(served), "rejected": len(rejected), "failed": len(failed),
-        "rejected_by_reason": reasons, "routes": routes,
+        "requests": n,
+        "served": len(served),
+        "rejected": len(rejected),
+        "failed": len(failed),
+        "rejected_by_reason": reasons,
+        "routes": routes,
         "acceptance_rate": _round(len(served) / n if n else None),
         "ttft_ms": {**q3(ttft), "mean": _round(sum(ttft) / len(ttft) if ttft else None)},
         "tbt_ms": {**q3(gaps), "mean": _round(sum(gaps) / len(gaps) if gaps else None)},
@@ -113,7 +122,9 @@ def summarize(records: Iterable, *, ttft_slo_ms: float, tbt_slo_ms: float,
         "goodput_rps": _round(len(good) / duration_s if duration_s else None),
         "throughput_rps": _round(len(served) / duration_s if duration_s else None),
         "offered_rps": _round(n / duration_s if duration_s else None),
-        "prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": computed,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "computed_tokens": computed,
         "cache_hit_ratio": _round(cached / prompt if prompt else None),
         "prefill_tokens_avoided": cached,
         "completion_tokens": sum(r.get("completion_tokens", 0) for r in served),

@@ -16,27 +16,27 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
-TRACE_BLOCK = 512          # tokens per hash id in the Mooncake trace
-VOCAB = 256                # token ids drawn from [0, VOCAB)
+TRACE_BLOCK = 512  # tokens per hash id in the Mooncake trace
+VOCAB = 256  # token ids drawn from [0, VOCAB)
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 
 
 @dataclass
 class Item:
     rid: str
-    t_ms: float                    # scheduled arrival, relative to the start of the run
-    token_ids: list[int]           # the prompt (for sessions: with the *planned* outputs)
+    t_ms: float  # scheduled arrival, relative to the start of the run
+    token_ids: list[int]  # the prompt (for sessions: with the *planned* outputs)
     max_tokens: int
-    hash_ids: list[int] = field(default_factory=list)   # trace items: their (scaled) ids
-    session: str = ""              # sessions: id; turns of one session run in order
+    hash_ids: list[int] = field(default_factory=list)  # trace items: their (scaled) ids
+    session: str = ""  # sessions: id; turns of one session run in order
     turn: int = 0
-    new_ids: list[int] = field(default_factory=list)    # sessions: this turn's new text
+    new_ids: list[int] = field(default_factory=list)  # sessions: this turn's new text
     planned_output: list[int] = field(default_factory=list)
-    think_ms: float = 0.0          # sessions: pause after the previous turn ended
+    think_ms: float = 0.0  # sessions: pause after the previous turn ended
 
     @property
     def n_tokens(self) -> int:
@@ -59,10 +59,20 @@ def load_trace(path: str | Path = DEFAULT_TRACE) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def trace_items(records: Iterable[dict], *, block_tokens_n: int = 32, time_scale: float = 1.0,
-                max_requests: int | None = None, offset: int = 0, every: int = 1,
-                max_input: int = 2048, min_output: int = 1, max_output: int = 32,
-                output_scale: float | None = None, seed: int = 0) -> list[Item]:
+def trace_items(
+    records: Iterable[dict],
+    *,
+    block_tokens_n: int = 32,
+    time_scale: float = 1.0,
+    max_requests: int | None = None,
+    offset: int = 0,
+    every: int = 1,
+    max_input: int = 2048,
+    min_output: int = 1,
+    max_output: int = 32,
+    output_scale: float | None = None,
+    seed: int = 0,
+) -> list[Item]:
     """Trace records -> items.
 
     ``block_tokens_n``: tokens per trace block after scaling (512 -> e.g. 32: length scale
@@ -93,8 +103,15 @@ def trace_items(records: Iterable[dict], *, block_tokens_n: int = 32, time_scale
             toks.extend(_text(random.Random(f"{seed}-pad-{offset + i * every}"), n - len(toks)))
         toks = toks[:n]
         m = max(min_output, min(max_output, round(r["output_length"] * oscale)))
-        out.append(Item(f"trace-{offset + i * every}", (r["timestamp"] - t0) * time_scale,
-                        toks, m, hash_ids=used))
+        out.append(
+            Item(
+                f"trace-{offset + i * every}",
+                (r["timestamp"] - t0) * time_scale,
+                toks,
+                m,
+                hash_ids=used,
+            )
+        )
     return out
 
 
@@ -104,9 +121,19 @@ def turn_prompt(prev_prompt: list[int], prev_output: list[int], new_ids: list[in
     return list(prev_prompt) + list(prev_output) + list(new_ids)
 
 
-def _sessions(kind: str, n_sessions: int, turns: tuple[int, int], first: tuple[int, int],
-              growth: tuple[int, int], out_of: callable, rate_per_s: float, think_ms: float,
-              max_context: int, seed: int, shared_prefix: int = 0) -> list[Item]:
+def _sessions(
+    kind: str,
+    n_sessions: int,
+    turns: tuple[int, int],
+    first: tuple[int, int],
+    growth: tuple[int, int],
+    out_of: callable,
+    rate_per_s: float,
+    think_ms: float,
+    max_context: int,
+    seed: int,
+    shared_prefix: int = 0,
+) -> list[Item]:
     rng = random.Random(f"{kind}-{seed}")
     system = _text(random.Random(f"{kind}-system-{seed}"), shared_prefix)
     items: list[Item] = []
@@ -118,33 +145,73 @@ def _sessions(kind: str, n_sessions: int, turns: tuple[int, int], first: tuple[i
         prev_out: list[int] = []
         n_turns = rng.randint(*turns)
         for k in range(n_turns):
-            new = (system if k == 0 else []) + _text(rng, rng.randint(*(first if k == 0 else growth)))
+            new = (system if k == 0 else []) + _text(
+                rng, rng.randint(*(first if k == 0 else growth))
+            )
             p = turn_prompt(prompt, prev_out, new)
             m = max(1, out_of(len(p), rng))
             if len(p) + m > max_context:
                 break
             out = _text(rng, m)
-            items.append(Item(f"{sid}-t{k}", t, p, m, session=sid, turn=k, new_ids=new,
-                              planned_output=out, think_ms=think_ms if k else 0.0))
+            items.append(
+                Item(
+                    f"{sid}-t{k}",
+                    t,
+                    p,
+                    m,
+                    session=sid,
+                    turn=k,
+                    new_ids=new,
+                    planned_output=out,
+                    think_ms=think_ms if k else 0.0,
+                )
+            )
             prompt, prev_out = p, out
     return items
 
 
-def chat_items(n_sessions: int = 8, *, seed: int = 0, turns: tuple[int, int] = (3, 6),
-               first_tokens: tuple[int, int] = (64, 256), turn_tokens: tuple[int, int] = (16, 96),
-               output: tuple[int, int] = (8, 32), rate_per_s: float = 0.5,
-               think_ms: float = 500.0, system_prompt: int = 64,
-               max_context: int = 3072) -> list[Item]:
+def chat_items(
+    n_sessions: int = 8,
+    *,
+    seed: int = 0,
+    turns: tuple[int, int] = (3, 6),
+    first_tokens: tuple[int, int] = (64, 256),
+    turn_tokens: tuple[int, int] = (16, 96),
+    output: tuple[int, int] = (8, 32),
+    rate_per_s: float = 0.5,
+    think_ms: float = 500.0,
+    system_prompt: int = 64,
+    max_context: int = 3072,
+) -> list[Item]:
     """Multi-turn chat: a shared system prompt, a few turns of short user text and answers."""
-    return _sessions("chat", n_sessions, turns, first_tokens, turn_tokens,
-                     lambda n, rng: rng.randint(*output), rate_per_s, think_ms, max_context,
-                     seed, shared_prefix=system_prompt)
+    return _sessions(
+        "chat",
+        n_sessions,
+        turns,
+        first_tokens,
+        turn_tokens,
+        lambda n, rng: rng.randint(*output),
+        rate_per_s,
+        think_ms,
+        max_context,
+        seed,
+        shared_prefix=system_prompt,
+    )
 
 
-def agentic_items(n_sessions: int = 2, *, seed: int = 0, turns: tuple[int, int] = (30, 32),
-                  length_scale: float = 1 / 20, growth_tokens: int = 2000,
-                  first_tokens: int = 2000, io_ratio: float = 130.0, rate_per_s: float = 0.2,
-                  think_ms: float = 100.0, max_context: int = 4000) -> list[Item]:
+def agentic_items(
+    n_sessions: int = 2,
+    *,
+    seed: int = 0,
+    turns: tuple[int, int] = (30, 32),
+    length_scale: float = 1 / 20,
+    growth_tokens: int = 2000,
+    first_tokens: int = 2000,
+    io_ratio: float = 130.0,
+    rate_per_s: float = 0.2,
+    think_ms: float = 100.0,
+    max_context: int = 4000,
+) -> list[Item]:
     """Agent loops: 30+ turns; each turn's prompt is the previous prompt + its output + new
     text (tool results), growing ~``growth_tokens`` x ``length_scale`` per turn; outputs
     are ~1/``io_ratio`` of the prompt (public coding-agent traces: ~130:1)."""
@@ -154,8 +221,18 @@ def agentic_items(n_sessions: int = 2, *, seed: int = 0, turns: tuple[int, int] 
     def out_of(n: int, rng: random.Random) -> int:
         return max(1, round(n / io_ratio * rng.uniform(0.7, 1.3)))
 
-    return _sessions("agent", n_sessions, turns, (f, f), (int(g * 0.8), int(g * 1.2)), out_of,
-                     rate_per_s, think_ms, max_context, seed)
+    return _sessions(
+        "agent",
+        n_sessions,
+        turns,
+        (f, f),
+        (int(g * 0.8), int(g * 1.2)),
+        out_of,
+        rate_per_s,
+        think_ms,
+        max_context,
+        seed,
+    )
 
 
 def summarize(items: list[Item]) -> dict:
@@ -172,9 +249,13 @@ def summarize(items: list[Item]) -> dict:
         if prev is not None:
             reuse += len(prev.token_ids) + len(prev.planned_output)
         by_session[it.session] = it
-    return {"requests": len(items), "sessions": len(sessions),
-            "span_s": round(max(i.t_ms for i in items) / 1000.0, 2),
-            "input_mean": round(sum(ins) / len(ins), 1), "input_max": max(ins),
-            "output_mean": round(sum(outs) / len(outs), 1),
-            "input_output_ratio": round(sum(ins) / max(1, sum(outs)), 1),
-            "session_prefix_share": round(reuse / sum(ins), 3) if sessions else None}
+    return {
+        "requests": len(items),
+        "sessions": len(sessions),
+        "span_s": round(max(i.t_ms for i in items) / 1000.0, 2),
+        "input_mean": round(sum(ins) / len(ins), 1),
+        "input_max": max(ins),
+        "output_mean": round(sum(outs) / len(outs), 1),
+        "input_output_ratio": round(sum(ins) / max(1, sum(outs)), 1),
+        "session_prefix_share": round(reuse / sum(ins), 3) if sessions else None,
+    }

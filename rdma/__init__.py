@@ -6,7 +6,7 @@ device is present and TCP (:mod:`kvmesh.rdma.tcp`) otherwise; see
 from .engine import Slice, Transfer, TransferEngine, TransferStatus
 from .factory import make_transport
 from .tcp import TcpTransport
-from .transport import RegionTable, Transport, TransferError, WorkRequest, as_byte_view
+from .transport import RegionTable, TransferError, Transport, WorkRequest, as_byte_view
 from .verbs import VerbsTransport
 
 __all__ = [

@@ -15,17 +15,17 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from .transport import (Op, RegionTable, RemoteAccessError, TransferError,
-                        Transport, WorkRequest)
+from .transport import Op, RegionTable, RemoteAccessError, TransferError, Transport, WorkRequest
 from .wire import LoopTurns
 
 __all__ = ["Slice", "Transfer", "TransferEngine", "TransferError", "TransferStatus"]
 
 log = logging.getLogger(__name__)
-_TURNS = LoopTurns()   # see Transfer.__await__
+_TURNS = LoopTurns()  # see Transfer.__await__
 
 # TEST-ONLY fault injection, off by default: with KVMESH_FAULT_CORRUPT_EVERY=N (N > 0) in
 # a process's environment, every N-th WRITE/READ its engines issue arms ``_corrupt_next``
@@ -38,9 +38,9 @@ try:
 except ValueError:
     _FAULT_CORRUPT_EVERY = 0
 
-BW_MIN_BYTES = 256 << 10   # busy periods moving less than this give no sample
-BW_MAX_WINDOW = 0.5        # seconds: a long busy period is sampled this often
-BW_ALPHA = 0.3             # EWMA weight of the newest sample
+BW_MIN_BYTES = 256 << 10  # busy periods moving less than this give no sample
+BW_MAX_WINDOW = 0.5  # seconds: a long busy period is sampled this often
+BW_ALPHA = 0.3  # EWMA weight of the newest sample
 
 
 class TransferStatus(enum.Enum):
@@ -71,11 +71,29 @@ class Transfer:
     call :meth:`wait` from another thread.
     """
 
-    __slots__ = ("kind", "peer", "bytes", "error", "_status", "_loop", "_loop_tid",
-                 "_waiters", "_done", "_lock", "_remaining", "_callbacks")
+    __slots__ = (
+        "kind",
+        "peer",
+        "bytes",
+        "error",
+        "_status",
+        "_loop",
+        "_loop_tid",
+        "_waiters",
+        "_done",
+        "_lock",
+        "_remaining",
+        "_callbacks",
+    )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, kind: str, peer: str,
-                 nbytes: int, loop_tid: int | None = None) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        kind: str,
+        peer: str,
+        nbytes: int,
+        loop_tid: int | None = None,
+    ) -> None:
         self.kind = kind
         self.peer = peer
         self.bytes = nbytes
@@ -128,8 +146,10 @@ class Transfer:
         return self
 
     def __repr__(self) -> str:
-        return (f"Transfer({self.kind} {self.peer}, {self.bytes} B, "
-                f"{self._status.name}{', ' + self.error if self.error else ''})")
+        return (
+            f"Transfer({self.kind} {self.peer}, {self.bytes} B, "
+            f"{self._status.name}{', ' + self.error if self.error else ''})"
+        )
 
     # -- engine side (thread-safe) ----------------------------------------
     def _expect(self, parts: int) -> None:
@@ -157,8 +177,7 @@ class Transfer:
         with self._lock:
             if self._status is not TransferStatus.PENDING:
                 return
-            self._status = (TransferStatus.FAILED if self.error is not None
-                            else TransferStatus.DONE)
+            self._status = TransferStatus.FAILED if self.error is not None else TransferStatus.DONE
             callbacks, self._callbacks = self._callbacks, []
         self._done.release()
         for cb in callbacks:
@@ -181,7 +200,7 @@ class Transfer:
                 if not w.done():  # cancelled awaiters are skipped
                     w.set_result(None)
 
-    def _add_callback(self, cb: Callable[["Transfer"], None]) -> None:
+    def _add_callback(self, cb: Callable[[Transfer], None]) -> None:
         """Run ``cb(self)`` in the completing thread (now if already done)."""
         with self._lock:
             if self._status is TransferStatus.PENDING:
@@ -220,12 +239,20 @@ class TransferEngine:
     called from any thread once :meth:`start` has run.
     """
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *,
-                 conns_per_peer: int = 4, chunk_bytes: int = 2 << 20,
-                 checksum: bool = False, connect_timeout: float = 3.0,
-                 poll_us: int = 200,
-                 transport: Transport | str | None = None,
-                 transport_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        conns_per_peer: int = 4,
+        chunk_bytes: int = 2 << 20,
+        checksum: bool = False,
+        connect_timeout: float = 3.0,
+        poll_us: int = 200,
+        transport: Transport | str | None = None,
+        transport_options: dict | None = None,
+    ) -> None:
         """``transport`` is a :class:`Transport` instance, or a kind for
         :func:`kvmesh.rdma.factory.make_transport`: ``"tcp"``, ``"rdma"`` or
         ``"auto"`` (the default: RDMA verbs when a device is usable, else TCP
@@ -236,14 +263,21 @@ class TransferEngine:
             raise ValueError("chunk_bytes must be positive")
         self.chunk_bytes = chunk_bytes
         self.checksum = checksum
-        self.poll_us = poll_us   # also the store client's busy-poll window
+        self.poll_us = poll_us  # also the store client's busy-poll window
         if transport is None or isinstance(transport, str):
             from .factory import make_transport  # local: factory imports engine deps
+
             transport = make_transport(
-                transport or "auto", secret=secret, host=host, port=port,
-                conns_per_peer=conns_per_peer, checksum=checksum,
-                connect_timeout=connect_timeout, poll_us=poll_us,
-                **(transport_options or {}))
+                transport or "auto",
+                secret=secret,
+                host=host,
+                port=port,
+                conns_per_peer=conns_per_peer,
+                checksum=checksum,
+                connect_timeout=connect_timeout,
+                poll_us=poll_us,
+                **(transport_options or {}),
+            )
         self._transport = transport
         self.transport_kind = getattr(transport, "kind", type(transport).__name__)
         self._regions = RegionTable()
@@ -255,9 +289,15 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._pending_writes: dict[str, set[Transfer]] = {}
         self._last_notify: dict[str, Transfer] = {}
-        self._stats = {"bytes_written": 0, "bytes_read": 0, "writes": 0, "reads": 0,
-                       "notifies_sent": 0, "notifies_received": 0,
-                       "transfers_failed": 0}
+        self._stats = {
+            "bytes_written": 0,
+            "bytes_read": 0,
+            "writes": 0,
+            "reads": 0,
+            "notifies_sent": 0,
+            "notifies_received": 0,
+            "transfers_failed": 0,
+        }
         # per-peer busy-period bandwidth measurement (see bandwidth())
         self._bw: dict[str, float] = {}
         self._bw_inflight: dict[str, int] = {}
@@ -265,8 +305,11 @@ class TransferEngine:
         self._fault_every = _FAULT_CORRUPT_EVERY  # test-only, see KVMESH_FAULT_CORRUPT_EVERY
         self._fault_count = 0
         if self._fault_every:
-            log.warning("TEST-ONLY fault injection on: one data-plane byte in every %d "
-                        "transfers is corrupted (KVMESH_FAULT_CORRUPT_EVERY)", self._fault_every)
+            log.warning(
+                "TEST-ONLY fault injection on: one data-plane byte in every %d "
+                "transfers is corrupted (KVMESH_FAULT_CORRUPT_EVERY)",
+                self._fault_every,
+            )
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -284,7 +327,7 @@ class TransferEngine:
         self._closed = True
         await self._transport.close()
 
-    async def __aenter__(self) -> "TransferEngine":
+    async def __aenter__(self) -> TransferEngine:
         await self.start()
         return self
 
@@ -341,15 +384,17 @@ class TransferEngine:
         def send() -> None:
             failed = [w for w in writes if w.status is TransferStatus.FAILED]
             if failed:
-                t._fail_now(f"notify not sent: a preceding write to {peer} failed: "
-                            f"{failed[0].error}")
+                t._fail_now(
+                    f"notify not sent: a preceding write to {peer} failed: {failed[0].error}"
+                )
                 return
             if self._closed:
                 t._fail_now("transfer engine closed")
                 return
             t._expect(1)
-            self._transport.submit(peer, [WorkRequest(
-                Op.NOTIFY, payload, 0, 0, len(payload), t._part_done)])
+            self._transport.submit(
+                peer, [WorkRequest(Op.NOTIFY, payload, 0, 0, len(payload), t._part_done)]
+            )
 
         _when_all(deps, send)
         t._add_callback(self._transfer_finished)
@@ -417,8 +462,16 @@ class TransferEngine:
                 local = self._regions.view(s.local_region, s.local_offset, s.length)
                 for off in range(0, s.length, chunk):
                     n = min(chunk, s.length - off)
-                    reqs.append(WorkRequest(op, local[off:off + n], s.remote_region,
-                                            s.remote_offset + off, n, t._part_done))
+                    reqs.append(
+                        WorkRequest(
+                            op,
+                            local[off : off + n],
+                            s.remote_region,
+                            s.remote_offset + off,
+                            n,
+                            t._part_done,
+                        )
+                    )
         except RemoteAccessError as e:
             t._fail_now(f"local {e}")
             return t

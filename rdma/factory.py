@@ -33,21 +33,33 @@ def rdma_unavailable_reason(refresh: bool = False) -> str | None:
     with _probe_lock:
         if _probe_result is None or refresh:
             from .verbs_layer import probe_devices
+
             try:
                 devs = probe_devices()
             except Exception as e:  # noqa: BLE001 - any failure means "no RDMA"
                 _probe_result = (False, str(e) or repr(e))
             else:
-                _probe_result = ((True, "") if devs else
-                                 (False, "no RDMA device found (ibv_get_device_list is empty)"))
+                _probe_result = (
+                    (True, "")
+                    if devs
+                    else (False, "no RDMA device found (ibv_get_device_list is empty)")
+                )
         ok, why = _probe_result
     return None if ok else why
 
 
-def make_transport(kind: str = "auto", *, secret: bytes, host: str = "127.0.0.1",
-                   port: int = 0, conns_per_peer: int = 4, checksum: bool = False,
-                   connect_timeout: float = 3.0, poll_us: int = 200,
-                   **verbs_options) -> Transport:
+def make_transport(
+    kind: str = "auto",
+    *,
+    secret: bytes,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    conns_per_peer: int = 4,
+    checksum: bool = False,
+    connect_timeout: float = 3.0,
+    poll_us: int = 200,
+    **verbs_options,
+) -> Transport:
     """Build a transport.  ``verbs_options`` go to
     :class:`kvmesh.rdma.verbs.VerbsTransport` (``devices``, ``piece_bytes``, ...)
     and are ignored by TCP."""
@@ -56,8 +68,7 @@ def make_transport(kind: str = "auto", *, secret: bytes, host: str = "127.0.0.1"
         kind = os.environ.get("KVMESH_TRANSPORT", "auto") or "auto"
     if kind not in KINDS:
         raise ValueError(f"unknown transport kind {kind!r}; expected one of {KINDS}")
-    tcp_kw = dict(conns_per_peer=conns_per_peer, checksum=checksum,
-                  connect_timeout=connect_timeout)
+    tcp_kw = dict(conns_per_peer=conns_per_peer, checksum=checksum, connect_timeout=connect_timeout)
     if kind == "tcp":
         return TcpTransport(secret, host, port, poll_us=poll_us, **tcp_kw)
     why = None
@@ -73,4 +84,5 @@ def make_transport(kind: str = "auto", *, secret: bytes, host: str = "127.0.0.1"
             log.info("kvmesh transfer engine: using TCP transport (%s)", why)
         return TcpTransport(secret, host, port, poll_us=poll_us, **tcp_kw)
     from .verbs import VerbsTransport
+
     return VerbsTransport(secret, host, port, **tcp_kw, **verbs_options)

@@ -43,25 +43,35 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 # Each tunable lives in the module that reads it; they and the framing constants
 # are re-exported here, where they were defined before the split.
-from .tcp_channel import MAX_ATTEMPTS, MAX_BATCH_BYTES, MAX_BATCH_REQS  # noqa: F401
-from .tcp_channel import _Channel
-from .tcp_lane import FAST_MAX_INFLIGHT, FAST_RETRY_S  # noqa: F401
-from .tcp_lane import _FastLane
-from .tcp_proto import (F_CRC, MAX_NOTIFY_BYTES, POLL_BACKOFF, REPLY,  # noqa: F401
-                        ST_BAD_ACCESS, ST_BAD_REQUEST, ST_CHECKSUM, ST_OK)
-from .tcp_server import (MAX_PENDING_ACKS, MAX_PENDING_REPLY_BYTES,  # noqa: F401
-                         POLL_MAX_BYTES, SCRATCH_BYTES)
-from .tcp_server import accept_loop
+from .tcp_channel import MAX_ATTEMPTS, MAX_BATCH_BYTES, MAX_BATCH_REQS, _Channel  # noqa: F401
+from .tcp_lane import FAST_MAX_INFLIGHT, FAST_RETRY_S, _FastLane  # noqa: F401
+from .tcp_proto import (  # noqa: F401
+    F_CRC,
+    MAX_NOTIFY_BYTES,
+    POLL_BACKOFF,
+    REPLY,
+    ST_BAD_ACCESS,
+    ST_BAD_REQUEST,
+    ST_CHECKSUM,
+    ST_OK,
+)
+from .tcp_server import (  # noqa: F401
+    MAX_PENDING_ACKS,
+    MAX_PENDING_REPLY_BYTES,
+    POLL_MAX_BYTES,
+    SCRATCH_BYTES,
+    accept_loop,
+)
 from .transport import Op, RegionTable, TransferError, Transport, WorkRequest
 from .wire import Counters, configure_socket, split_address, usable_cpus
 
-CONNECT_TIMEOUT = 3.0       # default seconds for TCP connect + handshake
-FAST_MAX_BYTES = 1 << 20    # loop-thread requests up to this size use the fast lane
-                            # (while it has fewer than FAST_MAX_INFLIGHT in flight)
+CONNECT_TIMEOUT = 3.0  # default seconds for TCP connect + handshake
+FAST_MAX_BYTES = 1 << 20  # loop-thread requests up to this size use the fast lane
+# (while it has fewer than FAST_MAX_INFLIGHT in flight)
 
 
 class TcpTransport(Transport):
@@ -72,10 +82,18 @@ class TcpTransport(Transport):
     server) has one byte flipped *after* its crc32 was computed.
     """
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *,
-                 conns_per_peer: int = 4, checksum: bool = False,
-                 sock_buf_bytes: int = 4 << 20,
-                 connect_timeout: float = CONNECT_TIMEOUT, poll_us: int = 200) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        conns_per_peer: int = 4,
+        checksum: bool = False,
+        sock_buf_bytes: int = 4 << 20,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        poll_us: int = 200,
+    ) -> None:
         if not secret:
             raise ValueError("a non-empty cluster secret is required")
         if conns_per_peer < 1:
@@ -111,8 +129,7 @@ class TcpTransport(Transport):
         self.address = ""
 
     # -- lifecycle ----------------------------------------------------------
-    async def start(self, regions: RegionTable,
-                    on_notify: Callable[[bytes], None]) -> str:
+    async def start(self, regions: RegionTable, on_notify: Callable[[bytes], None]) -> str:
         import asyncio
 
         self._regions = regions
@@ -125,13 +142,15 @@ class TcpTransport(Transport):
         configure_socket(ls, self.sock_buf_bytes)  # inherited by accepted sockets
         ls.bind((self.host, self.port))
         ls.listen(128)
-        ls.settimeout(1.0)  # lets the accept loop notice close() even if shutdown() does not wake it
+        ls.settimeout(
+            1.0
+        )  # lets the accept loop notice close() even if shutdown() does not wake it
         self._listener = ls
         self.port = ls.getsockname()[1]
         self.address = f"{self.host}:{self.port}"
-        self._accept_thread = threading.Thread(target=accept_loop, args=(self,),
-                                               daemon=True,
-                                               name=f"kvmesh-accept-{self.port}")
+        self._accept_thread = threading.Thread(
+            target=accept_loop, args=(self,), daemon=True, name=f"kvmesh-accept-{self.port}"
+        )
         self._accept_thread.start()
         return self.address
 
@@ -204,9 +223,13 @@ class TcpTransport(Transport):
             return
         if len(requests) == 1:
             r = requests[0]
-            if (r.length <= FAST_MAX_BYTES and r.op is not Op.NOTIFY
-                    and threading.get_ident() == self._loop_tid
-                    and not self.corrupt_next and not self.closed):
+            if (
+                r.length <= FAST_MAX_BYTES
+                and r.op is not Op.NOTIFY
+                and threading.get_ident() == self._loop_tid
+                and not self.corrupt_next
+                and not self.closed
+            ):
                 lane = self._lanes.get(peer)
                 if lane is None:
                     lane = self._lanes[peer] = _FastLane(self, peer, chans[0], self._loop)

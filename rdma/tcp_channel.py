@@ -22,24 +22,31 @@ from typing import TYPE_CHECKING
 
 from .tcp_proto import F_CRC, ST_CHECKSUM, ST_OK
 from .transport import Op, TransferError, WorkRequest
-from .wire import (REP, REQ, AuthError, Reader, client_handshake, configure_socket,
-                   sendmsg_all, split_address)
+from .wire import (
+    REP,
+    REQ,
+    AuthError,
+    Reader,
+    client_handshake,
+    configure_socket,
+    sendmsg_all,
+    split_address,
+)
 
 if TYPE_CHECKING:
     from .tcp import TcpTransport
 
 log = logging.getLogger("kvmesh.rdma.tcp")  # the transport's logger, as before the split
 
-MAX_ATTEMPTS = 2            # one retry on a fresh connection
-MAX_BATCH_REQS = 128        # requests coalesced into one sendmsg
+MAX_ATTEMPTS = 2  # one retry on a fresh connection
+MAX_BATCH_REQS = 128  # requests coalesced into one sendmsg
 MAX_BATCH_BYTES = 8 << 20
 
 
-def _open_socket(tr: "TcpTransport", peer: str) -> socket.socket:
+def _open_socket(tr: TcpTransport, peer: str) -> socket.socket:
     """Connect to ``peer`` and authenticate; returns a blocking socket."""
     host, port = split_address(peer)
-    family, stype, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM)[0]
+    family, stype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, stype, proto)
     try:
         configure_socket(sock, tr.sock_buf_bytes)  # before connect: window scale
@@ -57,15 +64,16 @@ def _open_socket(tr: "TcpTransport", peer: str) -> socket.socket:
 class _Conn:
     """One authenticated client socket of a channel, with its receiver thread."""
 
-    def __init__(self, channel: "_Channel", sock: socket.socket) -> None:
+    def __init__(self, channel: _Channel, sock: socket.socket) -> None:
         self.channel = channel
         self.sock = sock
         self.lock = threading.Lock()
         self.inflight: dict[int, WorkRequest] = {}
         self.dead = False
         self.ids = itertools.count(1)
-        self.rx = threading.Thread(target=self._recv_loop, daemon=True,
-                                   name=f"kvmesh-rx-{channel.peer}")
+        self.rx = threading.Thread(
+            target=self._recv_loop, daemon=True, name=f"kvmesh-rx-{channel.peer}"
+        )
         self.rx.start()
 
     def send_batch(self, batch: list[WorkRequest]) -> None:
@@ -87,8 +95,7 @@ class _Conn:
                     payload[0] ^= 0xFF  # test hook: damage after the crc
             elif tr.checksum:
                 flags = F_CRC  # ask the server to checksum READ data
-            iovs.append(REQ.pack(r.op, flags, 0, crc, r.region, rid,
-                                 r.offset, r.length))
+            iovs.append(REQ.pack(r.op, flags, 0, crc, r.region, rid, r.offset, r.length))
             if payload is not None and r.length:
                 iovs.append(payload)
         with self.lock:
@@ -123,9 +130,12 @@ class _Conn:
                         if tr.checksum and zlib.crc32(r.local) != crc:
                             tr.counters.add("checksum_failures")
                             current = None
-                            r.complete(TransferError(
-                                f"checksum mismatch reading {length} bytes from "
-                                f"{self.channel.peer} region {r.region} offset {r.offset}"))
+                            r.complete(
+                                TransferError(
+                                    f"checksum mismatch reading {length} bytes from "
+                                    f"{self.channel.peer} region {r.region} offset {r.offset}"
+                                )
+                            )
                             continue
                     current = None
                     r.complete(None)
@@ -164,7 +174,7 @@ class _Conn:
 class _Channel:
     """One connection slot to a peer, served by a sender thread."""
 
-    def __init__(self, transport: "TcpTransport", peer: str, index: int) -> None:
+    def __init__(self, transport: TcpTransport, peer: str, index: int) -> None:
         self.transport = transport
         self.peer = peer
         self.cv = threading.Condition()
@@ -172,8 +182,9 @@ class _Channel:
         self.queued_bytes = 0
         self.closed = False
         self.conn: _Conn | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"kvmesh-tx-{peer}-{index}")
+        self.thread = threading.Thread(
+            target=self._run, daemon=True, name=f"kvmesh-tx-{peer}-{index}"
+        )
         self.thread.start()
 
     # -- queue management (any thread) ------------------------------------
@@ -203,11 +214,17 @@ class _Channel:
             if self.closed or self.transport.closed:
                 r.complete(TransferError("transfer engine closed"))
             elif r.op is Op.NOTIFY and r.sent:
-                r.complete(TransferError(
-                    f"connection to {self.peer} lost; notify delivery unknown ({exc})"))
+                r.complete(
+                    TransferError(
+                        f"connection to {self.peer} lost; notify delivery unknown ({exc})"
+                    )
+                )
             elif r.attempts >= MAX_ATTEMPTS:
-                r.complete(TransferError(
-                    f"{r.op.name} to {self.peer} failed after {r.attempts} attempts: {exc!r}"))
+                r.complete(
+                    TransferError(
+                        f"{r.op.name} to {self.peer} failed after {r.attempts} attempts: {exc!r}"
+                    )
+                )
             else:
                 retry.append(r)
         if retry:
@@ -231,8 +248,11 @@ class _Channel:
                 return None
             batch = [self.queue.popleft()]
             nbytes = batch[0].length
-            while (self.queue and len(batch) < MAX_BATCH_REQS
-                   and nbytes + self.queue[0].length <= MAX_BATCH_BYTES):
+            while (
+                self.queue
+                and len(batch) < MAX_BATCH_REQS
+                and nbytes + self.queue[0].length <= MAX_BATCH_BYTES
+            ):
                 r = self.queue.popleft()
                 batch.append(r)
                 nbytes += r.length
@@ -266,8 +286,7 @@ class _Channel:
                         if isinstance(e, AuthError):
                             self.transport.counters.add("auth_failures")
                         self.requeue(batch)
-                        self._fail_queued(
-                            ConnectionError(f"cannot connect to {self.peer}: {e}"))
+                        self._fail_queued(ConnectionError(f"cannot connect to {self.peer}: {e}"))
                         continue
                 conn.send_batch(batch)
         except Exception:  # pragma: no cover - defensive
@@ -282,4 +301,3 @@ class _Channel:
                 self.queue.clear()
             for r in reqs:
                 r.complete(TransferError("transfer engine closed"))
-

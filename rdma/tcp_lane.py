@@ -26,8 +26,8 @@ from .wire import REP, REQ, PollBackoff
 if TYPE_CHECKING:
     from .tcp import TcpTransport
 
-FAST_MAX_INFLIGHT = 2       # the lane takes a request while it has fewer than this in flight
-FAST_RETRY_S = 1.0          # after a failed fast-lane connect, use the channels this long
+FAST_MAX_INFLIGHT = 2  # the lane takes a request while it has fewer than this in flight
+FAST_RETRY_S = 1.0  # after a failed fast-lane connect, use the channels this long
 
 
 class _FastLane:
@@ -45,8 +45,7 @@ class _FastLane:
     peer's channels under the usual ``MAX_ATTEMPTS`` policy.
     """
 
-    def __init__(self, transport: "TcpTransport", peer: str, chan: "_Channel",
-                 loop) -> None:
+    def __init__(self, transport: TcpTransport, peer: str, chan: _Channel, loop) -> None:
         self.tr = transport
         self.peer = peer
         self.chan = chan  # retries go here
@@ -63,7 +62,7 @@ class _FastLane:
         self.hpos = 0
         self.body: memoryview | None = None  # READ data / error text being received
         self.bpos = 0
-        self.berr = -1   # status of the reply whose error text is in ``body``
+        self.berr = -1  # status of the reply whose error text is in ``body``
         self.bcrc = 0
         self.backoff = PollBackoff(POLL_BACKOFF)
 
@@ -74,8 +73,9 @@ class _FastLane:
             return not self.out and len(self.inflight) < FAST_MAX_INFLIGHT
         if not self.connecting and time.monotonic() >= self.retry_at:
             self.connecting = True
-            threading.Thread(target=self._connect, daemon=True,
-                             name=f"kvmesh-fast-{self.peer}").start()
+            threading.Thread(
+                target=self._connect, daemon=True, name=f"kvmesh-fast-{self.peer}"
+            ).start()
         return False
 
     def _connect(self) -> None:
@@ -157,7 +157,7 @@ class _FastLane:
                 return
             self._on_readable()
         if self.sock is not None and not any(i == rid for i, _ in inflight):
-            self.backoff.caught()   # answered (not a dropped socket or a partial send)
+            self.backoff.caught()  # answered (not a dropped socket or a partial send)
 
     def _send(self, bufs: list) -> None:
         try:
@@ -192,7 +192,7 @@ class _FastLane:
             while sock is self.sock:
                 body = self.body
                 if body is not None:
-                    got = sock.recv_into(body[self.bpos:])
+                    got = sock.recv_into(body[self.bpos :])
                     if not got:
                         raise ConnectionError("connection closed by peer")
                     self.bpos += got
@@ -203,7 +203,7 @@ class _FastLane:
                     continue
                 if not self.inflight:
                     return  # nothing expected; EOF/garbage shows up next time
-                got = sock.recv_into(self.hmv[self.hpos:])
+                got = sock.recv_into(self.hmv[self.hpos :])
                 if not got:
                     raise ConnectionError("connection closed by peer")
                 self.hpos += got
@@ -247,9 +247,12 @@ class _FastLane:
         if status < 0:  # READ data landed in local memory
             if tr.checksum and zlib.crc32(body) != self.bcrc:
                 tr.counters.add("checksum_failures")
-                r.complete(TransferError(
-                    f"checksum mismatch reading {r.length} bytes from "
-                    f"{self.peer} region {r.region} offset {r.offset}"))
+                r.complete(
+                    TransferError(
+                        f"checksum mismatch reading {r.length} bytes from "
+                        f"{self.peer} region {r.region} offset {r.offset}"
+                    )
+                )
             else:
                 r.complete(None)
             return
@@ -257,4 +260,3 @@ class _FastLane:
             tr.counters.add("checksum_failures")
         msg = bytes(body).decode("utf-8", "replace")
         r.complete(TransferError(f"peer {self.peer}: {msg}"))
-

@@ -23,39 +23,55 @@ import threading
 import zlib
 from typing import TYPE_CHECKING
 
-from .tcp_proto import (F_CRC, MAX_NOTIFY_BYTES, POLL_BACKOFF, REPLY, ST_BAD_ACCESS,
-                        ST_CHECKSUM, ST_OK)
+from .tcp_proto import (
+    F_CRC,
+    MAX_NOTIFY_BYTES,
+    POLL_BACKOFF,
+    REPLY,
+    ST_BAD_ACCESS,
+    ST_CHECKSUM,
+    ST_OK,
+)
 from .transport import Op, RemoteAccessError
-from .wire import (REP, REQ, AuthError, PollBackoff, recv_exact, recv_spin, sendmsg_all,
-                   server_handshake)
+from .wire import (
+    REP,
+    REQ,
+    AuthError,
+    PollBackoff,
+    recv_exact,
+    recv_spin,
+    sendmsg_all,
+    server_handshake,
+)
 
 if TYPE_CHECKING:
     from .tcp import TcpTransport
 
 log = logging.getLogger("kvmesh.rdma.tcp")  # the transport's logger, as before the split
 
-MAX_PENDING_ACKS = 64       # server flushes replies at least this often...
+MAX_PENDING_ACKS = 64  # server flushes replies at least this often...
 MAX_PENDING_REPLY_BYTES = 1 << 20  # ...or once this much READ data is queued
-SCRATCH_BYTES = 64 << 10    # sink for the payload of a rejected WRITE
-POLL_MAX_BYTES = 1 << 20    # WRITE payloads up to this size are busy-polled too
+SCRATCH_BYTES = 64 << 10  # sink for the payload of a rejected WRITE
+POLL_MAX_BYTES = 1 << 20  # WRITE payloads up to this size are busy-polled too
 
 
-def accept_loop(tr: "TcpTransport") -> None:
+def accept_loop(tr: TcpTransport) -> None:
     """Accepts connections until the transport closes; one :func:`serve` thread each."""
     ls = tr._listener
     assert ls is not None
     while not tr.closed:
         try:
             sock, _ = ls.accept()
-        except socket.timeout:
+        except TimeoutError:
             continue
         except OSError:
             if tr.closed:
                 break
             continue
         sock.setblocking(True)
-        t = threading.Thread(target=serve, args=(tr, sock), daemon=True,
-                             name=f"kvmesh-srv-{tr.port}")
+        t = threading.Thread(
+            target=serve, args=(tr, sock), daemon=True, name=f"kvmesh-srv-{tr.port}"
+        )
         with tr._lock:
             if tr.closed:
                 sock.close()
@@ -65,7 +81,7 @@ def accept_loop(tr: "TcpTransport") -> None:
         t.start()
 
 
-def serve(tr: "TcpTransport", sock: socket.socket) -> None:
+def serve(tr: TcpTransport, sock: socket.socket) -> None:
     """One accepted connection: handshake, then :func:`serve_requests` until it ends."""
     try:
         try:
@@ -73,8 +89,7 @@ def serve(tr: "TcpTransport", sock: socket.socket) -> None:
             server_handshake(sock, tr.secret)
             sock.settimeout(None)
         except (OSError, AuthError) as e:
-            tr.counters.add("auth_rejected" if isinstance(e, AuthError)
-                            else "handshake_errors")
+            tr.counters.add("auth_rejected" if isinstance(e, AuthError) else "handshake_errors")
             return
         serve_requests(tr, sock)
     except (OSError, ConnectionError):
@@ -88,7 +103,7 @@ def serve(tr: "TcpTransport", sock: socket.socket) -> None:
         sock.close()
 
 
-def serve_requests(tr: "TcpTransport", sock: socket.socket) -> None:
+def serve_requests(tr: TcpTransport, sock: socket.socket) -> None:
     """Serves an authenticated peer's requests until it goes away (raises then)."""
     regions = tr._regions
     assert regions is not None and tr._on_notify is not None
@@ -100,7 +115,7 @@ def serve_requests(tr: "TcpTransport", sock: socket.socket) -> None:
     counters = tr.counters
     poll_s = tr.poll_s
     spinners = tr.spinners
-    backoff = PollBackoff(POLL_BACKOFF)          # waits for the next request
+    backoff = PollBackoff(POLL_BACKOFF)  # waits for the next request
     payload_backoff = PollBackoff(POLL_BACKOFF)  # waits for a WRITE payload
 
     def error(rid: int, status: int, msg: str) -> None:
@@ -127,11 +142,11 @@ def serve_requests(tr: "TcpTransport", sock: socket.socket) -> None:
                 pending_out = 0
         if got < REQ.size:
             if poll_s and backoff.should_poll() and spinners.acquire(blocking=False):
-                try:   # the slot is held while spinning only, never while blocked
+                try:  # the slot is held while spinning only, never while blocked
                     got += recv_spin(sock, hmv[got:], poll_s)
                 finally:
                     spinners.release()
-                if got < REQ.size:   # the window ran out: this peer is not that quick
+                if got < REQ.size:  # the window ran out: this peer is not that quick
                     backoff.missed()
                 else:
                     backoff.caught()
@@ -145,26 +160,33 @@ def serve_requests(tr: "TcpTransport", sock: socket.socket) -> None:
             except RemoteAccessError as e:
                 left = length
                 while left:
-                    left -= recv_exact(sock, scratch[:min(left, SCRATCH_BYTES)])
+                    left -= recv_exact(sock, scratch[: min(left, SCRATCH_BYTES)])
                 error(rid, ST_BAD_ACCESS, f"WRITE rejected: {e}")
                 continue
             got = 0
-            if (poll_s and length <= POLL_MAX_BYTES and payload_backoff.should_poll()
-                    and spinners.acquire(blocking=False)):
+            if (
+                poll_s
+                and length <= POLL_MAX_BYTES
+                and payload_backoff.should_poll()
+                and spinners.acquire(blocking=False)
+            ):
                 try:
                     got = recv_spin(sock, dst, poll_s)
                 finally:
                     spinners.release()
-                if got < length:   # a slow sender: its own back-off, not the headers'
+                if got < length:  # a slow sender: its own back-off, not the headers'
                     payload_backoff.missed()
                 else:
                     payload_backoff.caught()
             if got < length:
                 recv_exact(sock, dst[got:] if got else dst)
             if flags & F_CRC and zlib.crc32(dst) != crc:
-                error(rid, ST_CHECKSUM,
-                      f"checksum mismatch in WRITE of {length} bytes to region "
-                      f"{region} offset {offset}")
+                error(
+                    rid,
+                    ST_CHECKSUM,
+                    f"checksum mismatch in WRITE of {length} bytes to region "
+                    f"{region} offset {offset}",
+                )
                 counters.add("checksum_failures")
                 continue
             acks.append(REP.pack(REPLY, ST_OK, 0, 0, rid, 0))

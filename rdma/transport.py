@@ -19,7 +19,8 @@ from __future__ import annotations
 import enum
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "Op",
@@ -141,11 +142,27 @@ class WorkRequest:
     once, from whatever thread finished the request.
     """
 
-    __slots__ = ("op", "local", "region", "offset", "length", "on_done",
-                 "attempts", "sent", "_finished")
+    __slots__ = (
+        "op",
+        "local",
+        "region",
+        "offset",
+        "length",
+        "on_done",
+        "attempts",
+        "sent",
+        "_finished",
+    )
 
-    def __init__(self, op: Op, local: memoryview | bytes, region: int, offset: int,
-                 length: int, on_done: Callable[[Exception | None], None]) -> None:
+    def __init__(
+        self,
+        op: Op,
+        local: memoryview | bytes,
+        region: int,
+        offset: int,
+        length: int,
+        on_done: Callable[[Exception | None], None],
+    ) -> None:
         self.op = op
         self.local = local
         self.region = region
@@ -163,8 +180,10 @@ class WorkRequest:
         self.on_done(error)
 
     def __repr__(self) -> str:
-        return (f"WorkRequest({self.op.name}, region={self.region}, "
-                f"offset={self.offset}, length={self.length})")
+        return (
+            f"WorkRequest({self.op.name}, region={self.region}, "
+            f"offset={self.offset}, length={self.length})"
+        )
 
 
 class Transport(ABC):
@@ -184,8 +203,7 @@ class Transport(ABC):
     """
 
     @abstractmethod
-    async def start(self, regions: RegionTable,
-                    on_notify: Callable[[bytes], None]) -> str:
+    async def start(self, regions: RegionTable, on_notify: Callable[[bytes], None]) -> str:
         """Start serving; return the address peers use to reach us."""
 
     @abstractmethod

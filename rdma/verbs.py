@@ -44,12 +44,19 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from .tcp import TcpTransport
 from .transport import Op, RegionTable, TransferError, Transport, WorkRequest
-from .verbs_layer import (PyverbsLayer, VerbsLayer, _LocalRegion, _Peer, _Pending,
-                          _Piece, memory_numa_node)
+from .verbs_layer import (
+    PyverbsLayer,
+    VerbsLayer,
+    _LocalRegion,
+    _Peer,
+    _Pending,
+    _Piece,
+    memory_numa_node,
+)
 
 __all__ = ["CTL_MAGIC", "VerbsTransport"]
 
@@ -75,7 +82,7 @@ class _Nic:
 class _QP:
     """One RC queue pair and its send backlog; the state machine is enforced here."""
 
-    def __init__(self, tr: "VerbsTransport", nic: _Nic, peer: str) -> None:
+    def __init__(self, tr: VerbsTransport, nic: _Nic, peer: str) -> None:
         self.tr, self.nic, self.peer = tr, nic, peer
         self.handle = tr.layer.create_qp(nic.pd, nic.cq, tr.qp_depth)
         self.qp_num = self.handle.qp_num
@@ -89,8 +96,14 @@ class _QP:
 
     def info(self) -> dict:
         n = self.nic
-        return {"qp_num": self.qp_num, "lid": n.lid, "gid": n.gid, "psn": self.psn,
-                "nic": n.index, "mtu": n.mtu}
+        return {
+            "qp_num": self.qp_num,
+            "lid": n.lid,
+            "gid": n.gid,
+            "psn": self.psn,
+            "nic": n.index,
+            "mtu": n.mtu,
+        }
 
     def move(self, state: str, **attrs) -> None:
         if _NEXT_STATE.get(self.state) != state and state != "ERR":
@@ -103,9 +116,16 @@ class _QP:
         nic, tr = self.nic, self.tr
         if self.state == "RESET":
             self.move("INIT", port=tr.port_num)
-        self.move("RTR", port=tr.port_num, dest_qp_num=remote["qp_num"],
-                  rq_psn=remote["psn"], dlid=remote["lid"], dgid=remote["gid"],
-                  gid_index=tr.gid_index, mtu=min(nic.mtu, remote.get("mtu", nic.mtu)))
+        self.move(
+            "RTR",
+            port=tr.port_num,
+            dest_qp_num=remote["qp_num"],
+            rq_psn=remote["psn"],
+            dlid=remote["lid"],
+            dgid=remote["gid"],
+            gid_index=tr.gid_index,
+            mtu=min(nic.mtu, remote.get("mtu", nic.mtu)),
+        )
         self.move("RTS", sq_psn=self.psn)
         self.remote_nic = remote.get("nic", 0)
 
@@ -120,23 +140,38 @@ class VerbsTransport(Transport):
 
     kind = "rdma"
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *,
-                 conns_per_peer: int = 2, checksum: bool = False,
-                 connect_timeout: float = 3.0, layer: VerbsLayer | None = None,
-                 devices: list[str] | None = None, port_num: int = 1,
-                 gid_index: int | None = None, piece_bytes: int = 1 << 20,
-                 qp_depth: int = 128, cq_depth: int = 4096) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        conns_per_peer: int = 2,
+        checksum: bool = False,
+        connect_timeout: float = 3.0,
+        layer: VerbsLayer | None = None,
+        devices: list[str] | None = None,
+        port_num: int = 1,
+        gid_index: int | None = None,
+        piece_bytes: int = 1 << 20,
+        qp_depth: int = 128,
+        cq_depth: int = 4096,
+    ) -> None:
         if checksum:
             raise ValueError("checksum=True is not supported by the RDMA transport")
         if piece_bytes < 1:
             raise ValueError("piece_bytes must be positive")
-        self.tcp = TcpTransport(secret, host, port, conns_per_peer=conns_per_peer,
-                                connect_timeout=connect_timeout)
+        self.tcp = TcpTransport(
+            secret, host, port, conns_per_peer=conns_per_peer, connect_timeout=connect_timeout
+        )
         self.layer = layer if layer is not None else PyverbsLayer()
         self.device_names = devices
         self.port_num = port_num
-        self.gid_index = (gid_index if gid_index is not None
-                          else int(os.environ.get("KVMESH_RDMA_GID_INDEX", "0")))
+        self.gid_index = (
+            gid_index
+            if gid_index is not None
+            else int(os.environ.get("KVMESH_RDMA_GID_INDEX", "0"))
+        )
         self.piece_bytes = piece_bytes
         self.qp_depth = qp_depth
         self.cq_depth = cq_depth
@@ -146,20 +181,26 @@ class VerbsTransport(Transport):
         self._nics: list[_Nic] = []
         self._regions: RegionTable | None = None
         self._on_notify: Callable[[bytes], None] | None = None
-        self._lock = threading.Lock()          # peers, served QPs, replies
-        self._mr_lock = threading.Lock()       # local region registrations
-        self._plock = threading.Lock()         # _Pending counters
-        self._local: list[_LocalRegion] = []   # sorted by start
+        self._lock = threading.Lock()  # peers, served QPs, replies
+        self._mr_lock = threading.Lock()  # local region registrations
+        self._plock = threading.Lock()  # _Pending counters
+        self._local: list[_LocalRegion] = []  # sorted by start
         self._local_by_rid: dict[int, _LocalRegion] = {}
         self._peers: dict[str, _Peer] = {}
         self._served: dict[str, list[_QP]] = {}
-        self._replies: dict[str, list] = {}    # nonce -> [Event, message]
+        self._replies: dict[str, list] = {}  # nonce -> [Event, message]
         self._inflight: dict[int, _Piece] = {}
         self._ids = itertools.count(1)
         self._wake = threading.Event()
         self._poller: threading.Thread | None = None
-        self._counters = {"rdma_pieces": 0, "rdma_bytes_out": 0, "rdma_bytes_in": 0,
-                          "rdma_errors": 0, "rdma_handshakes": 0, "mr_registrations": 0}
+        self._counters = {
+            "rdma_pieces": 0,
+            "rdma_bytes_out": 0,
+            "rdma_bytes_in": 0,
+            "rdma_errors": 0,
+            "rdma_handshakes": 0,
+            "mr_registrations": 0,
+        }
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self, regions: RegionTable, on_notify: Callable[[bytes], None]) -> str:
@@ -184,13 +225,15 @@ class VerbsTransport(Transport):
             nic.cq = self.layer.create_cq(nic.ctx, self.cq_depth)
             self._nics.append(nic)
         self.address = await self.tcp.start(regions, self._tcp_notify)
-        self._poller = threading.Thread(target=self._poll_loop, daemon=True,
-                                        name=f"kvmesh-cq-{self.tcp.port}")
+        self._poller = threading.Thread(
+            target=self._poll_loop, daemon=True, name=f"kvmesh-cq-{self.tcp.port}"
+        )
         self._poller.start()
         return self.address
 
     async def close(self) -> None:
         import asyncio
+
         if self.closed:
             return
         self.closed = True
@@ -258,8 +301,9 @@ class VerbsTransport(Transport):
                 p.waiting.extend(data)
                 data = []
         if new:
-            threading.Thread(target=self._connect, args=(p,), daemon=True,
-                             name=f"kvmesh-rdma-connect-{peer}").start()
+            threading.Thread(
+                target=self._connect, args=(p,), daemon=True, name=f"kvmesh-rdma-connect-{peer}"
+            ).start()
         if data:
             self._post(p, data)
 
@@ -268,8 +312,9 @@ class VerbsTransport(Transport):
             p.qps = [_QP(self, nic, p.address) for nic in self._nics]
             for qp in p.qps:
                 qp.move("INIT", port=self.port_num)
-            reply = self._request(p.address, {"t": "hello", "from": self.address,
-                                              "nics": [q.info() for q in p.qps]})
+            reply = self._request(
+                p.address, {"t": "hello", "from": self.address, "nics": [q.info() for q in p.qps]}
+            )
             if len(reply.get("nics", ())) != len(p.qps):
                 raise TransferError("malformed RDMA handshake reply")
             for qp, remote in zip(p.qps, reply["nics"]):
@@ -307,17 +352,23 @@ class VerbsTransport(Transport):
             remote = p.mrs.get(r.region)
             if remote is None:
                 if refreshed:
-                    r.complete(TransferError(f"peer {p.address}: {r.op.name} rejected: "
-                                             f"unknown region {r.region}"))
+                    r.complete(
+                        TransferError(
+                            f"peer {p.address}: {r.op.name} rejected: unknown region {r.region}"
+                        )
+                    )
                 else:
                     unknown.append(r)
                 continue
             raddr, rsize, rkeys = remote
             if r.offset < 0 or r.offset + r.length > rsize:
-                r.complete(TransferError(
-                    f"peer {p.address}: {r.op.name} rejected: out of bounds: region "
-                    f"{r.region} has {rsize} bytes, access [{r.offset}, "
-                    f"{r.offset + r.length})"))
+                r.complete(
+                    TransferError(
+                        f"peer {p.address}: {r.op.name} rejected: out of bounds: region "
+                        f"{r.region} has {rsize} bytes, access [{r.offset}, "
+                        f"{r.offset + r.length})"
+                    )
+                )
                 continue
             if r.length == 0:
                 r.complete(None)
@@ -336,17 +387,23 @@ class VerbsTransport(Transport):
                 qp = qps[(start + k) % len(qps)]
                 off = k * piece_bytes
                 ln = min(piece_bytes, r.length - off)
-                piece = _Piece(pend, qp, r.op.name, laddr + off, ln,
-                               reg.mrs[qp.nic.index].lkey, raddr + r.offset + off,
-                               rkeys[qp.remote_nic])
+                piece = _Piece(
+                    pend,
+                    qp,
+                    r.op.name,
+                    laddr + off,
+                    ln,
+                    reg.mrs[qp.nic.index].lkey,
+                    raddr + r.offset + off,
+                    rkeys[qp.remote_nic],
+                )
                 with qp.lock:
                     qp.backlog.append(piece)
                 touched.add(qp)
         for qp in touched:
             self._pump(qp)
         if unknown:
-            threading.Thread(target=self._refresh_and_post, args=(p, unknown),
-                             daemon=True).start()
+            threading.Thread(target=self._refresh_and_post, args=(p, unknown), daemon=True).start()
 
     def _refresh_and_post(self, p: _Peer, reqs: list[WorkRequest]) -> None:
         try:
@@ -370,18 +427,26 @@ class VerbsTransport(Transport):
         failed: list[tuple[_Piece, Exception]] = []
         with qp.lock:
             nic = qp.nic
-            while (qp.backlog and qp.outstanding < self.qp_depth
-                   and nic.outstanding < self.cq_depth):
+            while qp.backlog and qp.outstanding < self.qp_depth and nic.outstanding < self.cq_depth:
                 piece = qp.backlog.popleft()
                 if qp.broken:
-                    failed.append((piece, TransferError(
-                        f"RDMA queue pair to {qp.peer} is in error state")))
+                    failed.append(
+                        (piece, TransferError(f"RDMA queue pair to {qp.peer} is in error state"))
+                    )
                     continue
                 wr_id = next(self._ids)
                 self._inflight[wr_id] = piece
                 try:
-                    self.layer.post_send(qp.handle, wr_id, piece.op, piece.laddr,
-                                         piece.length, piece.lkey, piece.raddr, piece.rkey)
+                    self.layer.post_send(
+                        qp.handle,
+                        wr_id,
+                        piece.op,
+                        piece.laddr,
+                        piece.length,
+                        piece.lkey,
+                        piece.raddr,
+                        piece.rkey,
+                    )
                 except Exception as e:  # noqa: BLE001
                     self._inflight.pop(wr_id, None)
                     failed.append((piece, TransferError(f"post_send failed: {e}")))
@@ -429,8 +494,9 @@ class VerbsTransport(Transport):
                     if c.status != 0:
                         self._counters["rdma_errors"] += 1
                         qp.broken = True
-                        err = TransferError(f"RDMA {piece.op} to {qp.peer} failed on "
-                                            f"{nic.name}: {c.message}")
+                        err = TransferError(
+                            f"RDMA {piece.op} to {qp.peer} failed on {nic.name}: {c.message}"
+                        )
                         p = self._peers.get(qp.peer)
                         if p is not None and qp in p.qps:
                             self._drop_peer(p, str(err))
@@ -495,8 +561,10 @@ class VerbsTransport(Transport):
     def _mr_table(self) -> dict:
         self._sync_local()
         with self._mr_lock:
-            return {str(r.rid): [r.start, r.end - r.start, [mr.rkey for mr in r.mrs]]
-                    for r in self._local}
+            return {
+                str(r.rid): [r.start, r.end - r.start, [mr.rkey for mr in r.mrs]]
+                for r in self._local
+            }
 
     @staticmethod
     def _parse_mrs(raw: dict) -> dict[int, tuple[int, int, list[int]]]:
@@ -524,8 +592,9 @@ class VerbsTransport(Transport):
         try:
             self._send_ctl(peer, dict(msg, n=nonce))
             if not slot[0].wait(self.connect_timeout) or slot[1] is None:
-                raise TransferError(f"no RDMA control reply from {peer} "
-                                    "(peer closed, unreachable, or TCP-only?)")
+                raise TransferError(
+                    f"no RDMA control reply from {peer} (peer closed, unreachable, or TCP-only?)"
+                )
         finally:
             with self._lock:
                 self._replies.pop(nonce, None)
@@ -540,7 +609,7 @@ class VerbsTransport(Transport):
             self._on_notify(payload)
             return
         try:
-            msg = json.loads(payload[len(CTL_MAGIC):])
+            msg = json.loads(payload[len(CTL_MAGIC) :])
             kind = msg["t"]
             if kind in ("welcome", "mrs"):
                 slot = self._replies.get(msg.get("n", ""))
@@ -550,8 +619,7 @@ class VerbsTransport(Transport):
             elif kind == "hello":
                 self._on_hello(msg)
             elif kind == "mrs?":
-                self._send_ctl(msg["from"], {"t": "mrs", "n": msg["n"],
-                                             "mrs": self._mr_table()})
+                self._send_ctl(msg["from"], {"t": "mrs", "n": msg["n"], "mrs": self._mr_table()})
         except Exception:  # noqa: BLE001 - never kill the TCP server thread
             log.exception("bad RDMA control message")
 
@@ -580,4 +648,3 @@ class VerbsTransport(Transport):
         for qp in old:  # the client reconnected: its old QPs are gone
             self.layer.destroy(qp.handle)
         self._send_ctl(peer, reply)
-

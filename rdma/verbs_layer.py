@@ -24,8 +24,17 @@ from typing import Any
 
 from .transport import WorkRequest
 
-__all__ = ["DeviceInfo", "PortInfo", "PyverbsLayer", "VerbsLayer", "Completion",
-           "QP_STATES", "import_pyverbs", "memory_numa_node", "probe_devices"]
+__all__ = [
+    "DeviceInfo",
+    "PortInfo",
+    "PyverbsLayer",
+    "VerbsLayer",
+    "Completion",
+    "QP_STATES",
+    "import_pyverbs",
+    "memory_numa_node",
+    "probe_devices",
+]
 
 DIST_PACKAGES = "/usr/lib/python3/dist-packages"
 SYSFS_IB = "/sys/class/infiniband"
@@ -41,15 +50,15 @@ class DeviceInfo:
 @dataclass(frozen=True)
 class PortInfo:
     lid: int
-    gid: str        # "xxxx:xxxx:...": 8 groups, all zero when the port has none
+    gid: str  # "xxxx:xxxx:...": 8 groups, all zero when the port has none
     active: bool
-    mtu: int        # ibv_mtu enum value (1=256 ... 5=4096)
+    mtu: int  # ibv_mtu enum value (1=256 ... 5=4096)
 
 
 @dataclass(frozen=True)
 class Completion:
     wr_id: int
-    status: int     # 0 = success (IBV_WC_SUCCESS)
+    status: int  # 0 = success (IBV_WC_SUCCESS)
     message: str
 
 
@@ -60,26 +69,51 @@ class VerbsLayer:
     ``mr.lkey``/``mr.rkey`` and ``qp.qp_num``.
     """
 
-    def list_devices(self) -> list[DeviceInfo]: raise NotImplementedError
-    def open_device(self, name: str) -> Any: raise NotImplementedError
-    def query_port(self, ctx: Any, port: int, gid_index: int) -> PortInfo: raise NotImplementedError
-    def alloc_pd(self, ctx: Any) -> Any: raise NotImplementedError
-    def reg_mr(self, pd: Any, addr: int, length: int) -> Any: raise NotImplementedError
-    def create_cq(self, ctx: Any, depth: int) -> Any: raise NotImplementedError
-    def create_qp(self, pd: Any, cq: Any, max_send_wr: int) -> Any: raise NotImplementedError
+    def list_devices(self) -> list[DeviceInfo]:
+        raise NotImplementedError
+
+    def open_device(self, name: str) -> Any:
+        raise NotImplementedError
+
+    def query_port(self, ctx: Any, port: int, gid_index: int) -> PortInfo:
+        raise NotImplementedError
+
+    def alloc_pd(self, ctx: Any) -> Any:
+        raise NotImplementedError
+
+    def reg_mr(self, pd: Any, addr: int, length: int) -> Any:
+        raise NotImplementedError
+
+    def create_cq(self, ctx: Any, depth: int) -> Any:
+        raise NotImplementedError
+
+    def create_qp(self, pd: Any, cq: Any, max_send_wr: int) -> Any:
+        raise NotImplementedError
 
     def modify_qp(self, qp: Any, state: str, **attrs: Any) -> None:
         """``state`` is INIT (attrs: port), RTR (port, dest_qp_num, rq_psn,
         dlid, dgid, gid_index, mtu), RTS (sq_psn) or ERR."""
         raise NotImplementedError
 
-    def post_send(self, qp: Any, wr_id: int, op: str, local_addr: int, length: int,
-                  lkey: int, remote_addr: int, rkey: int) -> None:
+    def post_send(
+        self,
+        qp: Any,
+        wr_id: int,
+        op: str,
+        local_addr: int,
+        length: int,
+        lkey: int,
+        remote_addr: int,
+        rkey: int,
+    ) -> None:
         """``op`` is "WRITE" or "READ"; always signaled."""
         raise NotImplementedError
 
-    def poll_cq(self, cq: Any, max_entries: int) -> list[Completion]: raise NotImplementedError
-    def destroy(self, obj: Any) -> None: raise NotImplementedError
+    def poll_cq(self, cq: Any, max_entries: int) -> list[Completion]:
+        raise NotImplementedError
+
+    def destroy(self, obj: Any) -> None:
+        raise NotImplementedError
 
 
 # -- pyverbs ---------------------------------------------------------------------
@@ -94,12 +128,14 @@ def import_pyverbs():
         try:
             import pyverbs  # noqa: F401
         except ImportError as e:
-            raise RuntimeError(f"pyverbs is not installed ({e}); "
-                               "apt-get install python3-pyverbs") from e
+            raise RuntimeError(
+                f"pyverbs is not installed ({e}); apt-get install python3-pyverbs"
+            ) from e
         finally:
             if added:  # pyverbs' submodules resolve through pyverbs.__path__
                 sys.path.remove(DIST_PACKAGES)
     import pyverbs.device
+
     return pyverbs
 
 
@@ -123,11 +159,13 @@ class PyverbsLayer(VerbsLayer):
     def __init__(self) -> None:
         import_pyverbs()
         import pyverbs.enums as e
+
         self.e = e
 
     def list_devices(self) -> list[DeviceInfo]:
         from pyverbs.device import get_device_list
         from pyverbs.pyverbs_error import PyverbsError
+
         try:
             devs = get_device_list()
         except PyverbsError as ex:  # "Failed to get devices list" when none
@@ -142,6 +180,7 @@ class PyverbsLayer(VerbsLayer):
 
     def open_device(self, name: str) -> Any:
         from pyverbs.device import Context
+
         return Context(name=name)
 
     def query_port(self, ctx: Any, port: int, gid_index: int) -> PortInfo:
@@ -150,44 +189,45 @@ class PyverbsLayer(VerbsLayer):
             gid = str(ctx.query_gid(port, gid_index))
         except Exception:  # noqa: BLE001 - IB ports may have no GID table entry
             gid = ":".join(["0000"] * 8)
-        return PortInfo(attr.lid, gid, attr.state == self.e.IBV_PORT_ACTIVE,
-                        attr.active_mtu)
+        return PortInfo(attr.lid, gid, attr.state == self.e.IBV_PORT_ACTIVE, attr.active_mtu)
 
     def alloc_pd(self, ctx: Any) -> Any:
         from pyverbs.pd import PD
+
         return PD(ctx)
 
     def reg_mr(self, pd: Any, addr: int, length: int) -> Any:
         from pyverbs.mr import MR
+
         e = self.e
-        access = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-                  | e.IBV_ACCESS_REMOTE_READ)
+        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
         return MR(pd, length, access, address=addr)
 
     def create_cq(self, ctx: Any, depth: int) -> Any:
         from pyverbs.cq import CQ
+
         return CQ(ctx, depth, None, None, 0)
 
     def create_qp(self, pd: Any, cq: Any, max_send_wr: int) -> Any:
         from pyverbs.qp import QP, QPCap, QPInitAttr
-        cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=1, max_send_sge=1,
-                    max_recv_sge=1)
-        return QP(pd, QPInitAttr(qp_type=self.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap,
-                                 sq_sig_all=1))
+
+        cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        return QP(pd, QPInitAttr(qp_type=self.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=1))
 
     def modify_qp(self, qp: Any, state: str, **a: Any) -> None:
-        from pyverbs.addr import AHAttr, GID, GlobalRoute
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr
+
         e = self.e
         attr = QPAttr()
         if state == "INIT":
             attr.qp_state = e.IBV_QPS_INIT
             attr.pkey_index = 0
             attr.port_num = a["port"]
-            attr.qp_access_flags = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-                                    | e.IBV_ACCESS_REMOTE_READ)
-            mask = (e.IBV_QP_STATE | e.IBV_QP_PKEY_INDEX | e.IBV_QP_PORT
-                    | e.IBV_QP_ACCESS_FLAGS)
+            attr.qp_access_flags = (
+                e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+            )
+            mask = e.IBV_QP_STATE | e.IBV_QP_PKEY_INDEX | e.IBV_QP_PORT | e.IBV_QP_ACCESS_FLAGS
         elif state == "RTR":
             attr.qp_state = e.IBV_QPS_RTR
             attr.path_mtu = a.get("mtu", e.IBV_MTU_1024)
@@ -197,22 +237,32 @@ class PyverbsLayer(VerbsLayer):
             attr.min_rnr_timer = 12
             dgid = a.get("dgid") or ""
             if dgid and dgid.replace(":", "").strip("0"):
-                gr = GlobalRoute(dgid=GID(dgid), sgid_index=a.get("gid_index", 0),
-                                 hop_limit=64)
-                attr.ah_attr = AHAttr(dlid=a.get("dlid", 0), port_num=a["port"],
-                                      is_global=1, gr=gr)
+                gr = GlobalRoute(dgid=GID(dgid), sgid_index=a.get("gid_index", 0), hop_limit=64)
+                attr.ah_attr = AHAttr(dlid=a.get("dlid", 0), port_num=a["port"], is_global=1, gr=gr)
             else:
                 attr.ah_attr = AHAttr(dlid=a["dlid"], port_num=a["port"])
-            mask = (e.IBV_QP_STATE | e.IBV_QP_AV | e.IBV_QP_PATH_MTU | e.IBV_QP_DEST_QPN
-                    | e.IBV_QP_RQ_PSN | e.IBV_QP_MAX_DEST_RD_ATOMIC
-                    | e.IBV_QP_MIN_RNR_TIMER)
+            mask = (
+                e.IBV_QP_STATE
+                | e.IBV_QP_AV
+                | e.IBV_QP_PATH_MTU
+                | e.IBV_QP_DEST_QPN
+                | e.IBV_QP_RQ_PSN
+                | e.IBV_QP_MAX_DEST_RD_ATOMIC
+                | e.IBV_QP_MIN_RNR_TIMER
+            )
         elif state == "RTS":
             attr.qp_state = e.IBV_QPS_RTS
             attr.sq_psn = a["sq_psn"]
             attr.timeout, attr.retry_cnt, attr.rnr_retry = 14, 7, 7
             attr.max_rd_atomic = 16
-            mask = (e.IBV_QP_STATE | e.IBV_QP_SQ_PSN | e.IBV_QP_TIMEOUT
-                    | e.IBV_QP_RETRY_CNT | e.IBV_QP_RNR_RETRY | e.IBV_QP_MAX_QP_RD_ATOMIC)
+            mask = (
+                e.IBV_QP_STATE
+                | e.IBV_QP_SQ_PSN
+                | e.IBV_QP_TIMEOUT
+                | e.IBV_QP_RETRY_CNT
+                | e.IBV_QP_RNR_RETRY
+                | e.IBV_QP_MAX_QP_RD_ATOMIC
+            )
         elif state == "ERR":
             attr.qp_state = e.IBV_QPS_ERR
             mask = e.IBV_QP_STATE
@@ -220,13 +270,28 @@ class PyverbsLayer(VerbsLayer):
             raise ValueError(f"unsupported QP state {state}")
         qp.modify(attr, mask)
 
-    def post_send(self, qp: Any, wr_id: int, op: str, local_addr: int, length: int,
-                  lkey: int, remote_addr: int, rkey: int) -> None:
+    def post_send(
+        self,
+        qp: Any,
+        wr_id: int,
+        op: str,
+        local_addr: int,
+        length: int,
+        lkey: int,
+        remote_addr: int,
+        rkey: int,
+    ) -> None:
         from pyverbs.wr import SGE, SendWR
+
         e = self.e
         opcode = e.IBV_WR_RDMA_WRITE if op == "WRITE" else e.IBV_WR_RDMA_READ
-        wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=1,
-                    sg=[SGE(local_addr, length, lkey)], send_flags=e.IBV_SEND_SIGNALED)
+        wr = SendWR(
+            wr_id=wr_id,
+            opcode=opcode,
+            num_sge=1,
+            sg=[SGE(local_addr, length, lkey)],
+            send_flags=e.IBV_SEND_SIGNALED,
+        )
         wr.set_wr_rdma(rkey, remote_addr)
         qp.post_send(wr)
 
@@ -271,6 +336,7 @@ def memory_numa_node(addr: int) -> int:
 # -- bookkeeping records of rdma.verbs.VerbsTransport (kept here for its size) ----
 class _Pending:
     """A work request cut into ``left`` pieces still outstanding."""
+
     __slots__ = ("wr", "left", "error")
 
     def __init__(self, wr: WorkRequest, left: int) -> None:
@@ -281,8 +347,16 @@ class _Piece:
     __slots__ = ("pending", "qp", "op", "laddr", "length", "lkey", "raddr", "rkey")
 
     def __init__(self, *args) -> None:
-        (self.pending, self.qp, self.op, self.laddr, self.length, self.lkey,
-         self.raddr, self.rkey) = args
+        (
+            self.pending,
+            self.qp,
+            self.op,
+            self.laddr,
+            self.length,
+            self.lkey,
+            self.raddr,
+            self.rkey,
+        ) = args
 
 
 class _LocalRegion:
@@ -294,14 +368,13 @@ class _LocalRegion:
 
 class _Peer:
     """Client-side state for one peer address: its QPs and region table."""
+
     def __init__(self, address: str) -> None:
         self.address = address
         self.lock = threading.Lock()
         self.ready = False
         self.failed: str | None = None
         self.waiting: list[WorkRequest] = []
-        self.qps: list[_QP] = []
+        self.qps: list = []  # kvmesh.rdma.verbs._QP, one per NIC
         self.mrs: dict[int, tuple[int, int, list[int]]] = {}
         self.rr = 0
-
-

@@ -21,11 +21,26 @@ import struct
 import threading
 import time
 
-__all__ = ["AuthError", "Counters", "REQ", "REP", "Reader", "client_handshake", "server_handshake",
-           "LoopTurns", "PollBackoff", "configure_socket", "usable_cpus", "recv_exact", "recv_spin", "sendmsg_all", "split_address"]
+__all__ = [
+    "AuthError",
+    "Counters",
+    "REQ",
+    "REP",
+    "Reader",
+    "client_handshake",
+    "server_handshake",
+    "LoopTurns",
+    "PollBackoff",
+    "configure_socket",
+    "usable_cpus",
+    "recv_exact",
+    "recv_spin",
+    "sendmsg_all",
+    "split_address",
+]
 
 REQ = struct.Struct("!BBHIIQQQ")  # op flags rsv crc region req_id offset length
-REP = struct.Struct("!BBHIQQ")    # kind status rsv crc req_id length
+REP = struct.Struct("!BBHIQQ")  # kind status rsv crc req_id length
 
 MAGIC = b"KVM1"
 NONCE_BYTES = 32
@@ -157,7 +172,7 @@ def sendmsg_all(sock: socket.socket, bufs: list) -> None:
     bufs = list(bufs)
     i, n_bufs = 0, len(bufs)
     while i < n_bufs:
-        sent = sock.sendmsg(bufs[i:i + 512])
+        sent = sock.sendmsg(bufs[i : i + 512])
         while sent:
             size = len(bufs[i])
             if sent >= size:
@@ -180,8 +195,12 @@ def configure_socket(sock: socket.socket, buf_bytes: int) -> None:
             except OSError:
                 pass
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5),
-                        ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 20_000)):
+    for name, value in (
+        ("TCP_KEEPIDLE", 10),
+        ("TCP_KEEPINTVL", 5),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", 20_000),
+    ):
         opt = getattr(socket, name, None)
         if opt is not None:
             try:
@@ -218,9 +237,9 @@ def client_handshake(sock: socket.socket, secret: bytes) -> None:
         hello = _recv_bytes(sock, len(MAGIC) + NONCE_BYTES)
     except ConnectionError as e:
         raise AuthError("server closed before handshake") from e
-    if hello[:len(MAGIC)] != MAGIC:
+    if hello[: len(MAGIC)] != MAGIC:
         raise AuthError("peer is not a kvmesh transfer engine")
-    nonce_s = hello[len(MAGIC):]
+    nonce_s = hello[len(MAGIC) :]
     nonce_c = os.urandom(NONCE_BYTES)
     sock.sendall(_mac(secret, b"client", nonce_s, nonce_c) + nonce_c)
     try:
@@ -261,10 +280,10 @@ class Reader:
     def _fill(self, n: int) -> None:
         if self.start + n > len(self.buf):  # compact
             k = self.end - self.start
-            self.mv[:k] = self.mv[self.start:self.end]
+            self.mv[:k] = self.mv[self.start : self.end]
             self.start, self.end = 0, k
         while self.end - self.start < n:
-            got = self.sock.recv_into(self.mv[self.end:])
+            got = self.sock.recv_into(self.mv[self.end :])
             if not got:
                 raise ConnectionError("connection closed by peer")
             self.end += got
@@ -284,7 +303,7 @@ class Reader:
         n = len(dst)
         k = min(n, self.end - self.start)
         if k:
-            dst[:k] = self.mv[self.start:self.start + k]
+            dst[:k] = self.mv[self.start : self.start + k]
             self.start += k
         if k < n:
             recv_exact(self.sock, dst[k:])

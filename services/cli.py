@@ -1,10 +1,10 @@
 """``kvmesh``: one command line for the cluster.
 
-  kvmesh up                      etcd + store-master + conductor + prefill + decode here
-  kvmesh conductor|store-master|prefill|decode [--help]   one service
-  kvmesh generate "text"         stream a completion from a running cluster
-  kvmesh status [--once|--watch] [--json]   the nodes, load and latency (live on a TTY)
-  kvmesh health HOST:PORT        exit 0 when that service's gRPC health is SERVING
+kvmesh up                      etcd + store-master + conductor + prefill + decode here
+kvmesh conductor|store-master|prefill|decode [--help]   one service
+kvmesh generate "text"         stream a completion from a running cluster
+kvmesh status [--once|--watch] [--json]   the nodes, load and latency (live on a TTY)
+kvmesh health HOST:PORT        exit 0 when that service's gRPC health is SERVING
 """
 
 from __future__ import annotations
@@ -38,73 +38,97 @@ def _service_main(role: str):
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    req = pb.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, model=args.model,
-                             sampling=pb.SamplingParams(temperature=args.temperature,
-                                                        seed=args.seed),
-                             slo=pb.SLO(ttft_ms=args.ttft_slo_ms), cache_salt=args.cache_salt)
+    req = pb.GenerateRequest(
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        model=args.model,
+        sampling=pb.SamplingParams(temperature=args.temperature, seed=args.seed),
+        slo=pb.SLO(ttft_ms=args.ttft_slo_ms),
+        cache_salt=args.cache_salt,
+    )
     async with make_channel(args.conductor) as ch:
         try:
             last = None
-            async for r in pbg.ConductorStub(ch).Generate(req, timeout=args.timeout,
-                                                          metadata=bearer_metadata(args.api_key)):
+            async for r in pbg.ConductorStub(ch).Generate(
+                req, timeout=args.timeout, metadata=bearer_metadata(args.api_key)
+            ):
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
                 last = r
             sys.stdout.write("\n")
             if last is not None and args.verbose:
                 u = last.usage
-                print(f"[{last.finish_reason}] prompt={u.prompt_tokens} completion="
-                      f"{u.completion_tokens} cached={u.cached_tokens} computed={u.computed_tokens}",
-                      file=sys.stderr)
+                print(
+                    f"[{last.finish_reason}] prompt={u.prompt_tokens} completion="
+                    f"{u.completion_tokens} cached={u.cached_tokens} computed={u.computed_tokens}",
+                    file=sys.stderr,
+                )
         except grpc.aio.AioRpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     return 0
 
 
-async def cluster_status(conductor: str, timeout: float = 5, *, api_key: str = "",
-                         tls: TlsFiles | None = None) -> pb.ClusterStatusResponse:
+async def cluster_status(
+    conductor: str, timeout: float = 5, *, api_key: str = "", tls: TlsFiles | None = None
+) -> pb.ClusterStatusResponse:
     async with make_channel(conductor, tls) as ch:
-        return await pbg.ConductorStub(ch).ClusterStatus(pb.ClusterStatusRequest(),
-                                                          timeout=timeout,
-                                                          metadata=bearer_metadata(api_key))
+        return await pbg.ConductorStub(ch).ClusterStatus(
+            pb.ClusterStatusRequest(), timeout=timeout, metadata=bearer_metadata(api_key)
+        )
 
 
 def format_status(s: pb.ClusterStatusResponse) -> str:
     seen = s.requests_accepted + s.requests_rejected
     rate = f"{100 * s.requests_accepted / seen:.1f}%" if seen else "-"
     reasons = ", ".join(f"{k}={v}" for k, v in sorted(s.rejected_by_reason.items()))
-    rows = [f"cluster {s.cluster}: {len(s.nodes)} node(s); store {s.store_blocks} block(s), "
-            f"{s.store_bytes_used / 2**20:.1f}/{s.store_bytes_total / 2**20:.1f} MiB"
-            + (f" ({100 * s.store_bytes_used / s.store_bytes_total:.0f}% used)"
-               if s.store_bytes_total else ""),
-            f"requests: {s.requests_accepted} accepted, {s.requests_rejected} rejected"
-            + (f" ({reasons})" if reasons else "") + f"; acceptance {rate}; SLO attained "
-            + (f"{100 * s.slo_attainment:.1f}%" if s.requests_accepted else "-"),
-            f"latency (last {s.window_s or 300}s): TTFT p50/p90/p99 {s.ttft_p50_ms:.1f}/"
-            f"{s.ttft_p90_ms:.1f}/{s.ttft_p99_ms:.1f} ms; TBT p50/p90/p99 {s.tbt_p50_ms:.1f}/"
-            f"{s.tbt_p90_ms:.1f}/{s.tbt_p99_ms:.1f} ms"]
+    rows = [
+        f"cluster {s.cluster}: {len(s.nodes)} node(s); store {s.store_blocks} block(s), "
+        f"{s.store_bytes_used / 2**20:.1f}/{s.store_bytes_total / 2**20:.1f} MiB"
+        + (
+            f" ({100 * s.store_bytes_used / s.store_bytes_total:.0f}% used)"
+            if s.store_bytes_total
+            else ""
+        ),
+        f"requests: {s.requests_accepted} accepted, {s.requests_rejected} rejected"
+        + (f" ({reasons})" if reasons else "")
+        + f"; acceptance {rate}; SLO attained "
+        + (f"{100 * s.slo_attainment:.1f}%" if s.requests_accepted else "-"),
+        f"latency (last {s.window_s or 300}s): TTFT p50/p90/p99 {s.ttft_p50_ms:.1f}/"
+        f"{s.ttft_p90_ms:.1f}/{s.ttft_p99_ms:.1f} ms; TBT p50/p90/p99 {s.tbt_p50_ms:.1f}/"
+        f"{s.tbt_p90_ms:.1f}/{s.tbt_p99_ms:.1f} ms",
+    ]
     if s.top_routes:
-        rows.append("top routes: " + ", ".join(
-            f"{r.prefill_node or '(on decode)'} -> {r.decode_node}: {r.requests}"
-            for r in s.top_routes))
+        rows.append(
+            "top routes: "
+            + ", ".join(
+                f"{r.prefill_node or '(on decode)'} -> {r.decode_node}: {r.requests}"
+                for r in s.top_routes
+            )
+        )
     rows += [
-            f"{'ROLE':<13} {'NODE':<28} {'GRPC':<22} {'KV FREE/TOTAL':>14} {'QUEUE':>6} "
-            f"{'RUN':>4} {'COMPUTED':>9} {'CACHED':>8} {'FETCHED':>8} {'DECODED':>8}"]
+        f"{'ROLE':<13} {'NODE':<28} {'GRPC':<22} {'KV FREE/TOTAL':>14} {'QUEUE':>6} "
+        f"{'RUN':>4} {'COMPUTED':>9} {'CACHED':>8} {'FETCHED':>8} {'DECODED':>8}"
+    ]
     for n in sorted(s.nodes, key=lambda n: (n.role, n.node_id)):
         kv = f"{n.kv_blocks_free}/{n.kv_blocks_total}" if n.kv_blocks_total else "-"
         state = "" if n.reachable else " (unreachable)"
-        rows.append(f"{n.role:<13} {n.node_id[:28]:<28} {n.grpc_address:<22} {kv:>14} "
-                    f"{n.queue_depth:>6} {n.running:>4} {n.computed_tokens_total:>9} "
-                    f"{n.cached_tokens_total:>8} {n.fetched_tokens_total:>8} "
-                    f"{n.generated_tokens_total:>8}{state}")
+        rows.append(
+            f"{n.role:<13} {n.node_id[:28]:<28} {n.grpc_address:<22} {kv:>14} "
+            f"{n.queue_depth:>6} {n.running:>4} {n.computed_tokens_total:>9} "
+            f"{n.cached_tokens_total:>8} {n.fetched_tokens_total:>8} "
+            f"{n.generated_tokens_total:>8}{state}"
+        )
     return "\n".join(rows)
 
 
 def format_endpoints(s: pb.ClusterStatusResponse) -> str:
-    rows = [f"{n.role:<13} {n.node_id[:28]:<28} metrics http://{n.metrics_address}/metrics"
-            + (f"  api http://{n.http_address}/v1" if n.http_address else "")
-            for n in sorted(s.nodes, key=lambda n: (n.role, n.node_id)) if n.metrics_address]
+    rows = [
+        f"{n.role:<13} {n.node_id[:28]:<28} metrics http://{n.metrics_address}/metrics"
+        + (f"  api http://{n.http_address}/v1" if n.http_address else "")
+        for n in sorted(s.nodes, key=lambda n: (n.role, n.node_id))
+        if n.metrics_address
+    ]
     return "\n".join(rows)
 
 
@@ -132,9 +156,11 @@ async def _status(args: argparse.Namespace) -> int:
             print(text)
             return 0
         stamp = time.strftime("%H:%M:%S")
-        sys.stdout.write(("\x1b[H\x1b[2J" if sys.stdout.isatty() else "")
-                         + f"kvmesh status  {args.conductor}  {stamp}  (every {args.interval:g}s;"
-                           f" Ctrl-C quits)\n\n{text}\n")
+        sys.stdout.write(
+            ("\x1b[H\x1b[2J" if sys.stdout.isatty() else "")
+            + f"kvmesh status  {args.conductor}  {stamp}  (every {args.interval:g}s;"
+            f" Ctrl-C quits)\n\n{text}\n"
+        )
         sys.stdout.flush()
         await asyncio.sleep(args.interval)
 
@@ -150,15 +176,22 @@ async def _health(args: argparse.Namespace) -> int:
 
 def add_client_arguments(p: argparse.ArgumentParser, api_key: bool = True) -> None:
     """TLS (and API key) options of a client command."""
-    p.add_argument("--tls-ca", default="", help="CA certificate (PEM) to verify the server "
-                                                "(turns TLS on)")
+    p.add_argument(
+        "--tls-ca", default="", help="CA certificate (PEM) to verify the server (turns TLS on)"
+    )
     p.add_argument("--tls-cert", default="", help="client certificate (PEM) for mutual TLS")
     p.add_argument("--tls-key", default="", help="private key (PEM) of --tls-cert")
-    p.add_argument("--tls-server-name", default="", help="name to check in the server's "
-                                                         "certificate instead of its address")
+    p.add_argument(
+        "--tls-server-name",
+        default="",
+        help="name to check in the server's certificate instead of its address",
+    )
     if api_key:
-        p.add_argument("--api-key", default=api_key_from_env(),
-                       help="API key sent as 'authorization: Bearer' (default: $KVMESH_API_KEY)")
+        p.add_argument(
+            "--api-key",
+            default=api_key_from_env(),
+            help="API key sent as 'authorization: Bearer' (default: $KVMESH_API_KEY)",
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,8 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] in roles:
         _service_main(argv[0])(argv[1:])
         return
-    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     for role in roles:
         sub.add_parser(role, help=f"run one {role} service (see kvmesh {role} --help)")
@@ -191,16 +225,24 @@ def main(argv: list[str] | None = None) -> None:
     st.add_argument("--conductor", default=DEFAULT_CONDUCTOR, help="conductor host:port")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     add_client_arguments(st)
-    st.add_argument("--once", action="store_true", help="print once and exit (default when "
-                                                         "stdout is not a terminal)")
-    st.add_argument("--watch", action="store_true", help="refresh until interrupted (default "
-                                                          "on a terminal)")
+    st.add_argument(
+        "--once",
+        action="store_true",
+        help="print once and exit (default when stdout is not a terminal)",
+    )
+    st.add_argument(
+        "--watch", action="store_true", help="refresh until interrupted (default on a terminal)"
+    )
     st.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     h = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
     h.add_argument("address", help="host:port of any kvmesh service's gRPC port")
     h.add_argument("--service", default="", help="service name to check ('' = the server)")
-    h.add_argument("--wait", type=float, default=0.0,
-                   help="keep checking up to this many seconds until SERVING")
+    h.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        help="keep checking up to this many seconds until SERVING",
+    )
     h.add_argument("-q", "--quiet", action="store_true")
     add_client_arguments(h, api_key=False)
     args = parser.parse_args(argv)

@@ -26,8 +26,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Etcd:
     """A single-member etcd on loopback with its own data dir (kept across restarts)."""
 
-    def __init__(self, data_dir: str, client_port: int = 0, peer_port: int = 0,
-                 log_path: str | None = None) -> None:
+    def __init__(
+        self, data_dir: str, client_port: int = 0, peer_port: int = 0, log_path: str | None = None
+    ) -> None:
         self.data_dir = data_dir
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
@@ -41,21 +42,46 @@ class Etcd:
     def start(self, timeout: float = 20) -> None:
         binary = shutil.which("etcd")
         if binary is None:
-            raise RuntimeError("etcd is not on PATH: install it (Debian: apt-get install etcd-server)")
+            raise RuntimeError(
+                "etcd is not on PATH: install it (Debian: apt-get install etcd-server)"
+            )
         client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [binary, "--name", "kvmesh", "--data-dir", self.data_dir,
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"kvmesh={peer}", "--log-level", "error",
-             # a single member: elect itself fast after a restart
-             "--heartbeat-interval", "50", "--election-timeout", "500"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                binary,
+                "--name",
+                "kvmesh",
+                "--data-dir",
+                self.data_dir,
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"kvmesh={peer}",
+                "--log-level",
+                "error",
+                # a single member: elect itself fast after a restart
+                "--heartbeat-interval",
+                "50",
+                "--election-timeout",
+                "500",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode} (log: {self.log_path})")
+                raise RuntimeError(
+                    f"etcd exited with {self.proc.returncode} (log: {self.log_path})"
+                )
             try:
                 with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
                     if b"true" in r.read():
@@ -84,13 +110,25 @@ class LocalCluster:
     """etcd (unless ``etcd_endpoint`` is given) + store-master + conductor + nodes, each a
     ``python -m kvmesh.services.cli <role>`` process with its log in ``workdir``."""
 
-    def __init__(self, workdir: str | None = None, *, cluster: str = "default",
-                 prefill: int = 1, decode: int = 1, conductor_port: int = 0,
-                 etcd_endpoint: str | None = None, lease_ttl: int = 10,
-                 node_args: list[str] | None = None, conductor_args: list[str] | None = None,
-                 decode_args: list[str] | None = None,
-                 store_args: list[str] | None = None, log_level: str = "INFO",
-                 http_port: int = 0, tls: bool = False, api_key: str = "") -> None:
+    def __init__(
+        self,
+        workdir: str | None = None,
+        *,
+        cluster: str = "default",
+        prefill: int = 1,
+        decode: int = 1,
+        conductor_port: int = 0,
+        etcd_endpoint: str | None = None,
+        lease_ttl: int = 10,
+        node_args: list[str] | None = None,
+        conductor_args: list[str] | None = None,
+        decode_args: list[str] | None = None,
+        store_args: list[str] | None = None,
+        log_level: str = "INFO",
+        http_port: int = 0,
+        tls: bool = False,
+        api_key: str = "",
+    ) -> None:
         self._own_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvmesh-")
         Path(self.workdir).mkdir(parents=True, exist_ok=True)
@@ -100,20 +138,30 @@ class LocalCluster:
         self.lease_ttl = lease_ttl
         self.node_args = node_args or []
         self.decode_args = decode_args or []  # after node_args, for decode nodes only
-        seg = self.node_args[self.node_args.index("--segment-memory") + 1] \
-            if "--segment-memory" in self.node_args else "1"
+        seg = (
+            self.node_args[self.node_args.index("--segment-memory") + 1]
+            if "--segment-memory" in self.node_args
+            else "1"
+        )
         self.expect_store = seg.strip() not in ("0", "0B", "0MiB")
         self.conductor_args = conductor_args or []
         self.store_args = store_args or []
         self.log_level = log_level
-        self.http_port = http_port  # conductor's OpenAI-compatible API (0 = any free port, -1 = off)
+        self.http_port = (
+            http_port  # conductor's OpenAI-compatible API (0 = any free port, -1 = off)
+        )
         # tls: a throwaway CA + one certificate per service in <workdir>/tls (mutual TLS on
         # every gRPC channel); api_key: what status()/wait_ready() send to the conductor
         self.tls_dir = os.path.join(self.workdir, "tls") if tls else ""
         self.api_key = api_key
         self._pki: dict = {}
-        self.etcd = None if etcd_endpoint else Etcd(os.path.join(self.workdir, "etcd"),
-                                                    log_path=os.path.join(self.workdir, "etcd.log"))
+        self.etcd = (
+            None
+            if etcd_endpoint
+            else Etcd(
+                os.path.join(self.workdir, "etcd"), log_path=os.path.join(self.workdir, "etcd.log")
+            )
+        )
         self.etcd_endpoint = etcd_endpoint or self.etcd.endpoint
         self.procs: dict[str, subprocess.Popen] = {}
         self._stopped: set[str] = set()
@@ -124,9 +172,19 @@ class LocalCluster:
         return f"127.0.0.1:{self.conductor_port}"
 
     def _common(self, name: str) -> list[str]:
-        return ["--cluster", self.cluster, "--etcd", self.etcd_endpoint, "--node-id", name,
-                "--lease-ttl", str(self.lease_ttl), "--log-level", self.log_level,
-                *self.tls_args(name)]
+        return [
+            "--cluster",
+            self.cluster,
+            "--etcd",
+            self.etcd_endpoint,
+            "--node-id",
+            name,
+            "--lease-ttl",
+            str(self.lease_ttl),
+            "--log-level",
+            self.log_level,
+            *self.tls_args(name),
+        ]
 
     def tls_args(self, name: str) -> list[str]:
         """``--tls-cert/--tls-key/--tls-ca`` of ``name`` ("client" for CLIs); [] without TLS."""
@@ -153,21 +211,33 @@ class LocalCluster:
 
     def spawn(self, name: str, role: str, extra: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
-        p = subprocess.Popen([sys.executable, "-m", "kvmesh.services.cli", role, *self._common(name),
-                              *extra], stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        p = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.services.cli", role, *self._common(name), *extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.procs[name] = p
         self._spawn_args[name] = (role, list(extra))
         self._stopped.discard(name)
         return p
 
-    def start(self, timeout: float = 90) -> "LocalCluster":
+    def start(self, timeout: float = 90) -> LocalCluster:
         if self.etcd:
             self.etcd.start()
         self.spawn("store-master-0", "store-master", self.store_args)
-        self.spawn("conductor-0", "conductor",
-                   ["--port", str(self.conductor_port), "--http-port", str(self.http_port),
-                    *self.conductor_args])
+        self.spawn(
+            "conductor-0",
+            "conductor",
+            [
+                "--port",
+                str(self.conductor_port),
+                "--http-port",
+                str(self.http_port),
+                *self.conductor_args,
+            ],
+        )
         for i in range(self.n_prefill):
             self.spawn(f"prefill-{i}", "prefill", self.node_args)
         for i in range(self.n_decode):
@@ -178,11 +248,13 @@ class LocalCluster:
     def status(self, timeout: float = 2):
         from kvmesh.services.cli import cluster_status
 
-        return asyncio.run(cluster_status(self.conductor, timeout, api_key=self.api_key,
-                                          tls=self.client_tls()))
+        return asyncio.run(
+            cluster_status(self.conductor, timeout, api_key=self.api_key, tls=self.client_tls())
+        )
 
-    def wait_ready(self, timeout: float = 90, prefill: int | None = None,
-                   decode: int | None = None) -> None:
+    def wait_ready(
+        self, timeout: float = 90, prefill: int | None = None, decode: int | None = None
+    ) -> None:
         want_p = self.n_prefill if prefill is None else prefill
         want_d = self.n_decode if decode is None else decode
         deadline = time.monotonic() + timeout
@@ -190,20 +262,27 @@ class LocalCluster:
         while time.monotonic() < deadline:
             for name, p in self.procs.items():
                 if p.poll() is not None and name not in self._stopped:
-                    raise RuntimeError(f"{name} exited with {p.returncode}; see "
-                                       f"{os.path.join(self.workdir, name + '.log')}")
+                    raise RuntimeError(
+                        f"{name} exited with {p.returncode}; see "
+                        f"{os.path.join(self.workdir, name + '.log')}"
+                    )
             try:
                 s = self.status()
                 roles = [n.role for n in s.nodes if n.reachable]
                 last = f"{roles}"
-                if (roles.count("prefill") == want_p and roles.count("decode") == want_d
-                        and "store-master" in roles
-                        and (s.store_bytes_total > 0 or not self.expect_store)):
+                if (
+                    roles.count("prefill") == want_p
+                    and roles.count("decode") == want_d
+                    and "store-master" in roles
+                    and (s.store_bytes_total > 0 or not self.expect_store)
+                ):
                     return
             except Exception as e:  # not up yet
                 last = str(e)[:200]
             time.sleep(0.25)
-        raise RuntimeError(f"cluster not ready in {timeout}s (last: {last}); logs in {self.workdir}")
+        raise RuntimeError(
+            f"cluster not ready in {timeout}s (last: {last}); logs in {self.workdir}"
+        )
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, wait: float = 30) -> int:
         p = self.procs[name]
@@ -217,8 +296,9 @@ class LocalCluster:
                 p.wait()
         return p.returncode
 
-    def restart_process(self, name: str, sig: int = signal.SIGTERM,
-                        down_s: float = 0.0) -> subprocess.Popen:
+    def restart_process(
+        self, name: str, sig: int = signal.SIGTERM, down_s: float = 0.0
+    ) -> subprocess.Popen:
         """Stops ``name`` with ``sig`` (if it still runs), waits ``down_s``, and spawns it
         again with the same role and arguments (same ports where they were fixed, e.g.
         the conductor's)."""
@@ -229,9 +309,11 @@ class LocalCluster:
         return self.spawn(name, role, extra)
 
     def stop(self) -> None:
-        order = [n for n in self.procs if n.startswith(("prefill", "decode"))] + \
-                [n for n in self.procs if n.startswith("conductor")] + \
-                [n for n in self.procs if n.startswith("store-master")]
+        order = (
+            [n for n in self.procs if n.startswith(("prefill", "decode"))]
+            + [n for n in self.procs if n.startswith("conductor")]
+            + [n for n in self.procs if n.startswith("store-master")]
+        )
         for name in order:
             p = self.procs[name]
             if p.poll() is None:
@@ -249,7 +331,7 @@ class LocalCluster:
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -258,23 +340,40 @@ class LocalCluster:
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="conductor gRPC port")
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="conductor's OpenAI-compatible HTTP API port (falls back to any free "
-                        "port when 8000 is taken; 0 = any free port, -1 = off)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="conductor's OpenAI-compatible HTTP API port (falls back to any free "
+        "port when 8000 is taken; 0 = any free port, -1 = off)",
+    )
     p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--model", default="tiny", help="model preset for every node")
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
-    p.add_argument("--workdir", default=None, help="where logs and etcd data go (default: a temp dir)")
-    p.add_argument("--demo", default=None, metavar="PROMPT",
-                   help="serve this one prompt, print the completion, and stop")
+    p.add_argument(
+        "--workdir", default=None, help="where logs and etcd data go (default: a temp dir)"
+    )
+    p.add_argument(
+        "--demo",
+        default=None,
+        metavar="PROMPT",
+        help="serve this one prompt, print the completion, and stop",
+    )
     p.add_argument("--max-tokens", type=int, default=48, help="tokens for --demo")
-    p.add_argument("--tls", action="store_true",
-                   help="mutual TLS on every gRPC channel: generates a throwaway CA and one "
-                        "certificate per service (and 'client' for CLIs) into <workdir>/tls")
-    p.add_argument("--api-keys", default="", help="client API keys of the conductor "
-                                                  "(KEY, KEY:TENANT, KEY:TENANT:shared=NS, "
-                                                  "comma-separated); empty = open")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS on every gRPC channel: generates a throwaway CA and one "
+        "certificate per service (and 'client' for CLIs) into <workdir>/tls",
+    )
+    p.add_argument(
+        "--api-keys",
+        default="",
+        help="client API keys of the conductor "
+        "(KEY, KEY:TENANT, KEY:TENANT:shared=NS, "
+        "comma-separated); empty = open",
+    )
 
 
 def _http_port(port: int) -> int:
@@ -286,19 +385,26 @@ def _http_port(port: int) -> int:
             s.bind(("127.0.0.1", port))
         return port
     except OSError:
-        print("port 8000 is taken: the HTTP API gets a free port (see kvmesh status)",
-              file=sys.stderr, flush=True)
+        print(
+            "port 8000 is taken: the HTTP API gets a free port (see kvmesh status)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 0
 
 
 def up(args: argparse.Namespace) -> int:
-    cluster = LocalCluster(args.workdir, prefill=args.prefill, decode=args.decode,
-                           conductor_port=args.port, http_port=_http_port(args.http_port),
-                           node_args=["--model", args.model, "--block-size", str(args.block_size)],
-                           tls=getattr(args, "tls", False),
-                           conductor_args=(["--api-keys", args.api_keys]
-                                           if getattr(args, "api_keys", "") else None),
-                           api_key=(getattr(args, "api_keys", "") or "").split(",")[0].split(":")[0])
+    cluster = LocalCluster(
+        args.workdir,
+        prefill=args.prefill,
+        decode=args.decode,
+        conductor_port=args.port,
+        http_port=_http_port(args.http_port),
+        node_args=["--model", args.model, "--block-size", str(args.block_size)],
+        tls=getattr(args, "tls", False),
+        conductor_args=(["--api-keys", args.api_keys] if getattr(args, "api_keys", "") else None),
+        api_key=(getattr(args, "api_keys", "") or "").split(",")[0].split(":")[0],
+    )
     client = " ".join(cluster.tls_args("client")) if cluster.tls_dir else ""
     client += f" --api-key {cluster.api_key}" if cluster.api_key else ""
     stop = {"now": False}
@@ -311,12 +417,18 @@ def up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        print(f"starting etcd, store-master, conductor, {args.prefill} prefill and "
-              f"{args.decode} decode node(s); logs in {cluster.workdir}", flush=True)
+        print(
+            f"starting etcd, store-master, conductor, {args.prefill} prefill and "
+            f"{args.decode} decode node(s); logs in {cluster.workdir}",
+            flush=True,
+        )
         t0 = time.monotonic()
         cluster.start()
-        print(f"cluster ready in {time.monotonic() - t0:.1f}s: conductor at {cluster.conductor}, "
-              f"etcd at {cluster.etcd_endpoint}", flush=True)
+        print(
+            f"cluster ready in {time.monotonic() - t0:.1f}s: conductor at {cluster.conductor}, "
+            f"etcd at {cluster.etcd_endpoint}",
+            flush=True,
+        )
         from kvmesh.services.cli import format_status
 
         print(format_status(cluster.status()), flush=True)
@@ -325,19 +437,33 @@ def up(args: argparse.Namespace) -> int:
 
             print(f"\n>>> {args.demo}", flush=True)
             try:
-                cli_main(["generate", args.demo, "--conductor", cluster.conductor, *client.split(),
-                          "--max-tokens", str(args.max_tokens), "-v"])
+                cli_main(
+                    [
+                        "generate",
+                        args.demo,
+                        "--conductor",
+                        cluster.conductor,
+                        *client.split(),
+                        "--max-tokens",
+                        str(args.max_tokens),
+                        "-v",
+                    ]
+                )
             except SystemExit as e:
                 return int(e.code or 0)
             return 0
         http = next((n.http_address for n in cluster.status().nodes if n.http_address), "")
         if http:
-            print(f"OpenAI-compatible API: http://{http}/v1 (e.g. curl http://{http}/v1/models)",
-                  flush=True)
-        print(f"try: kvmesh generate --conductor {cluster.conductor}{' ' + client if client else ''} \"Hello\"\n"
-              f"     kvmesh status --conductor {cluster.conductor}{' ' + client if client else ''}\n"
-              f"Ctrl-C stops the cluster.",
-              flush=True)
+            print(
+                f"OpenAI-compatible API: http://{http}/v1 (e.g. curl http://{http}/v1/models)",
+                flush=True,
+            )
+        print(
+            f'try: kvmesh generate --conductor {cluster.conductor}{" " + client if client else ""} "Hello"\n'
+            f"     kvmesh status --conductor {cluster.conductor}{' ' + client if client else ''}\n"
+            f"Ctrl-C stops the cluster.",
+            flush=True,
+        )
         while True:
             time.sleep(1)
             for name, p in cluster.procs.items():

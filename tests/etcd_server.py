@@ -13,8 +13,8 @@ import contextlib
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from kvmesh.services.launcher import Etcd, free_port
 

@@ -25,13 +25,20 @@ from kvmesh.services.engine.checkpoint import CheckpointError, LoadedModel, load
 from kvmesh.services.engine.config import rope_inv_freq  # noqa: E402
 from kvmesh.services.engine.kv_pool import KVPool  # noqa: E402
 from kvmesh.services.engine.sampling import Sampling, find_stop, sample, sample_with_logprob  # noqa: E402
-from kvmesh.services.engine.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer  # noqa: E402
+from kvmesh.services.engine.tokenizer import (  # noqa: E402
+    ByteTokenizer,
+    HFTokenizer,
+    TokenizerError,
+    load_tokenizer,
+)
 
 ATOL = 1e-4
 BS = 8
 VOCAB = 320
-WORDS = ("the cat dog sat on mat a kv cache block prefill decode node model token "
-         "serving cluster mesh prefix hash fast slow red blue green over under").split()
+WORDS = (
+    "the cat dog sat on mat a kv cache block prefill decode node model token "
+    "serving cluster mesh prefix hash fast slow red blue green over under"
+).split()
 MAX_DIFF: list[float] = []  # largest |ours - transformers| seen, reported at the end
 
 
@@ -46,8 +53,12 @@ def train_tokenizer(vocab_size: int = VOCAB) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<|end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus(), trainer)
     return tok
 
@@ -61,21 +72,41 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             base = 1.0 if "norm" in name else 0.0
             p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
         elif "embed_tokens" in name:
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if getattr(model.config, "tie_word_embeddings", False) else 1.0))
+            p.copy_(
+                torch.randn(p.shape, generator=g)
+                * (0.3 if getattr(model.config, "tie_word_embeddings", False) else 1.0)
+            )
         else:
             p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
 
 
-def build(path, family: str = "llama", seed: int = 0, shard: str | None = None, tok: Tokenizer | None = None,
-          **overrides):
+def build(
+    path,
+    family: str = "llama",
+    seed: int = 0,
+    shard: str | None = None,
+    tok: Tokenizer | None = None,
+    **overrides,
+):
     """Save a tiny random HF checkpoint + tokenizer in ``path``; return the transformers model."""
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=[1, 2])
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=[1, 2],
+    )
     common.update(overrides)
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[family]
     torch.manual_seed(seed)
     hf = cls[1](cls[0](**common, attn_implementation="eager")).eval()
     randomize(hf, seed)
@@ -119,7 +150,7 @@ def ids_of(n: int, salt: int = 0) -> list[int]:
 
 
 def per_block(tokens):
-    return [tuple(tokens[i * BS:(i + 1) * BS]) for i in range(len(tokens) // BS)]
+    return [tuple(tokens[i * BS : (i + 1) * BS]) for i in range(len(tokens) // BS)]
 
 
 def blocks(n: int) -> int:
@@ -139,11 +170,11 @@ def check_prompt_prefix_decode(lm: LoadedModel, hf) -> None:
     seed = b"ckpt"
     pool.cache_blocks(prefix_hashes(seed, p, BS), table, per_block(p))
     pool.free(table)
-    q = p[:4 * BS] + ids_of(19, salt=9)[1:]
+    q = p[: 4 * BS] + ids_of(19, salt=9)[1:]
     hit = pool.match_prefix(prefix_hashes(seed, q, BS), per_block(q))
     assert hit == table[:4]
     tq = hit + pool.allocate(blocks(len(q)) - len(hit))
-    close(m.forward_prefill(q[len(hit) * BS:], len(hit) * BS, pool, tq), hf_logits(hf, q)[-1])
+    close(m.forward_prefill(q[len(hit) * BS :], len(hit) * BS, pool, tq), hf_logits(hf, q)[-1])
     pool.free(tq)
     # 3. batched decode of requests of different lengths, every step
     prompts = [ids_of(n, salt=n) for n in (3, 17, 30)]
@@ -165,7 +196,11 @@ def check_prompt_prefix_decode(lm: LoadedModel, hf) -> None:
 def test_llama_matches_transformers(llama):
     d, hf = llama
     lm = load_model(str(d), "float32")
-    assert lm.config.rope_theta == 50000.0 and not lm.config.attention_bias and lm.model.lm_head is not None
+    assert (
+        lm.config.rope_theta == 50000.0
+        and not lm.config.attention_bias
+        and lm.model.lm_head is not None
+    )
     assert lm.name == os.path.basename(d) and lm.path == os.path.abspath(d)
     check_prompt_prefix_decode(lm, hf)
 
@@ -181,21 +216,41 @@ def test_qwen2_sharded_biases_match_transformers(qwen_sharded):
     check_prompt_prefix_decode(lm, hf)
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64},
-    {"rope_type": "linear", "factor": 4.0},
-])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+)
 def test_rope_scaling_matches_transformers(tmp_path, tok, scaling):
-    hf = build(tmp_path, "llama", seed=3, tok=tok, rope_theta=500000.0, rope_scaling=scaling,
-               head_dim=32, num_attention_heads=2, num_key_value_heads=1)
+    hf = build(
+        tmp_path,
+        "llama",
+        seed=3,
+        tok=tok,
+        rope_theta=500000.0,
+        rope_scaling=scaling,
+        head_dim=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     lm = load_model(str(tmp_path), "float32")
     rs = lm.config.rope_scaling
-    assert rs is not None and rs.rope_type == scaling["rope_type"] and rs.factor == scaling["factor"]
+    assert (
+        rs is not None and rs.rope_type == scaling["rope_type"] and rs.factor == scaling["factor"]
+    )
     assert lm.config.head_dim == 32
     assert torch.equal(lm.model.inv_freq, hf.model.rotary_emb.inv_freq.float())
-    assert not torch.equal(lm.model.inv_freq, rope_inv_freq(
-        dataclasses.replace(lm.config, rope_scaling=None)))
+    assert not torch.equal(
+        lm.model.inv_freq, rope_inv_freq(dataclasses.replace(lm.config, rope_scaling=None))
+    )
     p = ids_of(150, salt=5)
     pool = KVPool(lm.config, num_blocks=32, block_size=BS)
     table = pool.allocate(blocks(len(p) + 1))
@@ -233,7 +288,9 @@ def test_bfloat16_load_runs(llama):
     pool = KVPool(lm.config, num_blocks=8, block_size=BS, dtype=torch.bfloat16)
     out = lm.model.forward_prefill(p, 0, pool, pool.allocate(blocks(len(p))))
     ref = hf_logits(hf, p)[-1]
-    assert out.dtype == torch.float32 and float((out - ref).abs().max()) < 0.25 * float(ref.abs().max())
+    assert out.dtype == torch.float32 and float((out - ref).abs().max()) < 0.25 * float(
+        ref.abs().max()
+    )
 
 
 # --------------------------------------------------------- tokenizer / fingerprint
@@ -252,7 +309,9 @@ def test_hf_tokenizer(llama, tmp_path):
     other = tmp_path / "m"
     shutil.copytree(d, other)
     (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    (other / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|end|>"}))
+    (other / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": None, "eos_token": "<|end|>"})
+    )
     t2 = HFTokenizer(str(other))
     assert t2.eos_id == 2 and t2.eos_ids == {1, 2, 7} and t2.bos_id is None
     assert t2.encode(text) == ids[1:]
@@ -265,9 +324,13 @@ def test_hf_tokenizer(llama, tmp_path):
 
 
 def test_tokenizer_module_is_torch_free():
-    code = ("import sys; import services.engine.tokenizer as t; t.load_tokenizer('tiny'); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    code = (
+        "import sys; import services.engine.tokenizer as t; t.load_tokenizer('tiny'); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__))
+    )
 
 
 def test_fingerprint(llama, tmp_path):
@@ -311,7 +374,9 @@ def test_error_bad_json_and_unsupported_arch(broken):
     data = json.loads(cfg)
     data["architectures"] = ["GPT2LMHeadModel"]
     (broken / "config.json").write_text(json.dumps(data))
-    with pytest.raises(CheckpointError, match=r"config\.json: unsupported architecture \['GPT2LMHeadModel'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: unsupported architecture \['GPT2LMHeadModel'\]"
+    ):
         load_model(str(broken))
     data["architectures"] = ["LlamaForCausalLM"]
     data["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
@@ -325,12 +390,17 @@ def test_error_missing_tensor_and_shape(broken):
     w = load_file(str(f))
     del w["model.layers.1.mlp.up_proj.weight"]
     save_file(w, str(f))
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'",
+    ):
         load_model(str(broken))
     data = json.loads((broken / "config.json").read_text())
     data["intermediate_size"] = 96
     (broken / "config.json").write_text(json.dumps(data))
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight' has shape"):
+    with pytest.raises(
+        CheckpointError, match=r"'model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight' has shape"
+    ):
         load_model(str(broken))
 
 
@@ -354,7 +424,9 @@ def test_error_missing_shard_and_weights(qwen_sharded, tmp_path):
     index = json.loads((d / "model.safetensors.index.json").read_text())
     victim = sorted(set(index["weight_map"].values()))[-1]
     (d / victim).unlink()
-    with pytest.raises(CheckpointError, match=rf"index\.json: shard '{victim}' listed in the index is missing"):
+    with pytest.raises(
+        CheckpointError, match=rf"index\.json: shard '{victim}' listed in the index is missing"
+    ):
         load_model(str(d))
     (d / "model.safetensors.index.json").unlink()
     with pytest.raises(CheckpointError, match="neither model.safetensors nor"):
@@ -385,7 +457,9 @@ def test_sampling_seeded_batch_independent_and_logprob():
     assert len(set(alone)) == 1
     for rows in (batch, batch[1:4], batch[2:3], batch.t().contiguous().t()):  # same row, any batch
         row = rows[{6: 2, 3: 1, 1: 0}[rows.shape[0]]]
-        others = [sample(r, Sampling(temperature=1.0, seed=7), step=5) for r in rows]  # other requests
+        others = [
+            sample(r, Sampling(temperature=1.0, seed=7), step=5) for r in rows
+        ]  # other requests
         assert sample(row, s, step=5) == alone[0], others
     tok, lp = sample_with_logprob(batch[2], s, step=5)
     assert tok == alone[0] and lp <= 0 and math.isfinite(lp)
@@ -402,5 +476,7 @@ def test_sampling_seeded_batch_independent_and_logprob():
 
 def test_report_max_diff():
     assert MAX_DIFF, "no comparisons ran"
-    print(f"\n[checkpoint] {len(MAX_DIFF)} logit comparisons vs transformers; "
-          f"largest |diff| = {max(MAX_DIFF):.3g}")
+    print(
+        f"\n[checkpoint] {len(MAX_DIFF)} logit comparisons vs transformers; "
+        f"largest |diff| = {max(MAX_DIFF):.3g}"
+    )

@@ -16,8 +16,10 @@ from kvmesh.services.launcher import LocalCluster  # noqa: E402
 from tests.cluster_util import DISAGG_ONLY, generate  # noqa: E402
 from tests.test_checkpoint import build, train_tokenizer  # noqa: E402
 
-PROMPTS = ["the cluster keeps every block of the shared prefix once, and then",
-           "the cluster keeps every block of the shared prefix once, but sometimes"]
+PROMPTS = [
+    "the cluster keeps every block of the shared prefix once, and then",
+    "the cluster keeps every block of the shared prefix once, but sometimes",
+]
 
 
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
@@ -36,9 +38,20 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen2")
     hf = build(d, "qwen2", seed=3, tok=train_tokenizer())
-    c = LocalCluster(str(tmp_path_factory.mktemp("ckpt-cluster")),
-                     node_args=["--model", str(d), "--block-size", "8", "--kv-memory", "8MiB",
-                                "--segment-memory", "8MiB"], conductor_args=DISAGG_ONLY)
+    c = LocalCluster(
+        str(tmp_path_factory.mktemp("ckpt-cluster")),
+        node_args=[
+            "--model",
+            str(d),
+            "--block-size",
+            "8",
+            "--kv-memory",
+            "8MiB",
+            "--segment-memory",
+            "8MiB",
+        ],
+        conductor_args=DISAGG_ONLY,
+    )
     c.start()
     yield c, hf, load_tokenizer(str(d))
     c.stop()
@@ -49,8 +62,9 @@ def test_cluster_serves_checkpoint_like_transformers(served):
     results = []
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
-        got = generate(cluster.conductor, prompt, max_tokens=12,
-                       sampling=pb.SamplingParams(ignore_eos=True))
+        got = generate(
+            cluster.conductor, prompt, max_tokens=12, sampling=pb.SamplingParams(ignore_eos=True)
+        )
         assert got.usage.prompt_tokens == len(ids)
         assert got.tokens == hf_greedy(hf, ids, 12), prompt
         assert got.text == tok.decode(got.tokens)

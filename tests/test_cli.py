@@ -16,8 +16,12 @@ from kvmesh.services.launcher import free_port
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvmesh.services.cli", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvmesh.services.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _children(pid: int) -> list[int]:
@@ -27,9 +31,23 @@ def _children(pid: int) -> list[int]:
 
 def test_up_generate_status_and_clean_stop(tmp_path):
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "kvmesh.services.cli", "up", "--port", str(port),
-                           "--block-size", "16", "--workdir", str(tmp_path)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.services.cli",
+            "up",
+            "--port",
+            str(port),
+            "--block-size",
+            "16",
+            "--workdir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines = []
         deadline = time.monotonic() + 90
@@ -45,8 +63,9 @@ def test_up_generate_status_and_clean_stop(tmp_path):
         assert len(children) == 5  # etcd + four services
 
         conductor = f"127.0.0.1:{port}"
-        gen = _cli("generate", "Hello from the CLI", "--conductor", conductor,
-                   "--max-tokens", "6", "-v")
+        gen = _cli(
+            "generate", "Hello from the CLI", "--conductor", conductor, "--max-tokens", "6", "-v"
+        )
         assert gen.returncode == 0, gen.stderr
         assert "completion=6" in gen.stderr
         st = _cli("status", "--conductor", conductor, "--json")
@@ -59,8 +78,10 @@ def test_up_generate_status_and_clean_stop(tmp_path):
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0
         for pid in children:
-            assert not os.path.exists(f"/proc/{pid}") or \
-                open(f"/proc/{pid}/stat").read().split()[2] == "Z", f"child {pid} still runs"
+            assert (
+                not os.path.exists(f"/proc/{pid}")
+                or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+            ), f"child {pid} still runs"
     finally:
         if up.poll() is None:
             up.kill()
@@ -70,10 +91,27 @@ def test_up_generate_status_and_clean_stop(tmp_path):
 def test_generate_output_is_the_reference_text(tmp_path):
     """`kvmesh up --demo` serves one prompt and stops; its tokens are the reference's."""
     port = free_port()
-    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "up", "--port", str(port),
-                          "--block-size", "16", "--demo", "Hi", "--max-tokens", "5",
-                          "--workdir", str(tmp_path)], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.services.cli",
+            "up",
+            "--port",
+            str(port),
+            "--block-size",
+            "16",
+            "--demo",
+            "Hi",
+            "--max-tokens",
+            "5",
+            "--workdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     tok = ByteTokenizer()
     ref = LlamaModel.from_preset("tiny").reference_generate(tok.encode("Hi"), 5, tok.eos_id)

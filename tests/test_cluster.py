@@ -14,8 +14,10 @@ from kvmesh.services.engine.tokenizer import ByteTokenizer
 from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, node, status
 
-SHARED = ("You are kvmesh, a serving cluster that keeps every token's KV state once "
-          "computed and moves it faster than it could be recomputed. ")
+SHARED = (
+    "You are kvmesh, a serving cluster that keeps every token's KV state once "
+    "computed and moves it faster than it could be recomputed. "
+)
 PROMPTS = [
     "Hello, world!",
     "The quick brown fox jumps over the lazy dog.",
@@ -27,8 +29,9 @@ MAX_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(str(tmp_path_factory.mktemp("cluster")), node_args=NODE_ARGS,
-                     conductor_args=DISAGG_ONLY)
+    c = LocalCluster(
+        str(tmp_path_factory.mktemp("cluster")), node_args=NODE_ARGS, conductor_args=DISAGG_ONLY
+    )
     c.start()
     yield c
     c.stop()
@@ -71,15 +74,18 @@ def test_shared_prefix_computes_only_new_tokens(cluster, reference):
     assert got.tokens == reference(b)
 
 
-@pytest.mark.parametrize("kw, fragment", [
-    (dict(prompt="", max_tokens=8), "prompt is empty"),
-    (dict(prompt="   ", max_tokens=8), "prompt is empty"),
-    (dict(prompt="hi", max_tokens=0), "max_tokens must be > 0"),
-    (dict(prompt="hi", max_tokens=-3), "max_tokens must be > 0"),
-    (dict(prompt="x" * 5000, max_tokens=8), "exceed the model's context"),
-    (dict(prompt="hi", max_tokens=8, model="gpt-17"), "unknown model 'gpt-17'"),
-    (dict(token_ids=[1, 2, 99999], max_tokens=8), "token_ids must be in"),
-])
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        (dict(prompt="", max_tokens=8), "prompt is empty"),
+        (dict(prompt="   ", max_tokens=8), "prompt is empty"),
+        (dict(prompt="hi", max_tokens=0), "max_tokens must be > 0"),
+        (dict(prompt="hi", max_tokens=-3), "max_tokens must be > 0"),
+        (dict(prompt="x" * 5000, max_tokens=8), "exceed the model's context"),
+        (dict(prompt="hi", max_tokens=8, model="gpt-17"), "unknown model 'gpt-17'"),
+        (dict(token_ids=[1, 2, 99999], max_tokens=8), "token_ids must be in"),
+    ],
+)
 def test_bad_input_is_invalid_argument(cluster, kw, fragment):
     with pytest.raises(grpc.RpcError) as e:
         generate(cluster.conductor, **kw)
@@ -94,8 +100,12 @@ def test_tiny_ttft_slo_is_rejected_before_any_work(cluster):
     before = {n.node_id: n for n in status(cluster.conductor).nodes}
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
-        generate(cluster.conductor, "a request that cannot meet its SLO " * 4, max_tokens=8,
-                 slo=pb.SLO(ttft_ms=0.01))
+        generate(
+            cluster.conductor,
+            "a request that cannot meet its SLO " * 4,
+            max_tokens=8,
+            slo=pb.SLO(ttft_ms=0.01),
+        )
     assert time.monotonic() - t0 < 2
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "estimated TTFT" in e.value.details() and "exceeds the TTFT SLO" in e.value.details()
@@ -115,22 +125,29 @@ def test_stop_tokens_stop_strings_and_logprobs(cluster, reference):
     ref = reference(prompt, 24)
     k = 6  # stop at the first occurrence of the reference's 7th token
     stop_tok = ref[k]
-    got = generate(cluster.conductor, prompt, max_tokens=24,
-                   sampling=pb.SamplingParams(stop_token_ids=[stop_tok]))
+    got = generate(
+        cluster.conductor,
+        prompt,
+        max_tokens=24,
+        sampling=pb.SamplingParams(stop_token_ids=[stop_tok]),
+    )
     assert got.tokens == ref[: ref.index(stop_tok) + 1] and got.finish_reason == "stop"
 
     text = ByteTokenizer().decode(ref)
-    printable = [i for i in range(2, len(text) - 2) if text[i:i + 2].isprintable()]
+    printable = [i for i in range(2, len(text) - 2) if text[i : i + 2].isprintable()]
     if printable:  # a stop string taken from the reference text cuts the text before it
         i = printable[len(printable) // 2]
-        stop = text[i:i + 2]
-        got = generate(cluster.conductor, prompt, max_tokens=24,
-                       sampling=pb.SamplingParams(stop=[stop]))
+        stop = text[i : i + 2]
+        got = generate(
+            cluster.conductor, prompt, max_tokens=24, sampling=pb.SamplingParams(stop=[stop])
+        )
         assert got.finish_reason == "stop" and got.text == text[: text.index(stop)]
 
     req = pb.GenerateRequest(prompt=prompt, max_tokens=5, sampling=pb.SamplingParams(logprobs=True))
     import grpc as _grpc
+
     from kvmesh.protos import kvmesh_pb2_grpc as pbg
+
     with _grpc.insecure_channel(cluster.conductor) as ch:
         msgs = list(pbg.ConductorStub(ch).Generate(req, timeout=30))
     tokens = [t for m in msgs for t in m.token_ids]
@@ -145,10 +162,12 @@ def test_stop_tokens_stop_strings_and_logprobs(cluster, reference):
 def test_bad_sampling_fields_name_the_field(cluster):
     from kvmesh.protos import kvmesh_pb2 as pb
 
-    for sampling, field in [(pb.SamplingParams(temperature=-1), "sampling.temperature"),
-                            (pb.SamplingParams(top_p=2), "sampling.top_p"),
-                            (pb.SamplingParams(stop_token_ids=[10**6]), "sampling.stop_token_ids"),
-                            (pb.SamplingParams(stop=[""]), "sampling.stop")]:
+    for sampling, field in [
+        (pb.SamplingParams(temperature=-1), "sampling.temperature"),
+        (pb.SamplingParams(top_p=2), "sampling.top_p"),
+        (pb.SamplingParams(stop_token_ids=[10**6]), "sampling.stop_token_ids"),
+        (pb.SamplingParams(stop=[""]), "sampling.stop"),
+    ]:
         with pytest.raises(grpc.RpcError) as e:
             generate(cluster.conductor, "hi", max_tokens=3, sampling=sampling)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()

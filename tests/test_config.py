@@ -15,21 +15,24 @@ def test_precedence_flags_env_toml_defaults(tmp_path):
     toml.write_text('cluster = "from-toml"\nport = 7000\n[decode]\nmax_batch = 3\nlease_ttl = 7\n')
     env = {"KVMESH_PORT": "7001", "KVMESH_LEASE_TTL": "8"}
     cfg = load(DecodeConfig, ["--config", str(toml), "--lease-ttl", "9"], section="decode", env=env)
-    assert cfg.cluster == "from-toml"      # TOML over default
-    assert cfg.port == 7001                # env over TOML
-    assert cfg.lease_ttl == 9              # flag over env
-    assert cfg.max_batch == 3              # the service's own TOML section
-    assert cfg.block_size == 256           # default
+    assert cfg.cluster == "from-toml"  # TOML over default
+    assert cfg.port == 7001  # env over TOML
+    assert cfg.lease_ttl == 9  # flag over env
+    assert cfg.max_batch == 3  # the service's own TOML section
+    assert cfg.block_size == 256  # default
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--port", "70000"], "port: 70000 is not a TCP port"),
-    (["--lease-ttl", "1"], "lease_ttl"),
-    (["--dtype", "float16"], "dtype"),
-    (["--model", "no-such-model"], "neither a preset"),
-    (["--kv-memory", "lots"], "cannot read 'lots' as a size"),
-    (["--block-size", "nope"], "block_size: cannot read 'nope' as int"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--port", "70000"], "port: 70000 is not a TCP port"),
+        (["--lease-ttl", "1"], "lease_ttl"),
+        (["--dtype", "float16"], "dtype"),
+        (["--model", "no-such-model"], "neither a preset"),
+        (["--kv-memory", "lots"], "cannot read 'lots' as a size"),
+        (["--block-size", "nope"], "block_size: cannot read 'nope' as int"),
+    ],
+)
 def test_bad_values_raise_clear_errors(argv, fragment):
     with pytest.raises(ConfigError) as e:
         load(DecodeConfig, argv, env={})
@@ -51,11 +54,16 @@ def test_help_lists_field_docs(capsys):
     assert "env KVMESH_POLICY" in out
 
 
-@pytest.mark.parametrize("module,cls", [
-    ("kvmesh.services.prefill.server", "PrefillConfig"), ("kvmesh.services.decode.server", "DecodeConfig"),
-    ("kvmesh.services.conductor.server", "ConductorConfig"),
-    ("kvmesh.services.store_master.server", "StoreMasterConfig"),
-    ("kvmesh.services.store.node", "StoreNodeConfig")])
+@pytest.mark.parametrize(
+    "module,cls",
+    [
+        ("kvmesh.services.prefill.server", "PrefillConfig"),
+        ("kvmesh.services.decode.server", "DecodeConfig"),
+        ("kvmesh.services.conductor.server", "ConductorConfig"),
+        ("kvmesh.services.store_master.server", "StoreMasterConfig"),
+        ("kvmesh.services.store.node", "StoreNodeConfig"),
+    ],
+)
 def test_every_service_help_renders(capsys, module, cls):
     """A help text with a literal % (``40%``) must not break argparse's formatting."""
     import importlib

@@ -26,25 +26,38 @@ DECODE_ARGS = ["--kv-memory", "640KiB", "--step-token-budget", "40", "--fence-s"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(str(tmp_path_factory.mktemp("batch")),
-                     node_args=["--block-size", str(BS), "--segment-memory", "0"],
-                     decode_args=DECODE_ARGS)
+    c = LocalCluster(
+        str(tmp_path_factory.mktemp("batch")),
+        node_args=["--block-size", str(BS), "--segment-memory", "0"],
+        decode_args=DECODE_ARGS,
+    )
     c.start()
     yield c
     c.stop()
 
 
-def decode_here(addr: str, fingerprint: str, rid: str, ids: list[int], max_tokens: int) -> list[int]:
+def decode_here(
+    addr: str, fingerprint: str, rid: str, ids: list[int], max_tokens: int
+) -> list[int]:
     """Reserve + Decode(prefill_here) straight on the decode node."""
     with grpc.insecure_channel(addr) as ch:
         stub = pbg.DecodeNodeStub(ch)
-        stub.Reserve(pb.ReserveRequest(request_id=rid, prompt_tokens=len(ids),
-                                       max_tokens=max_tokens), timeout=10)
+        stub.Reserve(
+            pb.ReserveRequest(request_id=rid, prompt_tokens=len(ids), max_tokens=max_tokens),
+            timeout=10,
+        )
         out = []
-        for m in stub.Decode(pb.DecodeRequest(
-                request_id=rid, max_tokens=max_tokens, prefill_here=True, prompt_token_ids=ids,
+        for m in stub.Decode(
+            pb.DecodeRequest(
+                request_id=rid,
+                max_tokens=max_tokens,
+                prefill_here=True,
+                prompt_token_ids=ids,
                 block_hashes=prefix_hashes(bytes.fromhex(fingerprint), ids, BS),
-                sampling=pb.SamplingParams(ignore_eos=True)), timeout=120):
+                sampling=pb.SamplingParams(ignore_eos=True),
+            ),
+            timeout=120,
+        ):
             out.extend(m.token_ids)
         return out
 
@@ -59,8 +72,7 @@ def test_chunked_prompts_and_preemption_keep_every_token(cluster):
 
     def one(i: int) -> None:
         try:
-            results[i] = decode_here(d.grpc_address, d.fingerprint, f"b{i}", prompts[i],
-                                     max_tokens)
+            results[i] = decode_here(d.grpc_address, d.fingerprint, f"b{i}", prompts[i], max_tokens)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -87,8 +99,9 @@ def test_blocks_of_an_abandoned_prefill_are_fenced_before_reuse(cluster):
     total = d.kv_blocks_total
     with grpc.insecure_channel(d.grpc_address) as ch:
         stub = pbg.DecodeNodeStub(ch)
-        target = stub.Reserve(pb.ReserveRequest(request_id="abandoned", prompt_tokens=64,
-                                                max_tokens=8), timeout=10).target
+        target = stub.Reserve(
+            pb.ReserveRequest(request_id="abandoned", prompt_tokens=64, max_tokens=8), timeout=10
+        ).target
         assert stub.Release(pb.ReleaseRequest(request_id="abandoned"), timeout=10).released
         fenced = stub.Status(pb.NodeStatusRequest(), timeout=5).kv_blocks_free
         assert fenced == total - len(target.block_ids)

@@ -41,6 +41,7 @@ UNITS = sorted(SYSTEMD.glob("*.service"))
 
 # --------------------------------------------------------------------------- helpers
 
+
 def parse_unit(path: Path) -> dict[str, list[tuple[str, str]]]:
     """A systemd unit as {section: [(key, value), ...]}, continuation lines joined."""
     sections: dict[str, list[tuple[str, str]]] = {}
@@ -103,9 +104,17 @@ def unit_environment(unit: dict) -> dict[str, str]:
     return env
 
 
-_SPECIFIERS = {"%H": "node1.example", "%l": "node1", "%n": "unit.service", "%N": "unit",
-               "%S": "/var/lib", "%C": "/var/cache", "%L": "/var/log", "%t": "/run",
-               "%%": "%"}
+_SPECIFIERS = {
+    "%H": "node1.example",
+    "%l": "node1",
+    "%n": "unit.service",
+    "%N": "unit",
+    "%S": "/var/lib",
+    "%C": "/var/cache",
+    "%L": "/var/log",
+    "%t": "/run",
+    "%%": "%",
+}
 
 
 def exec_argv(line: str, env: dict[str, str]) -> list[str]:
@@ -114,8 +123,9 @@ def exec_argv(line: str, env: dict[str, str]) -> list[str]:
     line = re.sub(r"%.", lambda m: _SPECIFIERS.get(m.group(0), m.group(0)), line)
 
     def var(name: str) -> str:
-        assert name in env, f"ExecStart uses ${name}, which neither the unit nor " \
-                            f"kvmesh.env.example sets"
+        assert name in env, (
+            f"ExecStart uses ${name}, which neither the unit nor kvmesh.env.example sets"
+        )
         return env[name]
 
     argv: list[str] = []
@@ -172,6 +182,7 @@ def flag(argv: list[str], name: str) -> str | None:
 
 # --------------------------------------------------------------------------- systemd
 
+
 def test_there_is_one_unit_per_role():
     assert sorted(p.name for p in UNITS) == sorted(f"kvmesh-{r}.service" for r in ROLES)
 
@@ -218,8 +229,11 @@ def test_unit_service_settings(path: Path):
     assert svc["Restart"] == "on-failure"
     assert svc["KillSignal"] == "SIGTERM"
     assert int(svc["TimeoutStopSec"]) > 0
-    for key, want in [("NoNewPrivileges", "true"), ("ProtectSystem", "strict"),
-                      ("PrivateTmp", "true")]:
+    for key, want in [
+        ("NoNewPrivileges", "true"),
+        ("ProtectSystem", "strict"),
+        ("PrivateTmp", "true"),
+    ]:
         assert svc.get(key) == want, f"{path.name}: {key}={want} expected"
     after = " ".join(values(unit, "Unit", "After")).split()
     wants = " ".join(values(unit, "Unit", "Wants")).split()
@@ -229,8 +243,9 @@ def test_unit_service_settings(path: Path):
 
 def test_env_example_only_sets_known_names():
     """A typo (KVMESH_KV_MEMROY) in the example would be silently ignored by the loader."""
-    fields = {f"KVMESH_{name.upper()}" for cls in ROLES.values()
-              for name in cls.__dataclass_fields__}
+    fields = {
+        f"KVMESH_{name.upper()}" for cls in ROLES.values() for name in cls.__dataclass_fields__
+    }
     used_by_units = set()
     for path in UNITS:
         used_by_units |= set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", path.read_text()))
@@ -243,15 +258,14 @@ def test_systemd_analyze_verify():
     if not exe:
         pytest.skip("systemd-analyze is not installed")
     for path in UNITS:
-        r = subprocess.run([exe, "verify", str(path)], capture_output=True, text=True,
-                           timeout=30)
+        r = subprocess.run([exe, "verify", str(path)], capture_output=True, text=True, timeout=30)
         # The kvmesh binary is not installed where the tests run; anything else is a fault.
-        problems = [l for l in (r.stdout + r.stderr).splitlines()
-                    if l.strip() and BINARY not in l]
+        problems = [l for l in (r.stdout + r.stderr).splitlines() if l.strip() and BINARY not in l]
         assert not problems, f"{path.name}:\n" + "\n".join(problems)
 
 
 # --------------------------------------------------------------------------- compose
+
 
 def test_compose_has_every_role_once():
     roles = sorted(svc["command"][0] for _, svc in kvmesh_services())
@@ -300,8 +314,13 @@ def test_compose_file_is_valid_for_docker_compose(tmp_path: Path):
     exe = shutil.which("docker-compose")
     if not exe:
         pytest.skip("the docker-compose binary is not installed")
-    r = subprocess.run([exe, "-f", str(COMPOSE), "config", "-q"], capture_output=True,
-                       text=True, timeout=60, cwd=ROOT)
+    r = subprocess.run(
+        [exe, "-f", str(COMPOSE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -309,12 +328,17 @@ def test_compose_file_matches_the_compose_spec():
     exe = shutil.which("check-jsonschema")
     if not exe:
         pytest.skip("check-jsonschema is not installed")
-    r = subprocess.run([exe, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [exe, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 # --------------------------------------------------------------------------- Dockerfile
+
 
 def test_dockerfile():
     text = DOCKERFILE.read_text()

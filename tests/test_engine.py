@@ -37,7 +37,10 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 
 
 def per_block(tokens, block_size=BS):
-    return [tuple(tokens[i * block_size:(i + 1) * block_size]) for i in range(len(tokens) // block_size)]
+    return [
+        tuple(tokens[i * block_size : (i + 1) * block_size])
+        for i in range(len(tokens) // block_size)
+    ]
 
 
 # --------------------------------------------------------------- correctness
@@ -67,7 +70,7 @@ def test_prefill_reuses_cached_prefix_blocks(model):
     assert pool.cache_blocks(hashes_a, table_a, per_block(first)) == 3
     pool.free(table_a)  # request A done; its full blocks stay cached
 
-    second = first[:3 * BS] + prompt(30, salt=7)[1:]  # shares 3 full blocks
+    second = first[: 3 * BS] + prompt(30, salt=7)[1:]  # shares 3 full blocks
     hit = pool.match_prefix(prefix_hashes(SEED, second, BS), per_block(second))
     assert hit == table_a[:3]
     start = len(hit) * BS
@@ -111,7 +114,9 @@ def test_batched_decode_matches_individual(model):
         ref = model.reference_logits(prompts[i] + [firsts[i]])[-1]
         torch.testing.assert_close(batched[i], ref, atol=ATOL, rtol=0)
         blk, off = tables[i][positions[i] // BS], positions[i] % BS
-        torch.testing.assert_close(pool.kv[blk, :, :, off], after_batch[blk, :, :, off], atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            pool.kv[blk, :, :, off], after_batch[blk, :, :, off], atol=1e-6, rtol=0
+        )
 
 
 def test_layer_callback_order_and_kv_visible(model):
@@ -152,12 +157,18 @@ def test_bfloat16_model_runs(model):
 def test_weights_deterministic_and_outputs_vary(model):
     again = LlamaModel.from_preset("tiny", seed=0)
     other = LlamaModel.from_preset("tiny", seed=1)
-    for (n, a), b, c in zip(model.state_dict().items(), again.state_dict().values(), other.state_dict().values()):
+    for (n, a), b, _c in zip(
+        model.state_dict().items(), again.state_dict().values(), other.state_dict().values()
+    ):
         assert torch.equal(a, b), n
     assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
     outs = {tuple(model.reference_generate(prompt(12, s), 6)) for s in range(4)}
     assert len(outs) == 4
-    assert model.fingerprint("byte-v1", BS) == again.fingerprint("byte-v1", BS) != other.fingerprint("byte-v1", BS)
+    assert (
+        model.fingerprint("byte-v1", BS)
+        == again.fingerprint("byte-v1", BS)
+        != other.fingerprint("byte-v1", BS)
+    )
 
 
 def test_rope_depends_on_relative_position(model):
@@ -179,7 +190,9 @@ def small_pool(num_blocks=6, block_size=4) -> KVPool:
     return KVPool(PRESETS["tiny"], num_blocks=num_blocks, block_size=block_size)
 
 
-def cache_chain(pool: KVPool, tokens: list[int], seed: bytes = SEED) -> tuple[list[int], list[bytes]]:
+def cache_chain(
+    pool: KVPool, tokens: list[int], seed: bytes = SEED
+) -> tuple[list[int], list[bytes]]:
     hashes = prefix_hashes(seed, tokens, pool.block_size)
     blocks = pool.allocate(len(hashes))
     pool.cache_blocks(hashes, blocks, per_block(tokens, pool.block_size))
@@ -205,9 +218,9 @@ def test_prefix_cache_chained_hit_and_miss():
 
 def test_prefix_cache_lru_eviction_tails_first_and_refcounts():
     pool = small_pool(num_blocks=6)
-    a_blocks, a_hashes = cache_chain(pool, list(range(8)))        # chain A: 2 blocks
+    a_blocks, a_hashes = cache_chain(pool, list(range(8)))  # chain A: 2 blocks
     b_blocks, b_hashes = cache_chain(pool, list(range(100, 108)))  # chain B: 2 blocks
-    c_blocks, _ = cache_chain(pool, list(range(200, 208)))        # chain C: held
+    c_blocks, _ = cache_chain(pool, list(range(200, 208)))  # chain C: held
     pool.drain_events()
     assert pool.num_free == 0 and pool.num_used == 6
     pool.free(a_blocks)  # A becomes evictable first (head released before tail)
@@ -267,7 +280,7 @@ def test_pool_byte_layout():
     view = pool.bytes_view()
     off = pool.layer_offset(1, 2)
     src = torch.arange(pool.layer_nbytes // 4, dtype=torch.float32)
-    view[off:off + pool.layer_nbytes] = src.numpy().tobytes()
+    view[off : off + pool.layer_nbytes] = src.numpy().tobytes()
     assert torch.equal(pool.kv[1, 2].reshape(-1), src)
     assert pool.kv[1, 1].abs().sum() == 0 and pool.kv[1, 3].abs().sum() == 0
     big = KVPool.from_memory(cfg, 10 * pool.block_nbytes + 5, BS, "float32")
@@ -284,9 +297,15 @@ def test_prefix_hashes_properties():
     assert prefix_hashes(SEED, toks[:16] + [0] * 16, BS)[1] != h[1]
     assert prefix_hashes(b"other", toks, BS)[0] != h[0]
     assert prefix_hashes(SEED, toks[:15], BS) == []
-    fp = model_fingerprint(PRESETS["tiny"], preset_weights_digest("tiny", 0), "float32", "byte-v1", BS)
-    assert fp != model_fingerprint(PRESETS["tiny"], preset_weights_digest("tiny", 0), "bfloat16", "byte-v1", BS)
-    assert fp != model_fingerprint(PRESETS["tiny"], preset_weights_digest("tiny", 0), "float32", "byte-v1", 32)
+    fp = model_fingerprint(
+        PRESETS["tiny"], preset_weights_digest("tiny", 0), "float32", "byte-v1", BS
+    )
+    assert fp != model_fingerprint(
+        PRESETS["tiny"], preset_weights_digest("tiny", 0), "bfloat16", "byte-v1", BS
+    )
+    assert fp != model_fingerprint(
+        PRESETS["tiny"], preset_weights_digest("tiny", 0), "float32", "byte-v1", 32
+    )
 
 
 def test_dtype_and_tokenizer():
@@ -318,8 +337,10 @@ def test_timing_report(model):
         cur = model.forward_decode(cur, lens, tables, pool).argmax(-1).tolist()
         lens = [n + 1 for n in lens]
     decode_s = time.perf_counter() - t0
-    print(f"\n[timing] tiny prefill 512 tokens: {prefill_s * 1e3:.1f} ms; "
-          f"decode 32 steps x batch 4: {decode_s * 1e3:.1f} ms ({decode_s / 32 * 1e3:.2f} ms/step)")
+    print(
+        f"\n[timing] tiny prefill 512 tokens: {prefill_s * 1e3:.1f} ms; "
+        f"decode 32 steps x batch 4: {decode_s * 1e3:.1f} ms ({decode_s / 32 * 1e3:.2f} ms/step)"
+    )
 
 
 def test_prefix_cache_head_with_referenced_tail_is_last_resort():
@@ -365,4 +386,7 @@ def test_pool_single_block_insert_api():
         pool.insert(hashes[0], blocks[0], toks[:4])  # unreferenced block
     assert not pool.insert(hashes[0], other[0], toks[:4])  # hash already cached elsewhere
     assert pool.allocate(1) == [blocks[1]]  # tail evicted first
-    assert preset_weights_digest("tiny", 0) == hashlib.blake2b(b"preset:tiny:seed:0", digest_size=16).digest()
+    assert (
+        preset_weights_digest("tiny", 0)
+        == hashlib.blake2b(b"preset:tiny:seed:0", digest_size=16).digest()
+    )

@@ -11,6 +11,7 @@ import pytest
 from kvmesh.protos.etcd import auth_pb2, rpc_pb2, rpc_pb2_grpc
 from kvmesh.services.common.etcd import EtcdClient, EtcdError, EtcdUnavailable, WatchEvent
 from kvmesh.services.common.registry import Membership, Registration, node_key, nodes_prefix
+
 try:
     from tests.etcd_server import etcd_server, free_port
 except ImportError:  # tests/ not importable as a package (plain `pytest` run)
@@ -158,7 +159,11 @@ async def test_registration_and_membership(client, cluster):
     early._task.cancel()
     assert await members.wait_for(lambda n: not n, timeout=TTL + 3)
     assert [c[0] for c in rec.calls] == ["join", "join", "update", "leave", "leave"]
-    assert rec.calls[0] == ("join", early.key, b"early") and rec.calls[-1] == ("leave", early.key, None)
+    assert rec.calls[0] == ("join", early.key, b"early") and rec.calls[-1] == (
+        "leave",
+        early.key,
+        None,
+    )
     await members.stop()
     await early.stop()
 
@@ -270,7 +275,9 @@ async def test_password_auth():
         auth = rpc_pb2_grpc.AuthStub(ch)
         await auth.RoleAdd(rpc_pb2.AuthRoleAddRequest(name="root"))
         await auth.UserAdd(
-            rpc_pb2.AuthUserAddRequest(name="root", password="s3cret", options=auth_pb2.UserAddOptions())
+            rpc_pb2.AuthUserAddRequest(
+                name="root", password="s3cret", options=auth_pb2.UserAddOptions()
+            )
         )
         await auth.UserGrantRole(rpc_pb2.AuthUserGrantRoleRequest(user="root", role="root"))
         await auth.AuthEnable(rpc_pb2.AuthEnableRequest())
@@ -303,7 +310,9 @@ class TcpProxy:
         self._handlers: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+        self._server = await asyncio.start_server(
+            self._handle, "127.0.0.1", self.port, reuse_address=True
+        )
 
     async def cut(self) -> None:
         self._server.close()
@@ -337,7 +346,9 @@ class TcpProxy:
         await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
 
 
-async def test_registration_reregisters_after_partition_longer_than_ttl(shared_etcd, client, cluster):
+async def test_registration_reregisters_after_partition_longer_than_ttl(
+    shared_etcd, client, cluster
+):
     """Client cut off from etcd for longer than the TTL: the lease expires, and once the
     link is back the key is registered again under a new lease (and members see it return)."""
     proxy = TcpProxy(shared_etcd.client_port)
@@ -357,7 +368,11 @@ async def test_registration_reregisters_after_partition_longer_than_ttl(shared_e
     assert await members.wait_for(lambda n: reg.key in n, timeout=3)
     await eventually(lambda: _async(reg.registered), timeout=1)
     assert reg.lease_id != old_lease
-    assert rec.calls == [("join", reg.key, b"p1"), ("leave", reg.key, None), ("join", reg.key, b"p1")]
+    assert rec.calls == [
+        ("join", reg.key, b"p1"),
+        ("leave", reg.key, None),
+        ("join", reg.key, b"p1"),
+    ]
     await reg.stop()
     await members.stop()
     await cut_off.close()

@@ -6,7 +6,6 @@ or a retriable status, and the cluster recovers within the lease TTL + a few sec
 
 from __future__ import annotations
 
-import asyncio
 import signal
 
 import pytest
@@ -37,9 +36,15 @@ def check(row: dict) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(str(tmp_path_factory.mktemp("faults")), prefill=2, decode=2,
-                     lease_ttl=F.TTL, node_args=F.NODE_ARGS, conductor_args=F.DISAGG_ONLY,
-                     log_level="WARNING")
+    c = LocalCluster(
+        str(tmp_path_factory.mktemp("faults")),
+        prefill=2,
+        decode=2,
+        lease_ttl=F.TTL,
+        node_args=F.NODE_ARGS,
+        conductor_args=F.DISAGG_ONLY,
+        log_level="WARNING",
+    )
     c.start(120)
     yield c
     c.stop()
@@ -47,8 +52,14 @@ def cluster(tmp_path_factory):
 
 def test_decode_node_sigkill_mid_load(cluster, workload):
     prompts, expect = workload
-    row = F.run_fault(cluster, "sigkill-decode", prompts, expect, PLAN,
-                      lambda ld, res: F.fault_kill(cluster, ld, PLAN, "decode-1", res))
+    row = F.run_fault(
+        cluster,
+        "sigkill-decode",
+        prompts,
+        expect,
+        PLAN,
+        lambda ld, res: F.fault_kill(cluster, ld, PLAN, "decode-1", res),
+    )
     check(row)
     assert row["cluster_whole_s"] is not None and row["cluster_whole_s"] <= F.TTL + 3
     assert row["last_failure_s"] <= F.TTL + 5
@@ -57,9 +68,14 @@ def test_decode_node_sigkill_mid_load(cluster, workload):
 
 def test_conductor_restart_mid_load(cluster, workload):
     prompts, expect = workload
-    row = F.run_fault(cluster, "conductor-restart", prompts, expect, PLAN,
-                      lambda ld, res: F.fault_restart(cluster, ld, PLAN, "conductor-0", res,
-                                                      signal.SIGKILL))
+    row = F.run_fault(
+        cluster,
+        "conductor-restart",
+        prompts,
+        expect,
+        PLAN,
+        lambda ld, res: F.fault_restart(cluster, ld, PLAN, "conductor-0", res, signal.SIGKILL),
+    )
     check(row)
     assert row["cluster_whole_s"] is not None
     assert row["failed_retriable"] == 0
@@ -69,5 +85,5 @@ def test_kv_byte_flip_is_detected_and_recomputed(tmp_path, workload):
     prompts, expect = workload
     row = F.byte_flip(str(tmp_path), prompts, expect, PLAN, every=20)
     check(row)
-    assert row["checksum_failures_logged"] > 0, row   # damage happened and was caught
+    assert row["checksum_failures_logged"] > 0, row  # damage happened and was caught
     assert row["failed_retriable"] == 0

@@ -39,13 +39,17 @@ EXAMPLES = int(os.environ.get("KVMESH_FUZZ_EXAMPLES", "25"))
 KEY = "fuzz-key"
 GENERATE = "/kvmesh.v1.Conductor/Generate"
 STATUS = "/kvmesh.v1.Conductor/ClusterStatus"
-CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.UNAUTHENTICATED}
+CLIENT_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED,
+}
 # a request that happens to be valid may also be served, or time out on our short deadline
 SERVED = {grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED}
 COUNTS: dict[str, int] = {}
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
 
 
 def _count(name: str) -> None:
@@ -54,10 +58,15 @@ def _count(name: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(str(tmp_path_factory.mktemp("fuzz")), node_args=NODE_ARGS,
-                     conductor_args=["--api-keys", KEY], api_key=KEY, http_port=free_port(),
-                     # the tiny model's 1-token requests still get admitted under load
-                     lease_ttl=10)
+    c = LocalCluster(
+        str(tmp_path_factory.mktemp("fuzz")),
+        node_args=NODE_ARGS,
+        conductor_args=["--api-keys", KEY],
+        api_key=KEY,
+        http_port=free_port(),
+        # the tiny model's 1-token requests still get admitted under load
+        lease_ttl=10,
+    )
     c.start()
     try:
         yield c
@@ -68,8 +77,9 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def channel(cluster):
-    ch = grpc.insecure_channel(cluster.conductor, options=[
-        ("grpc.max_send_message_length", 80 << 20)])
+    ch = grpc.insecure_channel(
+        cluster.conductor, options=[("grpc.max_send_message_length", 80 << 20)]
+    )
     yield ch
     ch.close()
 
@@ -81,7 +91,9 @@ def _raw(channel, method: str, stream: bool):
     return channel.unary_unary(method, request_serializer=ident, response_deserializer=ident)
 
 
-def _call(channel, method: str, payload: bytes, metadata=None, timeout: float = 10) -> grpc.StatusCode:
+def _call(
+    channel, method: str, payload: bytes, metadata=None, timeout: float = 10
+) -> grpc.StatusCode:
     md = bearer_metadata(KEY) if metadata is None else metadata
     try:
         if method == GENERATE:
@@ -95,6 +107,7 @@ def _call(channel, method: str, payload: bytes, metadata=None, timeout: float = 
 
 
 # ------------------------------------------------------------------ protobuf by hand
+
 
 def _varint(n: int) -> bytes:
     n &= (1 << 64) - 1
@@ -120,11 +133,14 @@ def _field(num: int, wire: int, payload: bytes | int) -> bytes:
     return key + bytes(payload)[:8].ljust(8, b"\0")
 
 
-raw_fields = st.lists(st.tuples(
-    st.integers(1, 12),  # known and unknown field numbers of GenerateRequest
-    st.sampled_from([0, 1, 2, 5]),  # every wire type, mostly the wrong one for the field
-    st.one_of(st.integers(-(2**63), 2**64 - 1), st.binary(max_size=64))),
-    max_size=8)
+raw_fields = st.lists(
+    st.tuples(
+        st.integers(1, 12),  # known and unknown field numbers of GenerateRequest
+        st.sampled_from([0, 1, 2, 5]),  # every wire type, mostly the wrong one for the field
+        st.one_of(st.integers(-(2**63), 2**64 - 1), st.binary(max_size=64)),
+    ),
+    max_size=8,
+)
 
 
 def _encode(fields) -> bytes:
@@ -139,12 +155,21 @@ def _encode(fields) -> bytes:
 
 # ------------------------------------------------------------------ strategies
 
-texts = st.one_of(st.text(max_size=200), st.just(""), st.just("   "),
-                  st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=50))
-ints32 = st.one_of(st.integers(-(2**31), 2**31 - 1), st.integers(-3, 5),
-                   st.sampled_from([0, 1, 255, 256, 257, 2**31 - 1]))
-floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32),
-                   st.sampled_from([0.0, -1.0, 1.0, 2.0, 1e30]))
+texts = st.one_of(
+    st.text(max_size=200),
+    st.just(""),
+    st.just("   "),
+    st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=50),
+)
+ints32 = st.one_of(
+    st.integers(-(2**31), 2**31 - 1),
+    st.integers(-3, 5),
+    st.sampled_from([0, 1, 255, 256, 257, 2**31 - 1]),
+)
+floats = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=32),
+    st.sampled_from([0.0, -1.0, 1.0, 2.0, 1e30]),
+)
 
 
 @st.composite
@@ -154,7 +179,8 @@ def generate_requests(draw) -> pb.GenerateRequest:
         prompt=draw(texts),
         max_tokens=draw(st.one_of(ints32, st.integers(1, 3))),
         cache_salt=draw(st.one_of(st.just(""), texts)),
-        request_id=draw(st.one_of(st.just(""), texts)))
+        request_id=draw(st.one_of(st.just(""), texts)),
+    )
     if draw(st.booleans()):
         req.token_ids.extend(draw(st.lists(ints32, max_size=40)))
     s = req.sampling
@@ -170,6 +196,7 @@ def generate_requests(draw) -> pb.GenerateRequest:
 
 
 # ------------------------------------------------------------------ gRPC
+
 
 @FUZZ
 @given(req=generate_requests())
@@ -188,27 +215,39 @@ def test_fuzz_generate_raw_bytes(cluster, channel, fields, cut, garble):
     """Hand-built frames: wrong wire types, non-UTF-8 strings, unknown fields, truncated."""
     _count("grpc Generate (raw bytes)")
     payload = _encode(fields)
-    variants = [payload, payload[:max(0, len(payload) - cut)], garble + payload,
-                # prompt (field 2) and model (field 1) with invalid UTF-8
-                _field(2, 2, b"\xff\xfe hi \xc3") + _field(4, 0, 2),
-                _field(1, 2, b"\x80") + _field(2, 2, b"ok")]
+    variants = [
+        payload,
+        payload[: max(0, len(payload) - cut)],
+        garble + payload,
+        # prompt (field 2) and model (field 1) with invalid UTF-8
+        _field(2, 2, b"\xff\xfe hi \xc3") + _field(4, 0, 2),
+        _field(1, 2, b"\x80") + _field(2, 2, b"ok"),
+    ]
     for p in variants:
         code = _call(channel, GENERATE, p, timeout=20)
         assert code in CLIENT_ERRORS | SERVED, (code, p)
 
 
 @FUZZ
-@given(payload=st.binary(max_size=128), auth=st.one_of(
-    st.none(), st.just(""), st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126),
-                                    max_size=40)))
+@given(
+    payload=st.binary(max_size=128),
+    auth=st.one_of(
+        st.none(),
+        st.just(""),
+        st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40),
+    ),
+)
 def test_fuzz_cluster_status_and_auth(cluster, channel, payload, auth):
     _count("grpc ClusterStatus (raw bytes, keys)")
     code = _call(channel, STATUS, payload)
     assert code in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}, code
     md = () if auth is None else (("authorization", auth),)
     code = _call(channel, STATUS, b"", metadata=md)
-    expect_ok = auth is not None and auth.strip().lower().startswith("bearer") and \
-        auth.split(None, 1)[-1].strip() == KEY
+    expect_ok = (
+        auth is not None
+        and auth.strip().lower().startswith("bearer")
+        and auth.split(None, 1)[-1].strip() == KEY
+    )
     assert code == (grpc.StatusCode.OK if expect_ok else grpc.StatusCode.UNAUTHENTICATED)
     code = _call(channel, GENERATE, payload, metadata=md)
     assert code in CLIENT_ERRORS | SERVED
@@ -221,25 +260,55 @@ def test_oversized_messages(cluster, channel):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     # a 4 MiB prompt: refused by the context check, never tokenized into work
     req = pb.GenerateRequest(prompt="x" * (4 << 20), max_tokens=1)
-    assert _call(channel, GENERATE, req.SerializeToString(), timeout=60) == \
-        grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _call(channel, GENERATE, req.SerializeToString(), timeout=60)
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
     req = pb.GenerateRequest(token_ids=[1] * 200_000, max_tokens=1)
-    assert _call(channel, GENERATE, req.SerializeToString(), timeout=60) == \
-        grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _call(channel, GENERATE, req.SerializeToString(), timeout=60)
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 # ------------------------------------------------------------------ HTTP
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
     | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
-                                                                max_size=4),
-    max_leaves=12)
-KNOWN = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-         "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "best_of",
-         "logprobs", "echo", "ignore_eos", "cache_salt", "request_id", "ttft_slo_ms",
-         "tbt_slo_ms", "user", "tools"]
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+KNOWN = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "best_of",
+    "logprobs",
+    "echo",
+    "ignore_eos",
+    "cache_salt",
+    "request_id",
+    "ttft_slo_ms",
+    "tbt_slo_ms",
+    "user",
+    "tools",
+]
 
 
 @st.composite
@@ -255,13 +324,16 @@ def http_bodies(draw) -> bytes:
         body = draw(json_values)
     raw = json.dumps(body).encode()
     if kind == "truncated":
-        raw = raw[:draw(st.integers(0, max(0, len(raw) - 1)))]
+        raw = raw[: draw(st.integers(0, max(0, len(raw) - 1)))]
     return raw
 
 
 def _post(port: int, path: str, body: bytes, headers=None) -> int:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", body, {
-        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **(headers or {})})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        body,
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             r.read()
@@ -301,6 +373,7 @@ def test_http_oversized_and_unauthenticated(cluster):
 
 # ------------------------------------------------------------------ data plane
 
+
 @FUZZ
 @given(data=st.lists(st.binary(max_size=300), min_size=1, max_size=4))
 def test_fuzz_data_plane_handshake(cluster, data):
@@ -320,13 +393,13 @@ def test_fuzz_data_plane_handshake(cluster, data):
 
 # ------------------------------------------------------------------ store control path
 
+
 @pytest.fixture(scope="module")
 def store_fast(cluster):
     """The store-master's raw-TCP control path (advertised in StoreHello)."""
     from kvmesh.protos import kvmesh_pb2_grpc as pbg
 
-    addr = next(n.grpc_address for n in cluster.status(timeout=5).nodes
-                if n.role == "store-master")
+    addr = next(n.grpc_address for n in cluster.status(timeout=5).nodes if n.role == "store-master")
     with grpc.insecure_channel(addr) as ch:
         hello = pbg.StoreMasterStub(ch).StoreHello(pb.StoreHelloRequest(), timeout=10)
     assert hello.fast_address
@@ -335,8 +408,12 @@ def store_fast(cluster):
 
 
 @FUZZ
-@given(method=st.integers(0, 255), body=st.binary(max_size=600),
-       declared=st.one_of(st.none(), st.integers(0, (1 << 32) - 1)), cut=st.integers(0, 8))
+@given(
+    method=st.integers(0, 255),
+    body=st.binary(max_size=600),
+    declared=st.one_of(st.none(), st.integers(0, (1 << 32) - 1)),
+    cut=st.integers(0, 8),
+)
 def test_fuzz_store_control_path(store_fast, method, body, declared, cut):
     """Any frame - garbage bodies for every method byte, lying lengths, truncation - gets
     a clean status or a closed connection; the master then still answers a valid call."""
@@ -350,16 +427,19 @@ def test_fuzz_store_control_path(store_fast, method, body, declared, cut):
     with socket.create_connection(store_fast, timeout=5) as s:
         s.settimeout(2)
         try:
-            s.sendall(frame[:len(frame) - cut] if cut < len(frame) else frame)
+            s.sendall(frame[: len(frame) - cut] if cut < len(frame) else frame)
             if declared is None and cut == 0:
                 head = s.recv(wire.HEAD_SIZE, socket.MSG_WAITALL)
                 if len(head) == wire.HEAD_SIZE:
                     _, rid, status = wire.HEAD.unpack(head)
                     assert rid == 7
-                    assert status in (0, grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                      grpc.StatusCode.UNIMPLEMENTED.value[0],
-                                      grpc.StatusCode.NOT_FOUND.value[0],
-                                      grpc.StatusCode.FAILED_PRECONDITION.value[0]), status
+                    assert status in (
+                        0,
+                        grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                        grpc.StatusCode.UNIMPLEMENTED.value[0],
+                        grpc.StatusCode.NOT_FOUND.value[0],
+                        grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                    ), status
         except OSError:
             pass  # the master may close a connection that lies about lengths
     with socket.create_connection(store_fast, timeout=5) as s:

@@ -20,35 +20,57 @@ from tests.cluster_util import NODE_ARGS, status
 
 pytestmark = pytest.mark.timeout(120)
 
-WANT = {"conductor": "kvmesh.v1.Conductor", "prefill": "kvmesh.v1.PrefillNode",
-        "decode": "kvmesh.v1.DecodeNode", "store-master": "kvmesh.v1.StoreMaster"}
+WANT = {
+    "conductor": "kvmesh.v1.Conductor",
+    "prefill": "kvmesh.v1.PrefillNode",
+    "decode": "kvmesh.v1.DecodeNode",
+    "store-master": "kvmesh.v1.StoreMaster",
+}
 
 
 def _reflected_services(address: str) -> set[str]:
     with grpc.insecure_channel(address) as ch:
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-        resp = next(iter(stub.ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)))
+        resp = next(
+            iter(
+                stub.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+                )
+            )
+        )
     return {s.name for s in resp.list_services_response.service}
 
 
 def test_health_reflection_and_shutdown(tmp_path):
     # A long grace period keeps a stopping node in its NOT_SERVING window long enough to see.
-    with LocalCluster(str(tmp_path), node_args=[*NODE_ARGS, "--grace-s", "3"],
-                      http_port=-1) as cluster:
+    with LocalCluster(
+        str(tmp_path), node_args=[*NODE_ARGS, "--grace-s", "3"], http_port=-1
+    ) as cluster:
         nodes = {n.role: n for n in status(cluster.conductor).nodes}
         assert set(nodes) == set(WANT)
         for role, n in nodes.items():
             assert asyncio.run(check(n.grpc_address)) == "SERVING", role
             assert asyncio.run(check(n.grpc_address, WANT[role])) == "SERVING", role
             services = _reflected_services(n.grpc_address)
-            assert {WANT[role], "grpc.health.v1.Health",
-                    "grpc.reflection.v1alpha.ServerReflection"} <= services, (role, services)
+            assert {
+                WANT[role],
+                "grpc.health.v1.Health",
+                "grpc.reflection.v1alpha.ServerReflection",
+            } <= services, (role, services)
 
         # The CLI healthcheck: 0 when SERVING, 1 otherwise.
-        ok = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "health",
-                             nodes["conductor"].grpc_address], capture_output=True, text=True,
-                            timeout=30)
+        ok = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.services.cli",
+                "health",
+                nodes["conductor"].grpc_address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
         unknown = asyncio.run(_check_code(nodes["conductor"].grpc_address, "no.such.Service"))
         assert unknown == grpc.StatusCode.NOT_FOUND
@@ -69,8 +91,12 @@ def test_health_reflection_and_shutdown(tmp_path):
                 break
             time.sleep(0.05)
         assert "NOT_SERVING" in seen, seen
-        bad = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "health", addr],
-                             capture_output=True, text=True, timeout=30)
+        bad = subprocess.run(
+            [sys.executable, "-m", "kvmesh.services.cli", "health", addr],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert bad.returncode == 1
         cluster.procs["decode-0"].wait(30)
 
@@ -79,7 +105,8 @@ async def _check_code(address: str, service: str):
     async with grpc.aio.insecure_channel(address) as ch:
         try:
             await health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=3)
+                health_pb2.HealthCheckRequest(service=service), timeout=3
+            )
         except grpc.aio.AioRpcError as e:
             return e.code()
     return grpc.StatusCode.OK

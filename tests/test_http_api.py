@@ -9,8 +9,13 @@ import urllib.request
 
 import pytest
 
-from kvmesh.services.conductor.http_api import (DEFAULT_CHAT_TEMPLATE, _StopCutter,
-                                         load_checkpoint_template, render_chat, render_default)
+from kvmesh.services.conductor.http_api import (
+    DEFAULT_CHAT_TEMPLATE,
+    _StopCutter,
+    load_checkpoint_template,
+    render_chat,
+    render_default,
+)
 from kvmesh.services.launcher import LocalCluster, free_port
 from tests.cluster_util import NODE_ARGS, generate
 
@@ -23,12 +28,14 @@ PROMPT = "Once upon a time, in a cluster far away,"
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     port = free_port()
-    cluster = LocalCluster(str(tmp_path_factory.mktemp("http")), node_args=NODE_ARGS,
-                           http_port=port)
+    cluster = LocalCluster(
+        str(tmp_path_factory.mktemp("http")), node_args=NODE_ARGS, http_port=port
+    )
     try:
         cluster.start()
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               max_retries=0, timeout=60)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+        )
         yield cluster, client, port
     finally:
         cluster.stop()
@@ -51,9 +58,14 @@ def test_completions_equal_the_grpc_path(api):
     assert out.usage.completion_tokens == len(ref.tokens) == 8
     assert out.usage.total_tokens == out.usage.prompt_tokens + 8
 
-    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
-                                       temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     ids, text, reasons, usage = [], "", [], None
     for chunk in stream:
         if chunk.usage is not None:
@@ -70,29 +82,32 @@ def test_completions_equal_the_grpc_path(api):
     # Token ids as the prompt: the same tokens as gRPC with the same token ids.
     ids_prompt = list(PROMPT.encode())
     ref_ids = generate(cluster.conductor, token_ids=ids_prompt, max_tokens=8)
-    by_ids = client.completions.create(model="tiny", prompt=ids_prompt, max_tokens=8,
-                                       temperature=0)
+    by_ids = client.completions.create(model="tiny", prompt=ids_prompt, max_tokens=8, temperature=0)
     assert by_ids.choices[0].token_ids == ref_ids.tokens
     assert by_ids.usage.prompt_tokens == len(ids_prompt)
 
 
 def test_chat_equals_the_grpc_path(api):
     cluster, client, _ = api
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Hello!"}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hello!"},
+    ]
     prompt = render_default(messages)
     assert prompt == "<|system|>\nYou are terse.\n<|user|>\nHello!\n<|assistant|>\n"
     ref = generate(cluster.conductor, prompt, max_tokens=6)
-    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
-                                         temperature=0)
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0
+    )
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == ref.text
     assert out.choices[0].token_ids == ref.tokens
     assert out.usage.prompt_tokens == ref.usage.prompt_tokens  # the BOS + the bytes
 
     text, ids = "", []
-    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
-                                                temperature=0, stream=True):
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True
+    ):
         for c in chunk.choices:
             text += c.delta.content or ""
             ids += c.token_ids
@@ -113,18 +128,29 @@ def test_errors(api):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=4)
     # Early rejection: 429 with Retry-After in whole seconds.
     with pytest.raises(openai.RateLimitError) as e:
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
-                                  extra_body={"ttft_slo_ms": 0.001})
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=4, extra_body={"ttft_slo_ms": 0.001}
+        )
     retry = e.value.response.headers["retry-after"]
     assert retry.isdigit() and int(retry) >= 1
     assert "TTFT" in e.value.message or "SLO" in e.value.message.upper()
     # Streaming requests are rejected before the stream starts, with the same status.
     with pytest.raises(openai.RateLimitError):
-        list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, stream=True,
-                                       extra_body={"ttft_slo_ms": 0.001}))
+        list(
+            client.completions.create(
+                model="tiny",
+                prompt=PROMPT,
+                max_tokens=4,
+                stream=True,
+                extra_body={"ttft_slo_ms": 0.001},
+            )
+        )
     # Not JSON.
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b"{nope",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=b"{nope",
+        headers={"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as h:
         urllib.request.urlopen(req, timeout=10)
     assert h.value.code == 400 and "error" in json.loads(h.value.read())
@@ -136,9 +162,10 @@ def test_stop_strings(api):
     if len(ref.text) < 4:
         pytest.skip("reference text too short to cut")
     stop = ref.text[2:4]
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
-                                    stop=[stop])
-    assert out.choices[0].text == ref.text[:ref.text.find(stop)]
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert out.choices[0].text == ref.text[: ref.text.find(stop)]
     assert out.choices[0].finish_reason == "stop"
 
 
@@ -153,11 +180,17 @@ def test_stop_cutter_holds_partial_matches():
 
 
 def test_checkpoint_chat_template(tmp_path):
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<s>"}, "eos_token": "</s>",
-        "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] "
-                         "{{ m['content'] }}{{ eos_token }}{% endfor %}"
-                         "{% if add_generation_prompt %}[assistant] {% endif %}"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<s>"},
+                "eos_token": "</s>",
+                "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] "
+                "{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}",
+            }
+        )
+    )
     tpl = load_checkpoint_template(str(tmp_path))
     msgs = [{"role": "user", "content": "hi"}]
     assert render_chat(msgs, tpl) == "<s>[user] hi</s>[assistant] "
@@ -166,5 +199,6 @@ def test_checkpoint_chat_template(tmp_path):
     # The documented default template renders like the Python fallback.
     from jinja2 import Template
 
-    assert Template(DEFAULT_CHAT_TEMPLATE).render(messages=msgs, add_generation_prompt=True) \
-        == render_default(msgs)
+    assert Template(DEFAULT_CHAT_TEMPLATE).render(
+        messages=msgs, add_generation_prompt=True
+    ) == render_default(msgs)

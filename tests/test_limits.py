@@ -14,8 +14,16 @@ from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import NODE_ARGS, generate
 
-LIMITS = ["--max-tokens-limit", "2000", "--max-prompt-tokens", "100",
-          "--max-streams-per-client", "2", "--grace-s", "0.2"]
+LIMITS = [
+    "--max-tokens-limit",
+    "2000",
+    "--max-prompt-tokens",
+    "100",
+    "--max-streams-per-client",
+    "2",
+    "--grace-s",
+    "0.2",
+]
 LONG = dict(max_tokens=300, sampling=pb.SamplingParams(ignore_eos=True))
 
 
@@ -28,8 +36,10 @@ def cluster(tmp_path):
 
 
 def test_request_bounds_and_stream_limit(cluster):
-    for kw, fragment in [(dict(prompt="hi", max_tokens=2001), "allows at most 2000"),
-                         (dict(prompt="x" * 120, max_tokens=4), "accepts at most 100")]:
+    for kw, fragment in [
+        (dict(prompt="hi", max_tokens=2001), "allows at most 2000"),
+        (dict(prompt="x" * 120, max_tokens=4), "accepts at most 100"),
+    ]:
         with pytest.raises(grpc.RpcError) as e:
             generate(cluster.conductor, **kw)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -63,8 +73,14 @@ def test_sigterm_drains_in_flight_streams(cluster):
 
     def stream() -> None:
         try:
-            got.append(generate(cluster.conductor, "draining", max_tokens=2000,
-                                sampling=pb.SamplingParams(ignore_eos=True)))
+            got.append(
+                generate(
+                    cluster.conductor,
+                    "draining",
+                    max_tokens=2000,
+                    sampling=pb.SamplingParams(ignore_eos=True),
+                )
+            )
         except grpc.RpcError as e:
             errors.append(e)
 

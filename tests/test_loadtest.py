@@ -69,7 +69,7 @@ def test_agentic_workload_shape():
             assert cur.token_ids[: len(ctx)] == ctx
             assert cur.token_ids == W.turn_prompt(prev.token_ids, prev.planned_output, cur.new_ids)
             growth = len(cur.token_ids) - len(prev.token_ids)
-            assert 60 <= growth <= 160          # ~2,000 tokens x 1/20 a turn, + output
+            assert 60 <= growth <= 160  # ~2,000 tokens x 1/20 a turn, + output
         assert len(turns[-1].token_ids) + turns[-1].max_tokens <= 4000
     assert 100 <= s["input_output_ratio"] <= 170
     assert s["session_prefix_share"] > 0.9
@@ -80,20 +80,50 @@ def test_agentic_workload_shape():
 
 def test_metrics_on_synthetic_records():
     recs = [
-        {"status": "OK", "ttft_ms": 100.0, "token_times_ms": [100, 110, 120, 130],
-         "prompt_tokens": 100, "cached_tokens": 60, "computed_tokens": 40, "sent_ms": 0,
-         "e2e_ms": 130, "route": "disaggregated", "completion_tokens": 4},
-        {"status": "OK", "ttft_ms": 300.0, "token_times_ms": [300, 340, 340],
-         "prompt_tokens": 100, "cached_tokens": 0, "computed_tokens": 100, "sent_ms": 500,
-         "e2e_ms": 340, "route": "colocated", "completion_tokens": 3},
-        {"status": "RESOURCE_EXHAUSTED", "reject_reason": "ttft", "sent_ms": 1000,
-         "prompt_tokens": 100},
-        {"status": "OK", "ttft_ms": 2000.0, "token_times_ms": [2000], "prompt_tokens": 50,
-         "cached_tokens": 50, "computed_tokens": 0, "sent_ms": 1500, "e2e_ms": 2000,
-         "completion_tokens": 1},
+        {
+            "status": "OK",
+            "ttft_ms": 100.0,
+            "token_times_ms": [100, 110, 120, 130],
+            "prompt_tokens": 100,
+            "cached_tokens": 60,
+            "computed_tokens": 40,
+            "sent_ms": 0,
+            "e2e_ms": 130,
+            "route": "disaggregated",
+            "completion_tokens": 4,
+        },
+        {
+            "status": "OK",
+            "ttft_ms": 300.0,
+            "token_times_ms": [300, 340, 340],
+            "prompt_tokens": 100,
+            "cached_tokens": 0,
+            "computed_tokens": 100,
+            "sent_ms": 500,
+            "e2e_ms": 340,
+            "route": "colocated",
+            "completion_tokens": 3,
+        },
+        {
+            "status": "RESOURCE_EXHAUSTED",
+            "reject_reason": "ttft",
+            "sent_ms": 1000,
+            "prompt_tokens": 100,
+        },
+        {
+            "status": "OK",
+            "ttft_ms": 2000.0,
+            "token_times_ms": [2000],
+            "prompt_tokens": 50,
+            "cached_tokens": 50,
+            "computed_tokens": 0,
+            "sent_ms": 1500,
+            "e2e_ms": 2000,
+            "completion_tokens": 1,
+        },
     ]
     assert M.tbt_gaps([100, 110, 120, 130]) == [10, 10, 10]
-    assert M.tbt_gaps([300, 340, 340]) == [20, 20]      # one chunk of 2 shares its gap
+    assert M.tbt_gaps([300, 340, 340]) == [20, 20]  # one chunk of 2 shares its gap
     s = M.summarize(recs, ttft_slo_ms=500, tbt_slo_ms=15)
     assert s["requests"] == 4 and s["served"] == 3 and s["rejected"] == 1
     assert s["acceptance_rate"] == 0.75
@@ -101,7 +131,7 @@ def test_metrics_on_synthetic_records():
     # SLO: #1 ok (ttft 100, tbt 10); #2 tbt 20 > 15; #4 ttft 2000 > 500
     assert s["slo_attainment"] == 0.25
     assert s["slo_attainment_accepted"] == round(1 / 3, 4)
-    assert s["duration_s"] == 3.5                        # 0 .. 1500 + 2000 ms
+    assert s["duration_s"] == 3.5  # 0 .. 1500 + 2000 ms
     assert s["goodput_rps"] == round(1 / 3.5, 4)
     assert s["cache_hit_ratio"] == round(110 / 250, 4)
     assert s["prefill_tokens_avoided"] == 110
@@ -117,13 +147,19 @@ def _loaded_trace(n=400, seed=0):
     rng = random.Random(seed)
     prefixes = [[rng.getrandbits(40) for _ in range(24)] for _ in range(10)]
     out, t = [], 0.0
-    for i in range(n):
+    for _i in range(n):
         p = rng.choice(prefixes)
         k = rng.randint(16, 24)
         ids = p[:k] + [rng.getrandbits(40) for _ in range(4)]
         t += rng.expovariate(1 / 350.0)
-        out.append({"timestamp": t, "input_length": len(ids) * 512 - 100,
-                    "output_length": rng.randint(20, 200), "hash_ids": ids})
+        out.append(
+            {
+                "timestamp": t,
+                "input_length": len(ids) * 512 - 100,
+                "output_length": rng.randint(20, 200),
+                "hash_ids": ids,
+            }
+        )
     return out
 
 
@@ -135,11 +171,11 @@ def test_simulator_deterministic_and_kvmesh_beats_random_under_load():
         a = simulate(trace, SimConfig(**{**cfg.__dict__, "policy": pol}))
         b = simulate(trace, SimConfig(**{**cfg.__dict__, "policy": pol}))
         ra, rb = a.records(), b.records()
-        assert ra == rb                                   # deterministic
+        assert ra == rb  # deterministic
         out[pol] = M.summarize(ra, ttft_slo_ms=8000, tbt_slo_ms=100)
         assert out[pol]["served"] + out[pol]["rejected"] == len(trace)
     r, k = out["random"], out["kvmesh"]
-    assert r["rejected"] > 0                              # the scenario is loaded
+    assert r["rejected"] > 0  # the scenario is loaded
     assert k["rejected"] < r["rejected"]
     assert k["slo_attainment"] > r["slo_attainment"]
     assert k["cache_hit_ratio"] >= r["cache_hit_ratio"]
@@ -153,14 +189,32 @@ def test_small_real_cluster_replay_matches_reference(tmp_path):
     from kvmesh.services.engine.model import LlamaModel
     from kvmesh.services.launcher import LocalCluster
 
-    recs = [{"timestamp": i * 150, "input_length": 512 * (2 + i % 3) - 7 * i,
-             "output_length": 8 * 16, "hash_ids": [1, 2, 3, 4][: 2 + i % 3] if i % 2 else
-             [10 + i, 20 + i, 30 + i, 40 + i][: 2 + i % 3]} for i in range(8)]
+    recs = [
+        {
+            "timestamp": i * 150,
+            "input_length": 512 * (2 + i % 3) - 7 * i,
+            "output_length": 8 * 16,
+            "hash_ids": [1, 2, 3, 4][: 2 + i % 3]
+            if i % 2
+            else [10 + i, 20 + i, 30 + i, 40 + i][: 2 + i % 3],
+        }
+        for i in range(8)
+    ]
     items = W.trace_items(recs, block_tokens_n=32, max_output=8)
-    with LocalCluster(str(tmp_path / "c"), node_args=["--model", "tiny", "--block-size", "16",
-                                                      "--kv-memory", "16MiB",
-                                                      "--segment-memory", "16MiB"],
-                      http_port=-1) as c:
+    with LocalCluster(
+        str(tmp_path / "c"),
+        node_args=[
+            "--model",
+            "tiny",
+            "--block-size",
+            "16",
+            "--kv-memory",
+            "16MiB",
+            "--segment-memory",
+            "16MiB",
+        ],
+        http_port=-1,
+    ) as c:
         got = asyncio.run(drive(c.conductor, items, timeout=60))
     model = LlamaModel.from_preset("tiny")
     finished = [r for r in got if r.status == "OK"]
@@ -170,4 +224,4 @@ def test_small_real_cluster_replay_matches_reference(tmp_path):
             continue
         assert r.tokens == model.reference_generate(it.token_ids, it.max_tokens, eos_id=257), it.rid
         assert r.ttft_ms is not None and r.prompt_tokens == len(it.token_ids)
-    assert any(r.cached_tokens > 0 for r in finished)    # the shared blocks were reused
+    assert any(r.cached_tokens > 0 for r in finished)  # the shared blocks were reused

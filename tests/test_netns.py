@@ -107,27 +107,75 @@ def netns_pair():
 
 
 def _set_rate(env: dict, mbit: int, first: bool) -> None:
-    _run("ip", "netns", "exec", env["ns_a"], "tc", "qdisc", "add" if first else "change",
-         "dev", env["veth_a"], "root", "tbf", "rate", f"{mbit}mbit", "burst", "256kb",
-         "latency", "50ms")
+    _run(
+        "ip",
+        "netns",
+        "exec",
+        env["ns_a"],
+        "tc",
+        "qdisc",
+        "add" if first else "change",
+        "dev",
+        env["veth_a"],
+        "root",
+        "tbf",
+        "rate",
+        f"{mbit}mbit",
+        "burst",
+        "256kb",
+        "latency",
+        "50ms",
+    )
 
 
 def test_measured_bandwidth_tracks_tbf_rate(netns_pair):
     env = netns_pair
     penv = dict(os.environ, PYTHONPATH=str(REPO))
     sink = subprocess.Popen(
-        ["ip", "netns", "exec", env["ns_b"], sys.executable, "-c", SINK, SECRET,
-         env["ip_b"], str(TOTAL)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True, cwd=REPO, env=penv)
+        [
+            "ip",
+            "netns",
+            "exec",
+            env["ns_b"],
+            sys.executable,
+            "-c",
+            SINK,
+            SECRET,
+            env["ip_b"],
+            str(TOTAL),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=penv,
+    )
     try:
         peer = json.loads(sink.stdout.readline())
         results = {}
         for i, mbit in enumerate((200, 400)):
             _set_rate(env, mbit, first=(i == 0))
             out = subprocess.run(
-                ["ip", "netns", "exec", env["ns_a"], sys.executable, "-c", SENDER, SECRET,
-                 env["ip_a"], peer["address"], str(peer["region"]), str(TOTAL)],
-                capture_output=True, text=True, cwd=REPO, env=penv, timeout=25)
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    env["ns_a"],
+                    sys.executable,
+                    "-c",
+                    SENDER,
+                    SECRET,
+                    env["ip_a"],
+                    peer["address"],
+                    str(peer["region"]),
+                    str(TOTAL),
+                ],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                env=penv,
+                timeout=25,
+            )
             assert out.returncode == 0, out.stderr[-2000:]
             res = json.loads(out.stdout.strip().splitlines()[-1])
             results[mbit] = res

@@ -46,12 +46,19 @@ def test_counters_and_labels_match_prometheus(reader):
     p = _points(reader)
     assert _value(p, "kvmesh_requests_accepted_total") == _prom("kvmesh_requests_accepted_total")
     assert _value(p, "kvmesh_requests_accepted_total") >= 3
-    assert (_value(p, "kvmesh_requests_rejected_total", reason="ttft")
-            == _prom("kvmesh_requests_rejected_total", reason="ttft") >= 2)
+    assert (
+        _value(p, "kvmesh_requests_rejected_total", reason="ttft")
+        == _prom("kvmesh_requests_rejected_total", reason="ttft")
+        >= 2
+    )
     # Every reason Prometheus shows is there, none invented.
-    prom_reasons = {s.labels["reason"] for f in metrics.REGISTRY.collect()
-                    if f.name == "kvmesh_requests_rejected" for s in f.samples
-                    if s.name.endswith("_total")}
+    prom_reasons = {
+        s.labels["reason"]
+        for f in metrics.REGISTRY.collect()
+        if f.name == "kvmesh_requests_rejected"
+        for s in f.samples
+        if s.name.endswith("_total")
+    }
     assert {q["attributes"]["reason"] for q in p["kvmesh_requests_rejected_total"]} == prom_reasons
 
     # The next collection reads the registry again (no stale snapshot).
@@ -70,16 +77,26 @@ def test_histograms_export_prometheus_series(reader):
     assert _value(p, "kvmesh_ttft_seconds_count") == _prom("kvmesh_ttft_seconds_count") >= 2
     assert _value(p, "kvmesh_ttft_seconds_sum") == pytest.approx(_prom("kvmesh_ttft_seconds_sum"))
     for le in ("0.025", "5.0", "+Inf"):
-        assert (_value(p, "kvmesh_ttft_seconds_bucket", le=le)
-                == _prom("kvmesh_ttft_seconds_bucket", le=le))
-    assert _value(p, "kvmesh_ttft_seconds_bucket", le="+Inf") == _value(p, "kvmesh_ttft_seconds_count")
-    assert (_value(p, "kvmesh_transfer_seconds_count", path="handoff")
-            == _prom("kvmesh_transfer_seconds_count", path="handoff") >= 1)
+        assert _value(p, "kvmesh_ttft_seconds_bucket", le=le) == _prom(
+            "kvmesh_ttft_seconds_bucket", le=le
+        )
+    assert _value(p, "kvmesh_ttft_seconds_bucket", le="+Inf") == _value(
+        p, "kvmesh_ttft_seconds_count"
+    )
+    assert (
+        _value(p, "kvmesh_transfer_seconds_count", path="handoff")
+        == _prom("kvmesh_transfer_seconds_count", path="handoff")
+        >= 1
+    )
     assert _value(p, "kvmesh_transfer_bytes_total", path="handoff") >= 4096
     # OTel kinds and units: counters are monotonic cumulative sums.
     data = reader.get_metrics_data()
-    kinds = {m.name: (type(m.data).__name__, m.unit, getattr(m.data, "is_monotonic", None))
-             for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    kinds = {
+        m.name: (type(m.data).__name__, m.unit, getattr(m.data, "is_monotonic", None))
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+    }
     assert kinds["kvmesh_ttft_seconds_bucket"][0] == "Sum"
     assert kinds["kvmesh_ttft_seconds_sum"][:2] == ("Sum", "s")
     assert kinds["kvmesh_requests_accepted_total"] == ("Sum", "", True)
@@ -103,16 +120,21 @@ def test_gauges_from_live_state(reader):
     assert _value(p, "kvmesh_store_evictions_total") == 7
     assert _value(p, "kvmesh_up", node="store-x", role="store-master") == 1
     data = reader.get_metrics_data()
-    kinds = {m.name: type(m.data).__name__
-             for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    kinds = {
+        m.name: type(m.data).__name__
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+    }
     assert kinds["kvmesh_store_bytes"] == "Gauge"
     metrics._STATE.services.discard(svc)
 
 
 def test_families_registered_later_are_bridged(reader):
     reader, bridge = reader
-    late = Counter("kvmesh_test_late_total", "registered after the bridge",
-                   registry=metrics.REGISTRY)
+    late = Counter(
+        "kvmesh_test_late_total", "registered after the bridge", registry=metrics.REGISTRY
+    )
     try:
         late.inc(5)
         reader.get_metrics_data()  # sees the new family; instruments come on a helper thread
@@ -137,8 +159,12 @@ def test_setup_metrics_file_and_reader(tmp_path, monkeypatch):
         metrics.REQUESTS_ACCEPTED.inc()
         want = _prom("kvmesh_requests_accepted_total")
         data = mem.get_metrics_data()
-        assert dict(data.resource_metrics[0].resource.attributes)["service.name"] == "kvmesh-conductor"
-        assert _value(metrics_data_to_dict(data)["metrics"], "kvmesh_requests_accepted_total") == want
+        assert (
+            dict(data.resource_metrics[0].resource.attributes)["service.name"] == "kvmesh-conductor"
+        )
+        assert (
+            _value(metrics_data_to_dict(data)["metrics"], "kvmesh_requests_accepted_total") == want
+        )
     finally:
         otel_metrics.shutdown_metrics()  # final export to the file
     assert not otel_metrics.enabled()
@@ -148,8 +174,11 @@ def test_setup_metrics_file_and_reader(tmp_path, monkeypatch):
 
 
 def test_off_without_configuration(monkeypatch):
-    for var in ("KVMESH_METRICS_FILE", "OTEL_EXPORTER_OTLP_ENDPOINT",
-                "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+    for var in (
+        "KVMESH_METRICS_FILE",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    ):
         monkeypatch.delenv(var, raising=False)
     assert not otel_metrics.setup_metrics("decode", "d-1", set_global=False)
     assert not otel_metrics.enabled()

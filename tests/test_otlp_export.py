@@ -14,9 +14,13 @@ import pytest
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (  # noqa: E402
-    ExportMetricsServiceRequest, ExportMetricsServiceResponse)
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
-    ExportTraceServiceRequest, ExportTraceServiceResponse)
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 
 from kvmesh.services.launcher import LocalCluster  # noqa: E402
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate  # noqa: E402
@@ -45,10 +49,18 @@ class Collector:
                     body = gzip.decompress(body)
                 elif enc == "deflate":
                     body = zlib.decompress(body)
-                kinds = {"/v1/traces": (ExportTraceServiceRequest, ExportTraceServiceResponse,
-                                        collector.traces),
-                         "/v1/metrics": (ExportMetricsServiceRequest,
-                                         ExportMetricsServiceResponse, collector.metrics)}
+                kinds = {
+                    "/v1/traces": (
+                        ExportTraceServiceRequest,
+                        ExportTraceServiceResponse,
+                        collector.traces,
+                    ),
+                    "/v1/metrics": (
+                        ExportMetricsServiceRequest,
+                        ExportMetricsServiceResponse,
+                        collector.metrics,
+                    ),
+                }
                 if self.path not in kinds:
                     self.send_error(404)
                     return
@@ -95,11 +107,16 @@ class Collector:
                 res = {a.key: a.value.string_value for a in rs.resource.attributes}
                 for ss in rs.scope_spans:
                     for s in ss.spans:
-                        out.append({"name": s.name, "trace_id": s.trace_id.hex(),
-                                    "span_id": s.span_id.hex(),
-                                    "parent_id": s.parent_span_id.hex() or None,
-                                    "service": res.get("service.name", ""),
-                                    "attributes": {a.key: _any(a.value) for a in s.attributes}})
+                        out.append(
+                            {
+                                "name": s.name,
+                                "trace_id": s.trace_id.hex(),
+                                "span_id": s.span_id.hex(),
+                                "parent_id": s.parent_span_id.hex() or None,
+                                "service": res.get("service.name", ""),
+                                "attributes": {a.key: _any(a.value) for a in s.attributes},
+                            }
+                        )
         return out
 
     def metric_points(self) -> dict[tuple[str, str], list[tuple[dict, float]]]:
@@ -110,15 +127,19 @@ class Collector:
         for req in reqs:  # later exports overwrite earlier ones
             for rm in req.resource_metrics:
                 svc = {a.key: a.value.string_value for a in rm.resource.attributes}.get(
-                    "service.name", "")
+                    "service.name", ""
+                )
                 for sm in rm.scope_metrics:
                     for m in sm.metrics:
                         kind = m.WhichOneof("data")
                         pts = getattr(m, kind).data_points if kind in ("sum", "gauge") else []
                         out[(svc, m.name)] = [
-                            ({a.key: _any(a.value) for a in p.attributes},
-                             p.as_double if p.WhichOneof("value") == "as_double" else p.as_int)
-                            for p in pts]
+                            (
+                                {a.key: _any(a.value) for a in p.attributes},
+                                p.as_double if p.WhichOneof("value") == "as_double" else p.as_int,
+                            )
+                            for p in pts
+                        ]
         return out
 
 
@@ -138,13 +159,21 @@ def exported(tmp_path_factory):
         mp.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
         mp.setenv("OTEL_METRIC_EXPORT_INTERVAL", "500")
-        for var in ("KVMESH_TRACE_FILE", "KVMESH_METRICS_FILE", "OTEL_METRICS_EXPORTER",
-                    "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-                    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-                    "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_HEADERS"):
+        for var in (
+            "KVMESH_TRACE_FILE",
+            "KVMESH_METRICS_FILE",
+            "OTEL_METRICS_EXPORTER",
+            "OTEL_TRACES_EXPORTER",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_HEADERS",
+        ):
             mp.delenv(var, raising=False)
-        cluster = LocalCluster(str(root / "cluster"), node_args=NODE_ARGS, http_port=-1,
-                               conductor_args=DISAGG_ONLY)
+        cluster = LocalCluster(
+            str(root / "cluster"), node_args=NODE_ARGS, http_port=-1, conductor_args=DISAGG_ONLY
+        )
         try:
             cluster.start()
             yield cluster, collector
@@ -180,8 +209,12 @@ def _check_export(exported, rid: str) -> None:
 
     def trace_of_request():
         spans = collector.spans()
-        roots = [s for s in spans if s["name"] == "kvmesh.v1.Conductor/Generate"
-                 and s["attributes"].get("kvmesh.request_id") == rid]
+        roots = [
+            s
+            for s in spans
+            if s["name"] == "kvmesh.v1.Conductor/Generate"
+            and s["attributes"].get("kvmesh.request_id") == rid
+        ]
         if not roots:
             return None
         mine = [s for s in spans if s["trace_id"] == roots[0]["trace_id"]]

@@ -9,8 +9,16 @@ import pytest
 
 from kvmesh.services.conductor.estimator import DecodeModel, PrefillModel
 from kvmesh.services.conductor.index import CacheIndex
-from kvmesh.services.conductor.policy import (COLOCATED, DIRECT, DISAGG, DecodeNodeState,
-                                       PolicyConfig, PrefillNodeState, Request, Scheduler)
+from kvmesh.services.conductor.policy import (
+    COLOCATED,
+    DIRECT,
+    DISAGG,
+    DecodeNodeState,
+    PolicyConfig,
+    PrefillNodeState,
+    Request,
+    Scheduler,
+)
 
 BS = 16
 
@@ -19,18 +27,28 @@ def H(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
-def make(policy: str = "kvmesh", colocate: int = 0, overhead: float = 0.0,
-         bandwidth: float = 1000.0) -> Scheduler:
+def make(
+    policy: str = "kvmesh", colocate: int = 0, overhead: float = 0.0, bandwidth: float = 1000.0
+) -> Scheduler:
     now = {"t": 0.0}
-    s = Scheduler(PolicyConfig(policy=policy, colocate_below_tokens=colocate,
-                               disagg_overhead_ms=overhead),
-                  clock=lambda: now["t"], rng=random.Random(1))
+    s = Scheduler(
+        PolicyConfig(policy=policy, colocate_below_tokens=colocate, disagg_overhead_ms=overhead),
+        clock=lambda: now["t"],
+        rng=random.Random(1),
+    )
     s.now = now
     for name in ("p0", "p1"):
-        s.prefill[name] = PrefillNodeState(name, BS, block_nbytes=1000, layer_nbytes=100,
-                                           model=PrefillModel(10, 0.1, 0), bandwidth=bandwidth)
-    s.decode["d0"] = DecodeNodeState("d0", BS, 100, 100, model=DecodeModel(5, 1, 0),
-                                     prefill_model=PrefillModel(10, 0.1, 0))
+        s.prefill[name] = PrefillNodeState(
+            name,
+            BS,
+            block_nbytes=1000,
+            layer_nbytes=100,
+            model=PrefillModel(10, 0.1, 0),
+            bandwidth=bandwidth,
+        )
+    s.decode["d0"] = DecodeNodeState(
+        "d0", BS, 100, 100, model=DecodeModel(5, 1, 0), prefill_model=PrefillModel(10, 0.1, 0)
+    )
     return s
 
 

@@ -23,7 +23,9 @@ def test_protos_found():
 def test_stub_is_fresh(fresh: Path, rel: Path):
     committed = gen.ROOT / rel
     assert committed.exists(), f"{rel} missing: run `python -m kvmesh.protos.gen`"
-    assert committed.read_bytes() == (fresh / rel).read_bytes(), f"{rel} is stale: run `python -m kvmesh.protos.gen`"
+    assert committed.read_bytes() == (fresh / rel).read_bytes(), (
+        f"{rel} is stale: run `python -m kvmesh.protos.gen`"
+    )
 
 
 def test_no_unexpected_stubs(fresh: Path):

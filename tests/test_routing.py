@@ -21,18 +21,31 @@ from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import generate, node
 
 # no store segments: a prefix lives only in the pool of the node that computed it
-NODE_ARGS = ["--block-size", "16", "--kv-memory", "32MiB", "--segment-memory", "0", "--threads", "1"]
+NODE_ARGS = [
+    "--block-size",
+    "16",
+    "--kv-memory",
+    "32MiB",
+    "--segment-memory",
+    "0",
+    "--threads",
+    "1",
+]
 TOK = ByteTokenizer()
 SHARED = "".join(random.Random(7).choice("abcdefghij klmnop") for _ in range(600))
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(str(tmp_path_factory.mktemp("routing")), prefill=2, decode=1,
-                     node_args=NODE_ARGS,
-                     # admit within 75% of the SLO: the estimate's error on two cores shared
-                     # by five processes and the load generator (see the conductor's slo_margin)
-                     conductor_args=["--report-interval-ms", "50", "--slo-margin", "0.75"])
+    c = LocalCluster(
+        str(tmp_path_factory.mktemp("routing")),
+        prefill=2,
+        decode=1,
+        node_args=NODE_ARGS,
+        # admit within 75% of the SLO: the estimate's error on two cores shared
+        # by five processes and the load generator (see the conductor's slo_margin)
+        conductor_args=["--report-interval-ms", "50", "--slo-margin", "0.75"],
+    )
     c.start()
     yield c
     c.stop()
@@ -60,15 +73,21 @@ def test_short_prompt_takes_the_colocated_route(cluster, reference):
     before = node(cluster.conductor, "decode-0").computed_tokens_total
     got = generate(cluster.conductor, "a short question", max_tokens=8)
     assert got.route.prefill_node == "" and got.route.decode_node == "decode-0"
-    assert node(cluster.conductor, "decode-0").computed_tokens_total - before == \
-        len(TOK.encode("a short question"))
+    assert node(cluster.conductor, "decode-0").computed_tokens_total - before == len(
+        TOK.encode("a short question")
+    )
     assert got.tokens == reference(TOK.encode("a short question"), 8)
 
 
 def test_next_turn_goes_decode_direct(cluster, reference):
     turn1 = TOK.encode("Z" + SHARED[::-1])
-    first = generate(cluster.conductor, token_ids=turn1, max_tokens=24, timeout=60,
-                     sampling=pb.SamplingParams(ignore_eos=True))
+    first = generate(
+        cluster.conductor,
+        token_ids=turn1,
+        max_tokens=24,
+        timeout=60,
+        sampling=pb.SamplingParams(ignore_eos=True),
+    )
     assert first.tokens == reference(turn1, 24)[:24]
     time.sleep(0.5)
     turn2 = turn1 + first.tokens + TOK.encode(" and then?", add_bos=False)
@@ -83,9 +102,13 @@ def test_next_turn_goes_decode_direct(cluster, reference):
 def one_pair(tmp_path_factory):
     """One prefill and one decode node, one core each: on a 2-core test machine two prefill
     nodes would slow each other down in a way no production estimate has to foresee."""
-    c = LocalCluster(str(tmp_path_factory.mktemp("overload")), prefill=1, decode=1,
-                     node_args=NODE_ARGS,
-                     conductor_args=["--report-interval-ms", "50", "--slo-margin", "0.75"])
+    c = LocalCluster(
+        str(tmp_path_factory.mktemp("overload")),
+        prefill=1,
+        decode=1,
+        node_args=NODE_ARGS,
+        conductor_args=["--report-interval-ms", "50", "--slo-margin", "0.75"],
+    )
     c.start()
     yield c
     c.stop()
@@ -108,12 +131,13 @@ def test_overload_rejects_early_and_accepted_requests_meet_ttft(one_pair):
     slo_ms = max(300.0, 4 * sorted(alone)[1])
 
     def one(i: int) -> None:
-        req = pb.GenerateRequest(prompt=prompts[i], max_tokens=4, cache_salt=f"t{i}",
-                                 slo=pb.SLO(ttft_ms=slo_ms))
+        req = pb.GenerateRequest(
+            prompt=prompts[i], max_tokens=4, cache_salt=f"t{i}", slo=pb.SLO(ttft_ms=slo_ms)
+        )
         t0 = time.perf_counter()
         with grpc.insecure_channel(cluster.conductor) as ch:
             try:
-                for r in pbg.ConductorStub(ch).Generate(req, timeout=60):
+                for _r in pbg.ConductorStub(ch).Generate(req, timeout=60):
                     with lock:
                         results.append(("ok", (time.perf_counter() - t0) * 1000))
                     break
@@ -146,6 +170,9 @@ def test_time_models_report_their_prediction_error(cluster):
     conductor = next(n for n in status(cluster.conductor).nodes if n.role == "conductor")
     text = urllib.request.urlopen(f"http://{conductor.metrics_address}/metrics", timeout=5).read()
     text = text.decode()
-    assert 'kvmesh_model_prediction_error_ratio{model="prefill",node="prefill-0",quantile="0.5"}' \
-        in text or 'kvmesh_model_prediction_error_ratio{model="prefill",node="prefill-1"' in text
+    assert (
+        'kvmesh_model_prediction_error_ratio{model="prefill",node="prefill-0",quantile="0.5"}'
+        in text
+        or 'kvmesh_model_prediction_error_ratio{model="prefill",node="prefill-1"' in text
+    )
     assert 'kvmesh_route_overhead_seconds{route="disaggregated"}' in text

@@ -1,13 +1,13 @@
 """Security: each refusal shown against real processes.
 
-  * mutual TLS on every gRPC channel (``LocalCluster(tls=True)``, as ``kvmesh up --tls``):
-    plaintext, TLS without a client certificate and a certificate from another CA are
-    refused, at the conductor and at the nodes;
-  * API keys (gRPC metadata and HTTP bearer): missing or wrong -> UNAUTHENTICATED / 401;
-  * tenant isolation: tenant A's repeated prefix hits, tenant B's equal prompt does not;
-    two tenants in one shared namespace do hit;
-  * etcd with TLS and auth: the registry works with credentials, refuses without;
-  * the data plane refuses a peer with a wrong cluster secret and keeps serving.
+* mutual TLS on every gRPC channel (``LocalCluster(tls=True)``, as ``kvmesh up --tls``):
+  plaintext, TLS without a client certificate and a certificate from another CA are
+  refused, at the conductor and at the nodes;
+* API keys (gRPC metadata and HTTP bearer): missing or wrong -> UNAUTHENTICATED / 401;
+* tenant isolation: tenant A's repeated prefix hits, tenant B's equal prompt does not;
+  two tenants in one shared namespace do hit;
+* etcd with TLS and auth: the registry works with credentials, refuses without;
+* the data plane refuses a peer with a wrong cluster secret and keeps serving.
 """
 
 from __future__ import annotations
@@ -26,8 +26,15 @@ import pytest
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
-from kvmesh.services.common.auth import (ANONYMOUS, ApiKeys, Principal, Unauthenticated,
-                                  bearer_metadata, parse_entry, tenant_seed)
+from kvmesh.services.common.auth import (
+    ANONYMOUS,
+    ApiKeys,
+    Principal,
+    Unauthenticated,
+    bearer_metadata,
+    parse_entry,
+    tenant_seed,
+)
 from kvmesh.services.common.channels import TlsFiles, channel_credentials
 from kvmesh.services.common.config import ConfigError
 from kvmesh.services.common.settings import DEV_SECRET
@@ -37,11 +44,14 @@ from tests.cluster_util import DISAGG_ONLY, NODE_ARGS
 pytestmark = pytest.mark.timeout(180)
 
 KEYS = "ka:alice,kb:bob,kc:carol:shared=team,kd:dave:shared=team,kopen"
-PROMPT = ("Tenant isolation: a cached prefix belongs to the tenant that computed it, and "
-          "nobody else may hit it or time it. ")
+PROMPT = (
+    "Tenant isolation: a cached prefix belongs to the tenant that computed it, and "
+    "nobody else may hit it or time it. "
+)
 
 
 # ------------------------------------------------------------------ units
+
 
 def test_api_key_entries():
     assert parse_entry("k") == ("k", ANONYMOUS)
@@ -80,7 +90,9 @@ def test_tenant_seed_cannot_be_forged_by_a_salt():
     for salt in ("\xff", "\uffff", "tenant a", "\x00\xff"):
         assert b"\xff" not in salt.encode()
     # namespaces are length-prefixed: "tenant a" + salt "b" != "tenant ab" + salt ""
-    assert tenant_seed(Principal("x", "tenant a")) + b"b" != tenant_seed(Principal("x", "tenant ab"))
+    assert tenant_seed(Principal("x", "tenant a")) + b"b" != tenant_seed(
+        Principal("x", "tenant ab")
+    )
 
 
 def test_tls_config_validation(tmp_path):
@@ -100,11 +112,17 @@ def test_tls_config_validation(tmp_path):
 
 # ------------------------------------------------------------------ a mutual-TLS cluster
 
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(str(tmp_path_factory.mktemp("secure")), node_args=NODE_ARGS,
-                     conductor_args=[*DISAGG_ONLY, "--api-keys", KEYS], tls=True,
-                     api_key="kopen", http_port=free_port())
+    c = LocalCluster(
+        str(tmp_path_factory.mktemp("secure")),
+        node_args=NODE_ARGS,
+        conductor_args=[*DISAGG_ONLY, "--api-keys", KEYS],
+        tls=True,
+        api_key="kopen",
+        http_port=free_port(),
+    )
     try:
         c.start()
         yield c
@@ -118,14 +136,17 @@ def _secure(addr: str, tls: TlsFiles | None) -> grpc.Channel:
     return grpc.secure_channel(addr, channel_credentials(tls))
 
 
-def _generate(c: LocalCluster, key: str | None, prompt: str = PROMPT, tls="client",
-              max_tokens: int = 2) -> pb.Usage:
+def _generate(
+    c: LocalCluster, key: str | None, prompt: str = PROMPT, tls="client", max_tokens: int = 2
+) -> pb.Usage:
     ident = c.client_tls() if tls == "client" else tls
     with _secure(c.conductor, ident) as ch:
         last = None
         for r in pbg.ConductorStub(ch).Generate(
-                pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens),
-                timeout=30, metadata=bearer_metadata(key) if key else None):
+            pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens),
+            timeout=30,
+            metadata=bearer_metadata(key) if key else None,
+        ):
             last = r
     return last.usage
 
@@ -157,9 +178,11 @@ def test_mtls_refuses_plaintext_and_strangers(cluster, tmp_path):
     assert len(targets) == 3
     for addr in targets:
         for ident in (None, no_cert, TlsFiles(stranger.cert, stranger.key, ok.ca)):
+
             def call(addr=addr, ident=ident):
                 with _secure(addr, ident) as ch:
                     grpc.channel_ready_future(ch).result(timeout=3)
+
             with pytest.raises(grpc.FutureTimeoutError):
                 call()
         # the right identity connects (the node then wants nothing more than mTLS)
@@ -183,11 +206,16 @@ def test_api_key_grpc(cluster):
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "API key" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
-            stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5,
-                               metadata=(("authorization", "Basic a2E="),))
+            stub.ClusterStatus(
+                pb.ClusterStatusRequest(), timeout=5, metadata=(("authorization", "Basic a2E="),)
+            )
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5,
-                                  metadata=bearer_metadata("kb")).cluster == "default"
+        assert (
+            stub.ClusterStatus(
+                pb.ClusterStatusRequest(), timeout=5, metadata=bearer_metadata("kb")
+            ).cluster
+            == "default"
+        )
 
 
 def test_api_key_http(cluster):
@@ -229,23 +257,73 @@ def test_tenant_isolation(cluster):
 def test_cli_against_tls_cluster(cluster):
     client = cluster.tls_args("client")
     env = {**os.environ, "KVMESH_API_KEY": "ka"}
-    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "generate", "hello tls",
-                          "--conductor", cluster.conductor, "--max-tokens", "3", "-v", *client],
-                         capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.services.cli",
+            "generate",
+            "hello tls",
+            "--conductor",
+            cluster.conductor,
+            "--max-tokens",
+            "3",
+            "-v",
+            *client,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     assert "completion=3" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "status", "--once", "--json",
-                          "--conductor", cluster.conductor, *client, "--api-key", "kb"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.services.cli",
+            "status",
+            "--once",
+            "--json",
+            "--conductor",
+            cluster.conductor,
+            *client,
+            "--api-key",
+            "kb",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["nodes"]) >= 3
     # without the client certificate the CLI is refused
-    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "status", "--once",
-                          "--conductor", cluster.conductor, "--tls-ca", client[5],
-                          "--api-key", "kb"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.services.cli",
+            "status",
+            "--once",
+            "--conductor",
+            cluster.conductor,
+            "--tls-ca",
+            client[5],
+            "--api-key",
+            "kb",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
-    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "health", cluster.conductor,
-                          *client], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvmesh.services.cli", "health", cluster.conductor, *client],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -260,7 +338,9 @@ def test_data_plane_refuses_wrong_secret(cluster):
         await te.start()
         try:
             buf = bytearray(64)
-            await te.read(node.data_address, [Slice(te.register(buf), 0, 1, 0, 64)])  # its first region
+            await te.read(
+                node.data_address, [Slice(te.register(buf), 0, 1, 0, 64)]
+            )  # its first region
             return bytes(buf)
         finally:
             await te.close()
@@ -275,6 +355,7 @@ def test_data_plane_refuses_wrong_secret(cluster):
 
 # ------------------------------------------------------------------ etcd with TLS and auth
 
+
 @pytest.fixture
 def secure_etcd(tmp_path):
     from kvmesh.services.common.pki import DevCA
@@ -287,14 +368,36 @@ def secure_etcd(tmp_path):
     url = f"https://127.0.0.1:{port}"
     log = open(tmp_path / "etcd.log", "wb")
     proc = subprocess.Popen(
-        ["etcd", "--name", "s", "--data-dir", str(tmp_path / "data"),
-         "--listen-client-urls", url, "--advertise-client-urls", url,
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"s=http://127.0.0.1:{peer}",
-         "--cert-file", server.cert, "--key-file", server.key,
-         "--trusted-ca-file", server.ca, "--client-cert-auth", "--log-level", "error"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            "etcd",
+            "--name",
+            "s",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"s=http://127.0.0.1:{peer}",
+            "--cert-file",
+            server.cert,
+            "--key-file",
+            server.key,
+            "--trusted-ca-file",
+            server.ca,
+            "--client-cert-auth",
+            "--log-level",
+            "error",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         yield f"127.0.0.1:{port}", client, proc
     finally:
@@ -317,10 +420,10 @@ def test_etcd_tls_and_auth(secure_etcd):
         admin = EtcdClient(endpoint, credentials=creds, timeout=10)
         ch = admin._ensure_channel()
         auth = epbg.AuthStub(ch)
-        await auth.UserAdd(epb.AuthUserAddRequest(name="root", password="s3cret"),
-                           timeout=15, wait_for_ready=True)
-        await auth.UserGrantRole(epb.AuthUserGrantRoleRequest(user="root", role="root"),
-                                 timeout=5)
+        await auth.UserAdd(
+            epb.AuthUserAddRequest(name="root", password="s3cret"), timeout=15, wait_for_ready=True
+        )
+        await auth.UserGrantRole(epb.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
         await auth.AuthEnable(epb.AuthEnableRequest(), timeout=5)
         await admin.close()
 
@@ -338,9 +441,11 @@ def test_etcd_tls_and_auth(secure_etcd):
         nouser = EtcdClient(endpoint, credentials=creds, timeout=3)
         with pytest.raises(EtcdError) as e:
             await nouser.put("/kvmesh/t/x", b"1")
-        assert e.value.code in (grpc.StatusCode.INVALID_ARGUMENT,
-                                grpc.StatusCode.PERMISSION_DENIED,
-                                grpc.StatusCode.UNAUTHENTICATED)
+        assert e.value.code in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.UNAUTHENTICATED,
+        )
         await nouser.close()
         # wrong password
         wrong = EtcdClient(endpoint, user="root", password="nope", credentials=creds, timeout=3)
@@ -349,8 +454,7 @@ def test_etcd_tls_and_auth(secure_etcd):
         await wrong.close()
         # password but no client certificate / plaintext: the TLS handshake fails
         for c in (etcd_credentials(ident.ca), None):
-            bad = EtcdClient(endpoint, user="root", password="s3cret", credentials=c,
-                             timeout=2)
+            bad = EtcdClient(endpoint, user="root", password="s3cret", credentials=c, timeout=2)
             with pytest.raises(EtcdError):
                 await bad.get("/kvmesh/t/x")
             await bad.close()

@@ -30,8 +30,9 @@ def value(key: bytes, n: int) -> bytes:
 
 
 def intact(key: bytes, v: bytes | None) -> bool:
-    return v is not None and v.startswith(key) and \
-        struct.unpack("<I", v[-4:])[0] == zlib.crc32(v[:-4])
+    return (
+        v is not None and v.startswith(key) and struct.unpack("<I", v[-4:])[0] == zlib.crc32(v[:-4])
+    )
 
 
 def with_client(master: str, fn, node_id: str = "tester"):
@@ -44,13 +45,18 @@ def with_client(master: str, fn, node_id: str = "tester"):
         finally:
             await cl.close()
             await te.close()
+
     return asyncio.run(main())
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    c = StoreCluster(str(tmp_path_factory.mktemp("store3")), nodes=3, segment="32MiB",
-                     master_args=["--hot-reads", "4", "--max-replicas", "2"])
+    c = StoreCluster(
+        str(tmp_path_factory.mktemp("store3")),
+        nodes=3,
+        segment="32MiB",
+        master_args=["--hot-reads", "4", "--max-replicas", "2"],
+    )
     c.start()
     yield c
     c.stop()
@@ -64,7 +70,7 @@ def test_client_api(store):
         keys = [os.urandom(16) for _ in range(64)] + [b"g" * 256]
         vals = [value(k, random.choice([4096, 70000])) for k in keys]
         assert all(await cl.batch_put(keys, vals))
-        assert await cl.batch_put(keys[:2], vals[:2]) == [True, True]   # already present
+        assert await cl.batch_put(keys[:2], vals[:2]) == [True, True]  # already present
         got = await cl.batch_get(keys + [b"nope"])
         assert got[-1] is None and all(intact(k, v) for k, v in zip(keys, got))
         assert await cl.exists(keys[:3] + [b"nope"]) == [True, True, True, False]
@@ -83,6 +89,7 @@ def test_client_api(store):
         assert dst == src[24576:] + src[16384:24576] + src[8192:16384] + src[:8192]
         assert await cl.pin(zk[:1]) == 1
         assert cl.stats["lease_expired"] == 0
+
     with_client(store.master, body)
     s = store.stats()
     assert s.pinned == 1 and s.segments == 3
@@ -106,6 +113,7 @@ def test_watch_blocks_events(store):
         assert [e.type for e in seen] == ["stored", "removed"]
         assert seen[0].seq < seen[1].seq and seen[0].tier == "dram"
         assert seen[0].node_id.startswith("store-node-") and seen[0].size == 4096
+
     with_client(store.master, body)
 
 
@@ -117,6 +125,7 @@ def test_hot_block_gets_a_second_replica(store):
         for _ in range(12):
             assert intact(k, await cl.get(k))
         return k
+
     before = store.stats().replications
     k = with_client(store.master, body)
     store.wait(lambda s: s.replications > before, 10, "a hot-block replica")
@@ -138,8 +147,9 @@ def test_store_master_restart_nodes_rereport(store):
     time.sleep(0.5)
     store.kill("store-master-0", signal.SIGKILL)
 
-    async def during(cl: StoreClient):   # the master is down: a miss, never an error
+    async def during(cl: StoreClient):  # the master is down: a miss, never an error
         return await cl.get(keys[0]), await cl.put(os.urandom(16), b"x")
+
     assert with_client(store.master, during) == (None, False)
     store.start_master()
     s = store.wait(lambda s: s.segments == 3 and s.blocks >= n_before, 30, "re-report")
@@ -165,8 +175,9 @@ def test_node_sigkill_under_load(store):
                 written.extend(k for k, o in zip(keys, ok) if o)
                 got = await cl.batch_get(random.sample(written, min(8, len(written))))
                 # a block may vanish with its node, but what is read is intact
-                assert all(v is None or v[-4:] == struct.pack("<I", zlib.crc32(v[:-4]))
-                           for v in got)
+                assert all(
+                    v is None or v[-4:] == struct.pack("<I", zlib.crc32(v[:-4])) for v in got
+                )
             except (grpc.RpcError, OSError):
                 errors += 1
             if not killed and time.monotonic() > stop - 4:
@@ -176,11 +187,13 @@ def test_node_sigkill_under_load(store):
 
     assert with_client(store.master, body) == 0
     s = store.wait(lambda s: s.segments == 2, 15, "the dead node's segment dropped")
+
     async def check(cl: StoreClient):
         present = await cl.exists(written)
         alive = [k for k, p in zip(written, present) if p]
         got = await cl.batch_get(alive)
         return alive, got
+
     alive, got = with_client(store.master, check)
     assert 0 < len(alive) < len(written)
     assert all(intact(k, v) for k, v in zip(alive, got))
@@ -189,19 +202,24 @@ def test_node_sigkill_under_load(store):
 
 def test_ssd_tier_spill_promote_corrupt(tmp_path):
     ssd = tmp_path / "ssd"
-    c = StoreCluster(str(tmp_path / "c"), nodes=1, segment="2MiB",
-                     node_args=["--ssd-dir", str(ssd), "--ssd-bytes", "64MiB"])
+    c = StoreCluster(
+        str(tmp_path / "c"),
+        nodes=1,
+        segment="2MiB",
+        node_args=["--ssd-dir", str(ssd), "--ssd-bytes", "64MiB"],
+    )
     try:
         c.start()
         keys = [os.urandom(16) for _ in range(24)]
-        vals = [value(k, 256 * 1024) for k in keys]   # 6 MiB into a 2 MiB segment
+        vals = [value(k, 256 * 1024) for k in keys]  # 6 MiB into a 2 MiB segment
 
         async def fill(cl: StoreClient):
             out = []
             for k, v in zip(keys, vals):
                 out.append(await cl.put(k, v))
-                await asyncio.sleep(0.05)   # let the background evictor spill
+                await asyncio.sleep(0.05)  # let the background evictor spill
             return out
+
         assert all(with_client(c.master, fill))
         s = c.wait(lambda s: s.spills > 0, 10, "spills")
         assert s.ssd_blocks > 0 and s.bytes_used <= 0.9 * s.bytes_total
@@ -210,37 +228,44 @@ def test_ssd_tier_spill_promote_corrupt(tmp_path):
         # corrupt one spilled file: that key is a miss, the others promote back intact
         victim = keys[0]
         import hashlib
+
         path = ssd / (hashlib.sha1(victim).hexdigest() + ".blk")
         assert path.exists()
         data = bytearray(path.read_bytes())
         data[-100] ^= 0xFF
         path.write_bytes(data)
+
         async def read(cl: StoreClient):  # one at a time: each promotion needs DRAM room
             return [await cl.get(k) for k in keys[:6]]
+
         got = with_client(c.master, read)
         assert got[0] is None
-        assert all(intact(k, v) for k, v in zip(keys[1:6], got[1:])), \
-            [None if v is None else ("ok" if intact(k, v) else f"CORRUPT {len(v)}")
-             for k, v in zip(keys[1:6], got[1:])]
+        assert all(intact(k, v) for k, v in zip(keys[1:6], got[1:])), [
+            None if v is None else ("ok" if intact(k, v) else f"CORRUPT {len(v)}")
+            for k, v in zip(keys[1:6], got[1:])
+        ]
         s = c.stats()
         assert s.promotions >= 5
     finally:
         c.stop()
 
 
-@pytest.mark.parametrize("fast,poll_us", [(True, 200), (True, 0), (False, 200)],
-                         ids=["raw-tcp", "raw-tcp-no-polling", "grpc"])
+@pytest.mark.parametrize(
+    "fast,poll_us",
+    [(True, 200), (True, 0), (False, 200)],
+    ids=["raw-tcp", "raw-tcp-no-polling", "grpc"],
+)
 def test_client_lends_own_segment(store, fast, poll_us):
     """A client that lends memory (as Mooncake Store clients do) puts locally in one
     call per put/batch and gets its own blocks by a memory copy; another client reads
     them over the transfer engine; both control paths (raw TCP and gRPC) agree."""
+
     async def body():
         te = TransferEngine(DEV_SECRET.encode(), poll_us=poll_us)
         te2 = TransferEngine(DEV_SECRET.encode(), poll_us=poll_us)
         await te.start()
         await te2.start()
-        cl = StoreClient(te, store.master, f"lender-{int(fast)}", rpc_timeout=3,
-                         fast_path=fast)
+        cl = StoreClient(te, store.master, f"lender-{int(fast)}", rpc_timeout=3, fast_path=fast)
         other = StoreClient(te2, store.master, "reader", rpc_timeout=3, fast_path=fast)
         segments = store.stats().segments
         try:
@@ -250,7 +275,7 @@ def test_client_lends_own_segment(store, fast, poll_us):
             keys = [os.urandom(16) for _ in range(40)]
             vals = {k: value(k, 4096) for k in keys}
             assert await cl.put(keys[0], vals[keys[0]])
-            assert await cl.put(keys[0], vals[keys[0]])          # present: still True
+            assert await cl.put(keys[0], vals[keys[0]])  # present: still True
             assert all(await cl.batch_put(keys[1:], [vals[k] for k in keys[1:]]))
             assert cl.stats["local_puts"] == 40
             assert (cl._fast is not None) == fast
@@ -282,8 +307,8 @@ def test_client_lends_own_segment(store, fast, poll_us):
             bvals = [value(k, (2 << 20) + 7 * i) for i, k in enumerate(big)]
             assert await cl.put(big[0], bvals[0])
             assert await cl.batch_put(big[1:], bvals[1:]) == [True, True]
-            assert await cl.batch_get(big) == bvals                   # local copies
-            assert await other.batch_get(big) == bvals                # over the engine
+            assert await cl.batch_get(big) == bvals  # local copies
+            assert await other.batch_get(big) == bvals  # over the engine
             assert await cl.remove(keys + zk + mk + big) == 47
             assert await cl.batch_get(keys[:2]) == [None, None]
         finally:
@@ -293,4 +318,5 @@ def test_client_lends_own_segment(store, fast, poll_us):
             await te.close()
         # the lender's segment left with it
         store.wait(lambda s: s.segments == segments, 10, "lender's segment unmounted")
+
     asyncio.run(body())

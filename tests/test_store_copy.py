@@ -17,8 +17,8 @@ def test_fresh_bytes_and_copy_into_give_the_same_bytes(n):
     out = C.fresh_bytes(view)
     assert type(out) is bytes and out == src[3:] and hash(out) == hash(src[3:])
     dst = bytearray(n + 10)
-    C.copy_into(memoryview(dst)[5:5 + n], view)
-    assert dst[5:5 + n] == src[3:] and dst[:5] == bytes(5) and dst[5 + n:] == bytes(5)
+    C.copy_into(memoryview(dst)[5 : 5 + n], view)
+    assert dst[5 : 5 + n] == src[3:] and dst[:5] == bytes(5) and dst[5 + n :] == bytes(5)
 
 
 def test_copy_into_refuses_a_length_mismatch():
@@ -35,7 +35,7 @@ def test_fresh_bytes_many_gives_each_value(sizes):
     whole = memoryview(b"".join(vals))
     views, pos = [], 0
     for v in vals:
-        views.append(whole[pos:pos + len(v)])
+        views.append(whole[pos : pos + len(v)])
         pos += len(v)
     out = C.fresh_bytes_many(views)
     assert out == vals and all(type(o) is bytes for o in out)
@@ -47,13 +47,13 @@ def test_copy_many_fills_every_slot_and_nothing_else(sizes):
     seg = bytearray(sum(sizes) + 16 * len(sizes))
     view, pairs, pos = memoryview(seg), [], 8
     for v in vals:
-        pairs.append((view[pos:pos + len(v)], memoryview(v)))
+        pairs.append((view[pos : pos + len(v)], memoryview(v)))
         pos += len(v) + 16
     C.copy_many(pairs)
     pos = 8
     for v in vals:
-        assert seg[pos:pos + len(v)] == v
-        assert seg[pos - 8:pos] == bytes(8)
+        assert seg[pos : pos + len(v)] == v
+        assert seg[pos - 8 : pos] == bytes(8)
         pos += len(v) + 16
 
 
@@ -63,10 +63,12 @@ def test_split_frames_keeps_partial_frames_and_stops_at_an_oversized_one():
     wire_bytes = HEAD.pack(3, 1, 7) + b"abc" + HEAD.pack(0, 2, 0) + HEAD.pack(5, 3, 1) + b"hello"
     buf = bytearray()
     got = []
-    for i in range(0, len(wire_bytes), 4):       # arrives in 4-byte pieces
-        frames, oversized = split_frames(buf, wire_bytes[i:i + 4])
+    for i in range(0, len(wire_bytes), 4):  # arrives in 4-byte pieces
+        frames, oversized = split_frames(buf, wire_bytes[i : i + 4])
         assert not oversized
         got += frames
     assert got == [(1, 7, b"abc"), (2, 0, b""), (3, 1, b"hello")] and not buf
-    frames, oversized = split_frames(buf, HEAD.pack(1, 4, 0) + b"x" + HEAD.pack(MAX_FRAME + 1, 5, 0))
+    frames, oversized = split_frames(
+        buf, HEAD.pack(1, 4, 0) + b"x" + HEAD.pack(MAX_FRAME + 1, 5, 0)
+    )
     assert frames == [(4, 0, b"x")] and oversized

@@ -23,8 +23,11 @@ def h(i: int) -> bytes:
 def make(**kw):
     clock = Clock()
     events = []
-    m = StoreMetadata(clock=clock, on_event=lambda k, b, r: events.append(
-        (k, b.hash, r.segment.node_id, r.tier)), **kw)
+    m = StoreMetadata(
+        clock=clock,
+        on_event=lambda k, b, r: events.append((k, b.hash, r.segment.node_id, r.tier)),
+        **kw,
+    )
     return m, clock, events
 
 
@@ -64,17 +67,17 @@ def test_lease_and_inflight_block_eviction_pins_go_last():
     m.mount("a", "a:1", 0, 40 * KB)  # 10 blocks
     put(m, "a", [h(i) for i in range(9)])
     m.pin([h(0)])
-    m.get_replicas([h(1)])                       # leased
+    m.get_replicas([h(1)])  # leased
     clock.t += 1
     assert m.over_high(4 * KB)
     # this put would pass the high watermark: eviction down to the low one (8 blocks) first
-    m.put_start("a", [h(100)], 4 * KB)           # stays in flight (pending)
+    m.put_start("a", [h(100)], 4 * KB)  # stays in flight (pending)
     left = {b.hash for b in m.blocks.values()}
-    assert {h(0), h(1), h(100)} <= left        # pinned, leased and pending survive
-    assert h(2) not in left                    # oldest unpinned went first
-    clock.t += 11                              # lease over
+    assert {h(0), h(1), h(100)} <= left  # pinned, leased and pending survive
+    assert h(2) not in left  # oldest unpinned went first
+    clock.t += 11  # lease over
     m.evict(target_used=0)
-    assert set(m.blocks) == {h(100)}           # the pin went last, the pending block stays
+    assert set(m.blocks) == {h(100)}  # the pin went last, the pending block stays
 
 
 def test_prefix_exists_remove():
@@ -124,8 +127,8 @@ def test_spill_then_promote_and_failed_promote_is_a_miss():
     assert m.used <= int(m.low * m.capacity)
     spilled = plans[0].block.hash
     assert m.blocks[spilled].complete(DRAM) == [] and m.blocks[spilled].complete(SSD)
-    assert m.present([spilled]) == [True]          # SSD counts for exists
-    assert m.get_replicas([spilled])[0] == []       # but is not readable until promoted
+    assert m.present([spilled]) == [True]  # SSD counts for exists
+    assert m.get_replicas([spilled])[0] == []  # but is not readable until promoted
     (pp,) = m.plan_promotions([m.blocks[spilled]])
     m.finish_plan(pp, ok=True)
     assert len(m.get_replicas([spilled])[0]) == 1
@@ -152,14 +155,21 @@ def test_node_loss_drops_replicas_and_fails_inflight_puts():
 def test_report_rebuilds_allocator_and_rejects_overlaps():
     m, _, _ = make()
     m.mount("a", "a:1", 0, 64 * KB)
-    ok, bad = m.report("a", 0, [(h(1), 0, 4 * KB, DRAM), (h(2), 8 * KB, 4 * KB, DRAM),
-                                (h(3), 10 * KB, 4 * KB, DRAM),  # overlaps h(2)
-                                (h(4), 0, 4 * KB, SSD)])
+    ok, bad = m.report(
+        "a",
+        0,
+        [
+            (h(1), 0, 4 * KB, DRAM),
+            (h(2), 8 * KB, 4 * KB, DRAM),
+            (h(3), 10 * KB, 4 * KB, DRAM),  # overlaps h(2)
+            (h(4), 0, 4 * KB, SSD),
+        ],
+    )
     assert (ok, bad) == (3, 1)
     seg = m.segments["a/0"]
     assert seg.used == 8 * KB
     offs = {seg.allocate(4 * KB) for _ in range(2)}
-    assert offs == {4 * KB, 12 * KB}               # the gap, then past the end
+    assert offs == {4 * KB, 12 * KB}  # the gap, then past the end
     assert m.blocks[h(1)].state is BlockState.COMPLETE
 
 
@@ -179,19 +189,20 @@ def test_local_put_slots_reserve_commit_release():
     m = StoreMetadata(high_watermark=0.9, low_watermark=0.8)
     m.mount("w", "w:1", 0, 16 * 4096)
     m.mount("x", "x:1", 0, 16 * 4096)
-    assert m.reserve("nobody", 0, 4096, 2) == []          # the writer lends nothing
+    assert m.reserve("nobody", 0, 4096, 2) == []  # the writer lends nothing
     slots = m.reserve("w", 0, 4096, 2, spare=2)
     assert len(slots) == 4 and m.segments["w/0"].used == 4 * 4096
-    assert not m.present([b"k1"])[0]                       # nothing visible yet
-    st = m.commit_local("w", 0, [(b"k1", slots[0], 4096), (b"k2", 999, 4096),
-                                 (b"k3", slots[1], 8192)])
-    assert st == [1, 0, 0]                                 # unknown slot / wrong size
+    assert not m.present([b"k1"])[0]  # nothing visible yet
+    st = m.commit_local(
+        "w", 0, [(b"k1", slots[0], 4096), (b"k2", 999, 4096), (b"k3", slots[1], 8192)]
+    )
+    assert st == [1, 0, 0]  # unknown slot / wrong size
     blk = m.blocks[b"k1"]
     assert blk.visible and blk.replicas[0].state is BlockState.COMPLETE
     assert blk.segment.segment_id == "w/0" and blk.offset == slots[0]
-    assert m.commit_local("w", 0, [(b"k1", slots[1], 4096)]) == [2]   # present: kept
+    assert m.commit_local("w", 0, [(b"k1", slots[1], 4096)]) == [2]  # present: kept
     assert m.release_reserved("w", 0, [(slots[1], 4096), (12345, 4096)]) == 1
-    assert m.commit_local("w", 0, [(b"k9", slots[1], 4096)]) == [0]   # released
+    assert m.commit_local("w", 0, [(b"k9", slots[1], 4096)]) == [0]  # released
     # eviction never takes reserved slots; a re-report keeps them allocated
     got, _ = m.get_replicas([b"k1"])
     assert got

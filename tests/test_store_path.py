@@ -23,8 +23,13 @@ SHARED = "A long shared system prompt that both requests start with, block by bl
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(str(tmp_path_factory.mktemp("store")), prefill=2, decode=1,
-                     node_args=NODE_ARGS, conductor_args=DISAGG_ONLY)
+    c = LocalCluster(
+        str(tmp_path_factory.mktemp("store")),
+        prefill=2,
+        decode=1,
+        node_args=NODE_ARGS,
+        conductor_args=DISAGG_ONLY,
+    )
     c.start()
     yield c
     c.stop()
@@ -47,20 +52,28 @@ def test_second_prefill_node_fetches_prefix_from_store(cluster):
     tokens = tok.encode(SHARED + "two, with another ending")
     hashes = prefix_hashes(bytes.fromhex(other.fingerprint), tokens, BS)
     rid, max_tokens = "store-path-1", 12
-    with grpc.insecure_channel(decode.grpc_address) as dch, \
-            grpc.insecure_channel(other.grpc_address) as pch:
+    with (
+        grpc.insecure_channel(decode.grpc_address) as dch,
+        grpc.insecure_channel(other.grpc_address) as pch,
+    ):
         dstub, pstub = pbg.DecodeNodeStub(dch), pbg.PrefillNodeStub(pch)
-        target = dstub.Reserve(pb.ReserveRequest(request_id=rid, prompt_tokens=len(tokens),
-                                                 max_tokens=max_tokens), timeout=5).target
-        resp = pstub.Prefill(pb.PrefillRequest(request_id=rid, token_ids=tokens,
-                                               block_hashes=hashes, target=target), timeout=30)
+        target = dstub.Reserve(
+            pb.ReserveRequest(request_id=rid, prompt_tokens=len(tokens), max_tokens=max_tokens),
+            timeout=5,
+        ).target
+        resp = pstub.Prefill(
+            pb.PrefillRequest(request_id=rid, token_ids=tokens, block_hashes=hashes, target=target),
+            timeout=30,
+        )
         shared_blocks = len(tok.encode(SHARED)) // BS
         assert resp.cached_tokens == 0
         assert resp.fetched_tokens == shared_blocks * BS
         assert resp.computed_tokens == len(tokens) - resp.fetched_tokens
         out = [resp.first_token]
-        for d in dstub.Decode(pb.DecodeRequest(request_id=rid, first_token=resp.first_token,
-                                               max_tokens=max_tokens), timeout=30):
+        for d in dstub.Decode(
+            pb.DecodeRequest(request_id=rid, first_token=resp.first_token, max_tokens=max_tokens),
+            timeout=30,
+        ):
             out.extend(d.token_ids)
     assert out == model.reference_generate(tokens, max_tokens, eos_id=tok.eos_id)
     after = {n.node_id: n for n in status(cluster.conductor).nodes}

@@ -29,8 +29,9 @@ def traced(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("KVMESH_TRACE_FILE", str(traces) + "/")
     mp.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
-    cluster = LocalCluster(str(root / "cluster"), node_args=NODE_ARGS, http_port=-1,
-                           conductor_args=DISAGG_ONLY)  # the route that crosses every service
+    cluster = LocalCluster(
+        str(root / "cluster"), node_args=NODE_ARGS, http_port=-1, conductor_args=DISAGG_ONLY
+    )  # the route that crosses every service
     try:
         cluster.start()
         yield cluster, str(traces)
@@ -46,8 +47,12 @@ def _trace_of(traces: str, request_id: str, want: set[str], timeout: float = 30)
     spans: list[dict] = []
     while time.monotonic() < deadline:
         spans = read_spans(traces)
-        roots = [s for s in spans if s["name"] == "kvmesh.v1.Conductor/Generate"
-                 and s["attributes"].get("kvmesh.request_id") == request_id]
+        roots = [
+            s
+            for s in spans
+            if s["name"] == "kvmesh.v1.Conductor/Generate"
+            and s["attributes"].get("kvmesh.request_id") == request_id
+        ]
         if roots:
             tid = roots[0]["trace_id"]
             mine = [s for s in spans if s["trace_id"] == tid]
@@ -55,11 +60,13 @@ def _trace_of(traces: str, request_id: str, want: set[str], timeout: float = 30)
             # every wanted name, and every parent exported too (a span is written when it
             # ends, so a child may be on file before its still-open parent)
             if want <= {s["name"] for s in mine} and all(
-                    s["parent_id"] is None or s["parent_id"] in ids for s in mine):
+                s["parent_id"] is None or s["parent_id"] in ids for s in mine
+            ):
                 return mine
         time.sleep(0.2)
-    raise AssertionError(f"trace of {request_id} incomplete; names seen: "
-                         f"{sorted({s['name'] for s in spans})}")
+    raise AssertionError(
+        f"trace of {request_id} incomplete; names seen: {sorted({s['name'] for s in spans})}"
+    )
 
 
 def test_one_trace_spans_every_service(traced):
@@ -67,11 +74,22 @@ def test_one_trace_spans_every_service(traced):
     r = generate(cluster.conductor, PROMPT, max_tokens=4, request_id="trace-req-1")
     assert r.finish_reason and len(r.tokens) == 4
     disagg = bool(r.route.prefill_node)
-    want = {"kvmesh.v1.Conductor/Generate", "conductor.admission", "kvmesh.v1.DecodeNode/Reserve",
-            "kvmesh.v1.DecodeNode/Decode", "decode.generate"}
+    want = {
+        "kvmesh.v1.Conductor/Generate",
+        "conductor.admission",
+        "kvmesh.v1.DecodeNode/Reserve",
+        "kvmesh.v1.DecodeNode/Decode",
+        "decode.generate",
+    }
     if disagg:  # the store is called by the prefill node (the conductor follows its events)
-        want |= {"kvmesh.v1.PrefillNode/Prefill", "prefill.queue", "prefill.prefix_fetch",
-                 "prefill.compute", "prefill.kv_handoff", "kvmesh.v1.StoreMaster/PutStart"}
+        want |= {
+            "kvmesh.v1.PrefillNode/Prefill",
+            "prefill.queue",
+            "prefill.prefix_fetch",
+            "prefill.compute",
+            "prefill.kv_handoff",
+            "kvmesh.v1.StoreMaster/PutStart",
+        }
     spans = _trace_of(traces, "trace-req-1", want)
     by_id = {s["span_id"]: s for s in spans}
 
@@ -87,8 +105,13 @@ def test_one_trace_spans_every_service(traced):
         return by_id[s["parent_id"]]
 
     def one(name, service=None, kind=None):
-        found = [s for s in spans if s["name"] == name and (service is None or
-                 s["service"] == service) and (kind is None or s["kind"] == kind)]
+        found = [
+            s
+            for s in spans
+            if s["name"] == name
+            and (service is None or s["service"] == service)
+            and (kind is None or s["kind"] == kind)
+        ]
         assert len(found) == 1, (name, service, kind, found)
         return found[0]
 
@@ -100,16 +123,25 @@ def test_one_trace_spans_every_service(traced):
     assert parent(adm) is root
     assert adm["attributes"]["kvmesh.admitted"] is True
     assert adm["attributes"]["kvmesh.candidates"], "candidates recorded"
-    assert len(adm["attributes"]["kvmesh.candidate_ttft_ms"]) == len(adm["attributes"]["kvmesh.candidates"])
+    assert len(adm["attributes"]["kvmesh.candidate_ttft_ms"]) == len(
+        adm["attributes"]["kvmesh.candidates"]
+    )
     assert adm["attributes"]["kvmesh.estimated_ttft_ms"] > 0
 
     # gRPC hops: conductor CLIENT span -> node SERVER span.
-    for name, svc in [("kvmesh.v1.DecodeNode/Reserve", "kvmesh-decode"),
-                      ("kvmesh.v1.DecodeNode/Decode", "kvmesh-decode")]:
-        servers = [s for s in spans if s["name"] == name and s["service"] == svc
-                   and s["kind"] == "SERVER"]
-        assert any(parent(s)["kind"] == "CLIENT" and parent(s)["service"] == "kvmesh-conductor"
-                   and parent(parent(s)) is root for s in servers), name
+    for name, svc in [
+        ("kvmesh.v1.DecodeNode/Reserve", "kvmesh-decode"),
+        ("kvmesh.v1.DecodeNode/Decode", "kvmesh-decode"),
+    ]:
+        servers = [
+            s for s in spans if s["name"] == name and s["service"] == svc and s["kind"] == "SERVER"
+        ]
+        assert any(
+            parent(s)["kind"] == "CLIENT"
+            and parent(s)["service"] == "kvmesh-conductor"
+            and parent(parent(s)) is root
+            for s in servers
+        ), name
     decode_srv = one("kvmesh.v1.DecodeNode/Decode", "kvmesh-decode", "SERVER")
     dec = one("decode.generate")
     assert parent(dec) is decode_srv and dec["attributes"]["kvmesh.tokens"] >= 1
@@ -117,16 +149,25 @@ def test_one_trace_spans_every_service(traced):
     if disagg:
         pre = one("kvmesh.v1.PrefillNode/Prefill", "kvmesh-prefill", "SERVER")
         assert parent(pre)["kind"] == "CLIENT" and parent(parent(pre)) is root
-        for name in ("prefill.queue", "prefill.prefix_fetch", "prefill.compute",
-                     "prefill.kv_handoff"):
+        for name in (
+            "prefill.queue",
+            "prefill.prefix_fetch",
+            "prefill.compute",
+            "prefill.kv_handoff",
+        ):
             assert parent(one(name)) is pre, name
         compute = one("prefill.compute")
         assert compute["attributes"]["kvmesh.new_tokens"] > 0
         assert any(e["name"].startswith("layer ") for e in compute["events"]), "per-layer events"
         assert one("prefill.kv_handoff")["attributes"]["kvmesh.bytes"] > 0
         # The store calls of the prefill node are in the same trace.
-        assert any(s["name"].startswith("kvmesh.v1.StoreMaster/") and s["kind"] == "CLIENT"
-                   and s["service"] == "kvmesh-prefill" and parent(s) is pre for s in spans)
+        assert any(
+            s["name"].startswith("kvmesh.v1.StoreMaster/")
+            and s["kind"] == "CLIENT"
+            and s["service"] == "kvmesh-prefill"
+            and parent(s) is pre
+            for s in spans
+        )
     else:
         assert any(s["name"] == "decode.prefill_here" for s in spans)
     # Times are sane: children start within the root.
@@ -209,20 +250,57 @@ def test_status_cli_once_and_json(traced):
     import sys
 
     cluster, _ = traced
-    out = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "status", "--conductor",
-                          cluster.conductor, "--once"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.services.cli",
+            "status",
+            "--conductor",
+            cluster.conductor,
+            "--once",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     assert "TTFT p50/p90/p99" in out.stdout and "acceptance" in out.stdout
-    js = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "status", "--conductor",
-                         cluster.conductor, "--json"], capture_output=True, text=True, timeout=30)
+    js = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.services.cli",
+            "status",
+            "--conductor",
+            cluster.conductor,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     data = json.loads(js.stdout)
     assert "ttft_p50_ms" in data and all(n.get("metrics_address") for n in data["nodes"])
     # --watch refreshes until interrupted.
-    w = subprocess.Popen([sys.executable, "-m", "kvmesh.services.cli", "status", "--conductor",
-                          cluster.conductor, "--watch", "--interval", "0.3"],
-                         stdout=subprocess.PIPE, text=True)
+    w = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.services.cli",
+            "status",
+            "--conductor",
+            cluster.conductor,
+            "--watch",
+            "--interval",
+            "0.3",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(3)
     import signal
+
     w.send_signal(signal.SIGINT)
     text, _ = w.communicate(timeout=10)
     assert w.returncode == 0
@@ -237,15 +315,24 @@ def test_grafana_dashboard_uses_exported_metrics(traced):
     cluster, _ = traced
     names: set[str] = set()
     for n in status(cluster.conductor).nodes:
-        text = urllib.request.urlopen(f"http://{n.metrics_address}/metrics", timeout=5).read().decode()
-        names |= {line.split()[0].split("{")[0] for line in text.splitlines()
-                  if line.startswith("kvmesh_")}
+        text = (
+            urllib.request.urlopen(f"http://{n.metrics_address}/metrics", timeout=5).read().decode()
+        )
+        names |= {
+            line.split()[0].split("{")[0]
+            for line in text.splitlines()
+            if line.startswith("kvmesh_")
+        }
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"]}
         for line in text.splitlines():  # families without samples yet (no label values seen)
             if line.startswith("# TYPE kvmesh_"):
                 _, _, base, kind = line.split()
                 names |= {base} | {base + sfx for sfx in suffixes.get(kind, [])}
     dash = json.loads((Path(__file__).parent.parent / "deploy/grafana/kvmesh.json").read_text())
-    used = {m for p in dash["panels"] for t in p["targets"]
-            for m in re.findall(r"\bkvmesh_[a-z_]+", t["expr"])}
+    used = {
+        m
+        for p in dash["panels"]
+        for t in p["targets"]
+        for m in re.findall(r"\bkvmesh_[a-z_]+", t["expr"])
+    }
     assert used and used <= names, f"dashboard uses metrics nobody exports: {sorted(used - names)}"

@@ -68,7 +68,7 @@ async def test_batched_write_and_read_mixed_sizes(pair):
     expect = np.zeros(dst_total, dtype=np.uint8)
     s_np = src.numpy()
     for so, do, n in zip(src_offs, dst_offs, sizes):
-        expect[do:do + n] = s_np[so:so + n]
+        expect[do : do + n] = s_np[so : so + n]
     assert np.array_equal(dst, expect)  # incl. untouched gaps
 
     # read everything back into a bytearray region, different layout
@@ -76,7 +76,7 @@ async def test_batched_write_and_read_mixed_sizes(pair):
     await a.read(b.address, rslices)
     got = np.frombuffer(back, dtype=np.uint8)
     for so, n in zip(src_offs, sizes):
-        assert np.array_equal(got[so:so + n], s_np[so:so + n])
+        assert np.array_equal(got[so : so + n], s_np[so : so + n])
     assert a.stats["bytes_written"] == sum(sizes)
     assert a.stats["bytes_read"] == sum(sizes)
     assert b.stats["bytes_served_in"] == sum(sizes)
@@ -233,7 +233,7 @@ async def test_peer_dies_mid_transfer_fails_not_hangs():
 
     ls = socket.create_server(("127.0.0.1", 0))
     ls.settimeout(10)
-    addr = "127.0.0.1:%d" % ls.getsockname()[1]
+    addr = f"127.0.0.1:{ls.getsockname()[1]}"
     stop = threading.Event()
 
     def swallow_and_drop(s: socket.socket) -> None:
@@ -288,7 +288,8 @@ async def test_unresponsive_peer_times_out():
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="cannot connect"):
             await asyncio.wait_for(
-                a.write("127.0.0.1:%d" % ls.getsockname()[1], [Slice(r, 0, 1, 0, 1000)]), 10)
+                a.write(f"127.0.0.1:{ls.getsockname()[1]}", [Slice(r, 0, 1, 0, 1000)]), 10
+            )
         assert time.monotonic() - t0 < 3  # two connect attempts of 0.5 s
         await a.close()
     finally:
@@ -326,14 +327,14 @@ async def test_single_small_ops_fast_lane_keeps_semantics(pair):
     await _warm_fast_lane(a, b.address, r_back, r_dst)
     before = a.stats["fast_lane_requests"]
     # one slice per call, awaited one at a time, sizes around the lane limit
-    for i in range(150):
+    for _i in range(150):
         n = int(rng.choice([1, 100, 4096, 65536, 65537, 256 << 10, 700_000, MiB, MiB + 1]))
         off = int(rng.integers(0, size - n))
         await a.write(b.address, [Slice(r_src, off, r_dst, off, n)])
-        assert np.array_equal(dst[off:off + n], src[off:off + n])
+        assert np.array_equal(dst[off : off + n], src[off : off + n])
         roff = int(rng.integers(0, size - n))
         await a.read(b.address, [Slice(r_back, roff, r_dst, off, n)])
-        assert np.array_equal(back[roff:roff + n], src[off:off + n])
+        assert np.array_equal(back[roff : roff + n], src[off : off + n])
     assert a.stats["fast_lane_requests"] - before >= 150  # most went over the lane
     # error statuses come back over the lane; the lane keeps working
     with pytest.raises(TransferError, match="unknown region 4242"):
@@ -459,8 +460,13 @@ PEER_SCRIPT = textwrap.dedent("""
 
 async def test_peer_in_separate_process():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", PEER_SCRIPT, SECRET.decode()],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PEER_SCRIPT, SECRET.decode()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
     a = TransferEngine(SECRET)
     await a.start()
     try:
@@ -471,18 +477,21 @@ async def test_peer_in_separate_process():
         local = torch.zeros(nbytes, dtype=torch.uint8)
         r_local = a.register(local)
         # read the peer's pattern with mixed slice sizes
-        sl = [Slice(r_local, 0, rid, 0, 12 * MiB + 4), Slice(r_local, 20 * MiB, rid, 20 * MiB, 4096)]
+        sl = [
+            Slice(r_local, 0, rid, 0, 12 * MiB + 4),
+            Slice(r_local, 20 * MiB, rid, 20 * MiB, 4096),
+        ]
         await a.read(peer, sl)
         want = np.arange(16 << 20, dtype=np.uint32).view(np.uint8)
         got = local.numpy()
-        assert np.array_equal(got[:12 * MiB + 4], want[:12 * MiB + 4])
-        assert np.array_equal(got[20 * MiB:20 * MiB + 4096], want[20 * MiB:20 * MiB + 4096])
+        assert np.array_equal(got[: 12 * MiB + 4], want[: 12 * MiB + 4])
+        assert np.array_equal(got[20 * MiB : 20 * MiB + 4096], want[20 * MiB : 20 * MiB + 4096])
         # write random bytes there, read them back elsewhere
         payload = np.random.default_rng(4).integers(0, 256, size=3 * MiB, dtype=np.uint8)
         r_pay = a.register(payload)
         await a.write(peer, [Slice(r_pay, 0, rid, 5 * MiB, 3 * MiB)])
         await a.read(peer, [Slice(r_local, 40 * MiB, rid, 5 * MiB, 3 * MiB)])
-        assert np.array_equal(got[40 * MiB:43 * MiB], payload)
+        assert np.array_equal(got[40 * MiB : 43 * MiB], payload)
 
         # kill the peer while lots of writes are in flight: they fail, never hang
         big = [a.write(peer, [Slice(r_local, 0, rid, 0, nbytes)]) for _ in range(40)]
@@ -538,15 +547,14 @@ def recv_polled(sock, view, poll_s):
 
 
 @pytest.mark.parametrize("poll_s", [0.0, 0.0001, 0.05])
-def test_recv_spin_then_block_fills_exactly_whether_data_comes_inside_or_after_the_window(
-        poll_s):
+def test_recv_spin_then_block_fills_exactly_whether_data_comes_inside_or_after_the_window(poll_s):
     a, b = socket.socketpair()
     try:
         payload = os.urandom(300_000)
 
         def send_late() -> None:
-            b.sendall(payload[:1000])          # inside any window
-            time.sleep(0.01)                   # past the 100 us window
+            b.sendall(payload[:1000])  # inside any window
+            time.sleep(0.01)  # past the 100 us window
             b.sendall(payload[1000:])
             b.sendall(b"next")
 
@@ -559,7 +567,7 @@ def test_recv_spin_then_block_fills_exactly_whether_data_comes_inside_or_after_t
         tail = bytearray(4)
         recv_polled(a, memoryview(tail), poll_s)
         assert tail == b"next"  # nothing of the next message was consumed early
-        assert recv_spin(a, memoryview(bytearray(8)), 0.001) == 0   # nothing there: no block
+        assert recv_spin(a, memoryview(bytearray(8)), 0.001) == 0  # nothing there: no block
         b.sendall(b"abc")
         part = bytearray(8)
         assert recv_spin(a, memoryview(part), 0.05) == 3 and part[:3] == b"abc"
@@ -598,7 +606,7 @@ def test_poll_backoff_doubles_while_windows_run_out_and_resets_on_a_catch():
     b = PollBackoff(cap=4)
     assert b.should_poll()
     skipped = []
-    for _ in range(5):              # every window runs out
+    for _ in range(5):  # every window runs out
         b.missed()
         n = 0
         while not b.should_poll():
@@ -607,4 +615,4 @@ def test_poll_backoff_doubles_while_windows_run_out_and_resets_on_a_catch():
     assert skipped == [1, 2, 4, 4, 4]
     b.caught()
     b.missed()
-    assert not b.should_poll() and b.should_poll()   # back to skipping one
+    assert not b.should_poll() and b.should_poll()  # back to skipping one

@@ -47,7 +47,7 @@ class FakeFabric:
         self.keys = itertools.count(0x100)
         self.qpns = itertools.count(0x40)
         self.transitions: list[tuple[int, str, str]] = []
-        self.posted: dict[str, int] = {}   # device -> pieces posted
+        self.posted: dict[str, int] = {}  # device -> pieces posted
         self.piece_sizes: list[int] = []
         self.fail_next_rkey = False
 
@@ -66,16 +66,23 @@ class FakeVerbs(VerbsLayer):
     def query_port(self, ctx, port, gid_index):
         assert port == 1
         n = abs(hash(ctx.name)) & 0xFFFF
-        return PortInfo(lid=n, gid=f"fe80:0000:0000:0000:0000:0000:0000:{n:04x}",
-                        active=True, mtu=5)
+        return PortInfo(
+            lid=n, gid=f"fe80:0000:0000:0000:0000:0000:0000:{n:04x}", active=True, mtu=5
+        )
 
     def alloc_pd(self, ctx):
         return _Obj(ctx=ctx)
 
     def reg_mr(self, pd, addr, length):
         with self.f.lock:
-            mr = _Obj(pd=pd, addr=addr, length=length, lkey=next(self.f.keys),
-                      rkey=next(self.f.keys), valid=True)
+            mr = _Obj(
+                pd=pd,
+                addr=addr,
+                length=length,
+                lkey=next(self.f.keys),
+                rkey=next(self.f.keys),
+                valid=True,
+            )
             self.f.mrs[mr.lkey] = self.f.mrs[mr.rkey] = mr
         return mr
 
@@ -84,8 +91,15 @@ class FakeVerbs(VerbsLayer):
 
     def create_qp(self, pd, cq, max_send_wr):
         with self.f.lock:
-            qp = _Obj(pd=pd, cq=cq, qp_num=next(self.f.qpns), state="RESET",
-                      attrs={}, depth=max_send_wr, outstanding=0)
+            qp = _Obj(
+                pd=pd,
+                cq=cq,
+                qp_num=next(self.f.qpns),
+                state="RESET",
+                attrs={},
+                depth=max_send_wr,
+                outstanding=0,
+            )
             self.f.qps[qp.qp_num] = qp
         return qp
 
@@ -121,14 +135,26 @@ class FakeVerbs(VerbsLayer):
             lmr = self.f.mrs.get(lkey)
             peer = self.f.qps.get(qp.attrs.get("dest_qp_num"))
             rmr = self.f.mrs.get(rkey)
-        if (lmr is None or lmr.pd is not qp.pd or not lmr.valid
-                or not lmr.addr <= laddr <= laddr + length <= lmr.addr + lmr.length):
+        if (
+            lmr is None
+            or lmr.pd is not qp.pd
+            or not lmr.valid
+            or not lmr.addr <= laddr <= laddr + length <= lmr.addr + lmr.length
+        ):
             return 4  # IBV_WC_LOC_PROT_ERR
-        if (peer is None or peer.state not in ("RTR", "RTS")
-                or peer.attrs.get("dest_qp_num") != qp.qp_num):
+        if (
+            peer is None
+            or peer.state not in ("RTR", "RTS")
+            or peer.attrs.get("dest_qp_num") != qp.qp_num
+        ):
             return 12  # IBV_WC_RETRY_EXC_ERR
-        if (rmr is None or rmr.rkey != rkey or rmr.pd is not peer.pd or not rmr.valid
-                or not rmr.addr <= raddr <= raddr + length <= rmr.addr + rmr.length):
+        if (
+            rmr is None
+            or rmr.rkey != rkey
+            or rmr.pd is not peer.pd
+            or not rmr.valid
+            or not rmr.addr <= raddr <= raddr + length <= rmr.addr + rmr.length
+        ):
             return IBV_WC_REM_ACCESS_ERR
         if op == "WRITE":
             ctypes.memmove(raddr, laddr, length)
@@ -175,8 +201,9 @@ async def test_batched_write_read_sliced_and_striped(fake_pair, monkeypatch):
     monkeypatch.setattr(verbs, "memory_numa_node", lambda addr: -1)  # no preference
     fabric, a, b = fake_pair
     rng = np.random.default_rng(3)
-    sizes = [1, 7, 4096, 65536 + 3, MiB, 5 * MiB + 11, 9 * MiB] + \
-        [int(x) for x in rng.integers(1, 20000, size=50)]
+    sizes = [1, 7, 4096, 65536 + 3, MiB, 5 * MiB + 11, 9 * MiB] + [
+        int(x) for x in rng.integers(1, 20000, size=50)
+    ]
     total = sum(sizes) + 10 * len(sizes)
     src = rng.integers(0, 256, size=total, dtype=np.uint8)
     dst = np.zeros(total + 100, dtype=np.uint8)
@@ -188,14 +215,19 @@ async def test_batched_write_read_sliced_and_striped(fake_pair, monkeypatch):
         pos += n + 10
     await a.write(b.address, slices)
     for s in slices:
-        assert np.array_equal(dst[s.remote_offset:s.remote_offset + s.length],
-                              src[s.local_offset:s.local_offset + s.length])
+        assert np.array_equal(
+            dst[s.remote_offset : s.remote_offset + s.length],
+            src[s.local_offset : s.local_offset + s.length],
+        )
     assert not dst[:50].any()
-    await a.read(b.address, [Slice(rb, s.local_offset, rd, s.remote_offset, s.length)
-                             for s in slices])
+    await a.read(
+        b.address, [Slice(rb, s.local_offset, rd, s.remote_offset, s.length) for s in slices]
+    )
     for s in slices:
-        assert np.array_equal(back[s.local_offset:s.local_offset + s.length],
-                              src[s.local_offset:s.local_offset + s.length])
+        assert np.array_equal(
+            back[s.local_offset : s.local_offset + s.length],
+            src[s.local_offset : s.local_offset + s.length],
+        )
 
     # slicing: 4 MiB engine chunks cut into <= 1 MiB pieces
     assert max(fabric.piece_sizes) == MiB
@@ -293,9 +325,9 @@ async def test_notify_after_writes_and_many_pieces_backpressure():
             got.append(p)
             got.append(bytes(dst[:4]) == bytes(src[:4]) and b"landed" or b"missing")
             ev.set()
+
         b.add_notify_handler(on_notify)
-        a.write(b.address, [Slice(rs, i * 64 * KiB, rd, i * 64 * KiB, 64 * KiB)
-                            for i in range(16)])
+        a.write(b.address, [Slice(rs, i * 64 * KiB, rd, i * 64 * KiB, 64 * KiB) for i in range(16)])
         await a.notify(b.address, b"done")
         await asyncio.wait_for(ev.wait(), 5)
         assert got == [b"done", b"landed"]
@@ -357,8 +389,9 @@ def test_factory_builds_verbs_with_layer_and_checksum_forces_tcp():
     tr = make_transport("rdma", secret=SECRET, layer=FakeVerbs(FakeFabric(), [("d", 0)]))
     assert isinstance(tr, VerbsTransport)
     assert isinstance(make_transport("auto", secret=SECRET, checksum=True), TcpTransport)
-    e = TransferEngine(SECRET, transport="rdma",
-                       transport_options={"layer": FakeVerbs(FakeFabric(), [("d", 0)])})
+    e = TransferEngine(
+        SECRET, transport="rdma", transport_options={"layer": FakeVerbs(FakeFabric(), [("d", 0)])}
+    )
     assert e.transport_kind == "rdma"
 
 
@@ -382,8 +415,7 @@ async def test_real_device_write_read_loopback():
         dst = np.zeros(24 * MiB, dtype=np.uint8)
         back = np.zeros(24 * MiB, dtype=np.uint8)
         rs, rd, rb = a.register(src), b.register(dst), a.register(back)
-        await a.write(b.address, [Slice(rs, 0, rd, 0, 24 * MiB),
-                                  Slice(rs, 5, rd, 3, 65536 + 1)])
+        await a.write(b.address, [Slice(rs, 0, rd, 0, 24 * MiB), Slice(rs, 5, rd, 3, 65536 + 1)])
         assert np.array_equal(src[5:65541], dst[3:65539])
         await a.read(b.address, [Slice(rb, 0, rd, 0, 24 * MiB)])
         assert np.array_equal(back, dst)

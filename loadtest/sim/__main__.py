@@ -56,13 +56,19 @@ def decision_rate(prefill: int, decode: int, n: int = 3000, seed: int = 0) -> di
     """decide + commit + prefill_done + request_done per second with many nodes and a
     populated index (each node holds 2,000 random 512-token prefixes of a shared pool)."""
     from kvmesh.services.conductor.index import CacheIndex
-    from kvmesh.services.conductor.policy import (DecodeNodeState, PolicyConfig, PrefillNodeState,
-                                           Request, Scheduler)
+    from kvmesh.services.conductor.policy import (
+        DecodeNodeState,
+        PolicyConfig,
+        PrefillNodeState,
+        Request,
+        Scheduler,
+    )
 
     rng = random.Random(seed)
     now = [0.0]
-    sch = Scheduler(PolicyConfig(policy="kvmesh"), index=CacheIndex(), clock=lambda: now[0],
-                    rng=rng)
+    sch = Scheduler(
+        PolicyConfig(policy="kvmesh"), index=CacheIndex(), clock=lambda: now[0], rng=rng
+    )
     bs = 512
     for i in range(prefill):
         sch.prefill[f"p{i}"] = PrefillNodeState(f"p{i}", bs, 160 << 20, 2 << 20, bandwidth=5e7)
@@ -78,8 +84,16 @@ def decision_rate(prefill: int, decode: int, n: int = 3000, seed: int = 0) -> di
     for k in range(n):
         c = rng.choice(chains)
         m = rng.randint(1, 64)
-        reqs.append(Request(f"r{k}", m * bs - rng.randint(0, bs - 1),
-                            c[:m] + [rng.getrandbits(64).to_bytes(8, "little")], 128, 1e9, 1e9))
+        reqs.append(
+            Request(
+                f"r{k}",
+                m * bs - rng.randint(0, bs - 1),
+                c[:m] + [rng.getrandbits(64).to_bytes(8, "little")],
+                128,
+                1e9,
+                1e9,
+            )
+        )
     t = time.perf_counter()
     accepted = 0
     for k, r in enumerate(reqs):
@@ -91,8 +105,15 @@ def decision_rate(prefill: int, decode: int, n: int = 3000, seed: int = 0) -> di
             sch.prefill_done(r, d, r.n_tokens, 0, 100.0)
             sch.request_done(r, d, 128)
     secs = time.perf_counter() - t
-    return {"prefill": prefill, "decode": decode, "policy": "kvmesh", "decisions": n,
-            "accepted": accepted, "seconds": secs, "per_s": n / secs}
+    return {
+        "prefill": prefill,
+        "decode": decode,
+        "policy": "kvmesh",
+        "decisions": n,
+        "accepted": accepted,
+        "seconds": secs,
+        "per_s": n / secs,
+    }
 
 
 def plot(out: Path, overload_sims: dict, exps: list[dict]) -> None:
@@ -103,17 +124,28 @@ def plot(out: Path, overload_sims: dict, exps: list[dict]) -> None:
 
     pols = [p for p in ("cache-load", "kvmesh") if p in overload_sims]
     if pols:
-        fig, axes = plt.subplots(len(pols), 1, figsize=(8, 2.6 * len(pols)), sharex=True,
-                                 squeeze=False)
+        fig, axes = plt.subplots(
+            len(pols), 1, figsize=(8, 2.6 * len(pols)), sharex=True, squeeze=False
+        )
         for ax, pol in zip(axes[:, 0], pols):
             s = overload_sims[pol]
             t = [x["t_s"] for x in s.samples]
-            ax.plot(t, [x["prefill_load_s"] for x in s.samples], color="tab:blue", lw=.8,
-                    label="prefill: queued work per node (s)")
+            ax.plot(
+                t,
+                [x["prefill_load_s"] for x in s.samples],
+                color="tab:blue",
+                lw=0.8,
+                label="prefill: queued work per node (s)",
+            )
             ax.set_ylabel("prefill load (s)", color="tab:blue")
             ax2 = ax.twinx()
-            ax2.plot(t, [x["decode_batch"] for x in s.samples], color="tab:red", lw=.8,
-                     label="decode: running batch per node")
+            ax2.plot(
+                t,
+                [x["decode_batch"] for x in s.samples],
+                color="tab:red",
+                lw=0.8,
+                label="decode: running batch per node",
+            )
             ax2.set_ylabel("decode batch", color="tab:red")
             rej = [r.arrival / 1000.0 for r in s.reqs if r.status != "OK"]
             ax.plot(rej, [0] * len(rej), "|", color="k", ms=6, label="rejected")
@@ -132,7 +164,7 @@ def plot(out: Path, overload_sims: dict, exps: list[dict]) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (s)")
         ax.set_title(exp["name"], fontsize=9)
-        ax.grid(alpha=.3)
+        ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("CDF (served)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -146,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         # bit for bit
         os.environ["PYTHONHASHSEED"] = "0"
         os.execv(sys.executable, [sys.executable, "-m", "kvmesh.loadtest.sim", *sys.argv[1:]])
-    p = argparse.ArgumentParser(prog="python -m kvmesh.loadtest.sim", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kvmesh.loadtest.sim", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--prefill", type=int, default=8)
     p.add_argument("--decode", type=int, default=8)
@@ -155,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--time-scale", type=float, default=1.0, help="policies experiment")
     p.add_argument("--overload-time-scale", type=float, default=0.5)
-    p.add_argument("--overload-decode", type=int, default=None,
-                   help="decode nodes in the overload experiment (default: --decode)")
+    p.add_argument(
+        "--overload-decode",
+        type=int,
+        default=None,
+        help="decode nodes in the overload experiment (default: --decode)",
+    )
     p.add_argument("--ttft-slo-ms", type=float, default=10_000.0)
     p.add_argument("--tbt-slo-ms", type=float, default=100.0)
     p.add_argument("--cache-blocks", type=int, default=CostModel.cache_blocks)
@@ -172,55 +210,86 @@ def main(argv: list[str] | None = None) -> int:
     policies = a.policies.split(",")
     trace = load_trace(a.trace)
     cost = CostModel(cache_blocks=a.cache_blocks, bandwidth_gbps=a.bandwidth_gbps)
-    base = SimConfig(prefill_nodes=a.prefill, decode_nodes=a.decode, max_requests=a.max_requests,
-                     seed=a.seed, cost=cost, time_scale=a.time_scale)
+    base = SimConfig(
+        prefill_nodes=a.prefill,
+        decode_nodes=a.decode,
+        max_requests=a.max_requests,
+        seed=a.seed,
+        cost=cost,
+        time_scale=a.time_scale,
+    )
     try:
         from tqdm import tqdm
-        bar = tqdm(total=len(policies) * (("policies" in only) + ("overload" in only)),
-                   desc="simulating", unit="run")
+
+        bar = tqdm(
+            total=len(policies) * (("policies" in only) + ("overload" in only)),
+            desc="simulating",
+            unit="run",
+        )
     except ImportError:
         bar = None
     n = len(trace[: a.max_requests] if a.max_requests else trace)
     span = (trace[n - 1]["timestamp"] - trace[0]["timestamp"]) / 1000.0
-    result = {"description": (
-        f"Trace `{Path(a.trace).name}` ({n} requests, {span:.0f} s). Simulated nodes run a "
-        f"LLaMA3-70B-class model on 8 x A800 each (cost model below); the conductor is the real "
-        f"`Scheduler` (policy.py) with the real `CacheIndex` and time models on a simulated "
-        f"clock. Each prefill node keeps an LRU prefix cache of {cost.cache_blocks} blocks "
-        f"(512 tokens) in DRAM; the store is the union of these caches; only `kvmesh` fetches "
-        f"from it ({cost.bandwidth_gbps:g} GB/s per node). Cost model: "
-        f"`{json.dumps(asdict(cost))}`."), "cost_model": asdict(cost), "experiments": []}
+    result = {
+        "description": (
+            f"Trace `{Path(a.trace).name}` ({n} requests, {span:.0f} s). Simulated nodes run a "
+            f"LLaMA3-70B-class model on 8 x A800 each (cost model below); the conductor is the real "
+            f"`Scheduler` (policy.py) with the real `CacheIndex` and time models on a simulated "
+            f"clock. Each prefill node keeps an LRU prefix cache of {cost.cache_blocks} blocks "
+            f"(512 tokens) in DRAM; the store is the union of these caches; only `kvmesh` fetches "
+            f"from it ({cost.bandwidth_gbps:g} GB/s per node). Cost model: "
+            f"`{json.dumps(asdict(cost))}`."
+        ),
+        "cost_model": asdict(cost),
+        "experiments": [],
+    }
     exps = []
     overload_sims = {}
     if "policies" in only:
         t0 = time.perf_counter()
-        res, _ = run_policies(trace, replace(base, ttft_slo_ms=OFF, tbt_slo_ms=OFF), policies,
-                              OFF, OFF, bar)
-        exps.append({"name": "policies", "title":
-                     f"Policies at the trace's rate, {a.prefill} prefill + {a.decode} decode "
-                     f"nodes, no SLO rejection", "compare_paper": True,
-                     "setup": f"time scale {a.time_scale:g}; SLOs off (every request admitted "
-                              f"unless no decode node has KV room); {time.perf_counter() - t0:.0f} s "
-                              f"to simulate all policies.",
-                     "notes": "Paper column: Mooncake (FAST'25) average TTFT for random, "
-                              "load-balancing, local cache-aware and global cache-aware "
-                              "scheduling on its own testbed; set beside ours for shape, not "
-                              "for absolute agreement (different cost model and node count).",
-                     "policies": res})
+        res, _ = run_policies(
+            trace, replace(base, ttft_slo_ms=OFF, tbt_slo_ms=OFF), policies, OFF, OFF, bar
+        )
+        exps.append(
+            {
+                "name": "policies",
+                "title": f"Policies at the trace's rate, {a.prefill} prefill + {a.decode} decode "
+                f"nodes, no SLO rejection",
+                "compare_paper": True,
+                "setup": f"time scale {a.time_scale:g}; SLOs off (every request admitted "
+                f"unless no decode node has KV room); {time.perf_counter() - t0:.0f} s "
+                f"to simulate all policies.",
+                "notes": "Paper column: Mooncake (FAST'25) average TTFT for random, "
+                "load-balancing, local cache-aware and global cache-aware "
+                "scheduling on its own testbed; set beside ours for shape, not "
+                "for absolute agreement (different cost model and node count).",
+                "policies": res,
+            }
+        )
     if "overload" in only:
         dn = a.overload_decode or a.decode
-        cfg = replace(base, ttft_slo_ms=a.ttft_slo_ms, tbt_slo_ms=a.tbt_slo_ms,
-                      time_scale=a.overload_time_scale, decode_nodes=dn)
+        cfg = replace(
+            base,
+            ttft_slo_ms=a.ttft_slo_ms,
+            tbt_slo_ms=a.tbt_slo_ms,
+            time_scale=a.overload_time_scale,
+            decode_nodes=dn,
+        )
         res, overload_sims = run_policies(trace, cfg, policies, a.ttft_slo_ms, a.tbt_slo_ms, bar)
-        exps.append({"name": "overload", "title":
-                     f"Overload with early rejection: trace x{1 / a.overload_time_scale:g} rate, "
-                     f"{a.prefill} prefill + {dn} decode nodes, SLOs TTFT "
-                     f"{a.ttft_slo_ms / 1000:g} s / TBT {a.tbt_slo_ms:g} ms",
-                     "setup": "Every policy rejects when its own estimate breaks an SLO; "
-                              "`cache-load` judges the decode side by the batch admitted now, "
-                              "`kvmesh` by the batch predicted at the end of the prefill "
-                              "(and uses the store, colocation).",
-                     "plot": "sim_load_swings.png", "policies": res})
+        exps.append(
+            {
+                "name": "overload",
+                "title": f"Overload with early rejection: trace x{1 / a.overload_time_scale:g} rate, "
+                f"{a.prefill} prefill + {dn} decode nodes, SLOs TTFT "
+                f"{a.ttft_slo_ms / 1000:g} s / TBT {a.tbt_slo_ms:g} ms",
+                "setup": "Every policy rejects when its own estimate breaks an SLO; "
+                "`cache-load` judges the decode side by the batch admitted now, "
+                "`kvmesh` by the batch predicted at the end of the prefill "
+                "(and uses the store, colocation).",
+                "plot": "sim_load_swings.png",
+                "policies": res,
+            }
+        )
     if bar is not None:
         bar.close()
     for e in exps:
@@ -234,27 +303,35 @@ def main(argv: list[str] | None = None) -> int:
         for e in exps:
             if e["name"] == "overload":
                 e["_records"] = {pol: s.records() for pol, s in overload_sims.items()}
-        if any(e["name"] == "policies" for e in exps) and not any(e["_records"] for e in exps
-                                                                  if e["name"] == "policies"):
+        if any(e["name"] == "policies" for e in exps) and not any(
+            e["_records"] for e in exps if e["name"] == "policies"
+        ):
             pass
         for e in exps:
             print(f"\n{e['title']}")
             for pol, s in e["policies"].items():
-                print(f"  {pol:11s} served {s['served']:5d}/{s['requests']} rejected "
-                      f"{s['rejected']:5d} TTFT mean {s['ttft_ms']['mean'] / 1000:7.2f} s p90 "
-                      f"{s['ttft_ms']['p90'] / 1000:7.2f} s  SLO {s['slo_attainment']:.3f}  "
-                      f"hit {s['cache_hit_ratio']:.3f}")
+                print(
+                    f"  {pol:11s} served {s['served']:5d}/{s['requests']} rejected "
+                    f"{s['rejected']:5d} TTFT mean {s['ttft_ms']['mean'] / 1000:7.2f} s p90 "
+                    f"{s['ttft_ms']['p90'] / 1000:7.2f} s  SLO {s['slo_attainment']:.3f}  "
+                    f"hit {s['cache_hit_ratio']:.3f}"
+                )
         plot(out, overload_sims, [e for e in exps if e["_records"]])
         result["experiments"] = [{k: v for k, v in e.items() if k != "_records"} for e in exps]
-        result["experiments"] and result.setdefault("plots", ["sim_load_swings.png",
-                                                              "sim_ttft_cdf.png"])
+        result["experiments"] and result.setdefault(
+            "plots", ["sim_load_swings.png", "sim_ttft_cdf.png"]
+        )
         for e in result["experiments"]:
             if e["name"] == "overload":
-                e["load_samples"] = {pol: s.samples[::5] for pol, s in overload_sims.items()
-                                     if pol in ("cache-load", "kvmesh")}
+                e["load_samples"] = {
+                    pol: s.samples[::5]
+                    for pol, s in overload_sims.items()
+                    if pol in ("cache-load", "kvmesh")
+                }
     (out / "sim.json").write_text(json.dumps(result, indent=1))
     if not a.no_report:
         from kvmesh.loadtest.report import write_report
+
         print(write_report(out))
     return 0
 

@@ -31,8 +31,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvmesh.services.conductor.index import CacheIndex
-from kvmesh.services.conductor.policy import (COLOCATED, DISAGG, DecodeNodeState, PolicyConfig,
-                                       PrefillNodeState, Request, Scheduler)
+from kvmesh.services.conductor.policy import (
+    DISAGG,
+    DecodeNodeState,
+    PolicyConfig,
+    PrefillNodeState,
+    Request,
+    Scheduler,
+)
 
 
 @dataclass
@@ -63,17 +69,23 @@ class CostModel:
     decode_per_kv_token_ms: float = 3.3e-5
     kv_bytes_per_token: int = 327_680
     layers: int = 80
-    bandwidth_gbps: float = 50.0            # GB/s per node
+    bandwidth_gbps: float = 50.0  # GB/s per node
     decode_kv_tokens: int = 1_200_000
     cache_blocks: int = 2_000
 
     def prefill_ms(self, new: int, cached: int) -> float:
-        return (self.prefill_base_ms + self.prefill_per_token_ms * new
-                + self.prefill_pair_ms * new * (new + cached))
+        return (
+            self.prefill_base_ms
+            + self.prefill_per_token_ms * new
+            + self.prefill_pair_ms * new * (new + cached)
+        )
 
     def decode_ms(self, batch: int, kv_tokens: int) -> float:
-        return (self.decode_base_ms + self.decode_per_request_ms * batch
-                + self.decode_per_kv_token_ms * kv_tokens)
+        return (
+            self.decode_base_ms
+            + self.decode_per_request_ms * batch
+            + self.decode_per_kv_token_ms * kv_tokens
+        )
 
     @property
     def bytes_per_ms(self) -> float:
@@ -86,12 +98,12 @@ class SimConfig:
     prefill_nodes: int = 8
     decode_nodes: int = 8
     block_size: int = 512
-    ttft_slo_ms: float = 1e12               # huge = no rejection on TTFT
+    ttft_slo_ms: float = 1e12  # huge = no rejection on TTFT
     tbt_slo_ms: float = 1e12
     colocate_below_tokens: int = 512
     report_ms: float = 200.0
     sample_ms: float = 1000.0
-    time_scale: float = 1.0                 # multiplies inter-arrival times
+    time_scale: float = 1.0  # multiplies inter-arrival times
     max_requests: int | None = None
     seed: int = 0
     cost: CostModel = field(default_factory=CostModel)
@@ -148,11 +160,14 @@ class Simulation:
         self.now = 0.0
         self._ev: list = []
         self._seq = 0
-        self.sched = Scheduler(PolicyConfig(policy=cfg.policy,
-                                            colocate_below_tokens=cfg.colocate_below_tokens,
-                                            slo_margin=1.0),
-                               index=CacheIndex(), clock=lambda: self.now,
-                               rng=random.Random(cfg.seed))
+        self.sched = Scheduler(
+            PolicyConfig(
+                policy=cfg.policy, colocate_below_tokens=cfg.colocate_below_tokens, slo_margin=1.0
+            ),
+            index=CacheIndex(),
+            clock=lambda: self.now,
+            rng=random.Random(cfg.seed),
+        )
         # (Scheduler does ``index or CacheIndex()``: an empty CacheIndex is falsy (it has
         # __len__), so the one passed in is replaced; use the scheduler's own)
         self.index = self.sched.index
@@ -163,8 +178,9 @@ class Simulation:
         coef_p = (c.prefill_base_ms, c.prefill_per_token_ms, c.prefill_pair_ms)
         coef_d = (c.decode_base_ms, c.decode_per_request_ms, c.decode_per_kv_token_ms)
         for i in range(cfg.prefill_nodes):
-            p = PrefillNodeState(f"p{i}", bs, block_nbytes, block_nbytes // c.layers,
-                                 bandwidth=c.bytes_per_ms)
+            p = PrefillNodeState(
+                f"p{i}", bs, block_nbytes, block_nbytes // c.layers, bandwidth=c.bytes_per_ms
+            )
             p.model.coef = list(coef_p)
             self.sched.prefill[p.node_id] = p
         for i in range(cfg.decode_nodes):
@@ -191,8 +207,11 @@ class Simulation:
             hashes = [int(h).to_bytes(8, "little") for h in rec["hash_ids"]]
             n = int(rec["input_length"])
             m = max(1, int(rec["output_length"]))
-            rq = _Req(Request(f"r{i}", n, hashes, m, cfg.ttft_slo_ms, cfg.tbt_slo_ms),
-                      rec["timestamp"] * cfg.time_scale, m)
+            rq = _Req(
+                Request(f"r{i}", n, hashes, m, cfg.ttft_slo_ms, cfg.tbt_slo_ms),
+                rec["timestamp"] * cfg.time_scale,
+                m,
+            )
             self.reqs.append(rq)
             self._push(rq.arrival, "arrive", rq)
         self._push(0.0, "report", None)
@@ -204,7 +223,7 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._ev, (t, self._seq, kind, obj))
 
-    def run(self) -> "Simulation":
+    def run(self) -> Simulation:
         while self._ev:
             t, _, kind, obj = heapq.heappop(self._ev)
             self.now = t
@@ -212,9 +231,13 @@ class Simulation:
         return self
 
     def _busy(self) -> bool:
-        return (any(self.pqueue.values()) or any(self.pbusy.values())
-                or any(self.dbatch.values()) or any(self.djoin.values())
-                or any(self.dprefill.values()))
+        return (
+            any(self.pqueue.values())
+            or any(self.pbusy.values())
+            or any(self.dbatch.values())
+            or any(self.djoin.values())
+            or any(self.dprefill.values())
+        )
 
     def _on_report(self, _) -> None:
         for d, st in self.sched.decode.items():
@@ -224,14 +247,16 @@ class Simulation:
 
     def _on_sample(self, _) -> None:
         np_, nd = len(self.pqueue), len(self.dbatch)
-        self.samples.append({
-            "t_s": round(self.now / 1000.0, 3),
-            # prefill load: seconds of work queued or running per prefill node
-            "prefill_load_s": round(sum(self.pqueued_ms.values()) / np_ / 1000.0, 3),
-            # decode load: running batch per decode node, and KV reserved share
-            "decode_batch": round(sum(len(b) for b in self.dbatch.values()) / nd, 2),
-            "decode_kv": round(sum(self.dreserved.values()) / (nd * self.total_blocks), 4),
-        })
+        self.samples.append(
+            {
+                "t_s": round(self.now / 1000.0, 3),
+                # prefill load: seconds of work queued or running per prefill node
+                "prefill_load_s": round(sum(self.pqueued_ms.values()) / np_ / 1000.0, 3),
+                # decode load: running batch per decode node, and KV reserved share
+                "decode_batch": round(sum(len(b) for b in self.dbatch.values()) / nd, 2),
+                "decode_kv": round(sum(self.dreserved.values()) / (nd * self.total_blocks), 4),
+            }
+        )
         if self.now < self._last_arrival or self._busy():
             self._push(self.now + self.cfg.sample_ms, "sample", None)
 
@@ -302,8 +327,9 @@ class Simulation:
         p, rq, compute, handoff = arg
         r, d, bs = rq.r, rq.decision, self.cfg.block_size
         self.pbusy[p] = None
-        self.pqueued_ms[p] = max(0.0, self.pqueued_ms[p] - d.estimate.prefill_ms
-                                 - d.estimate.fetch_ms)
+        self.pqueued_ms[p] = max(
+            0.0, self.pqueued_ms[p] - d.estimate.prefill_ms - d.estimate.fetch_ms
+        )
         self._insert(p, r.hashes[: r.n_tokens // bs])
         rq.prefill_end = self.now
         ttft = self.now + handoff - rq.arrival
@@ -343,13 +369,12 @@ class Simulation:
         c = self.cost
         while self.dprefill[dn]:
             rq = self.dprefill[dn].pop(0)
-            r, bs = rq.r, self.cfg.block_size
+            r, _bs = rq.r, self.cfg.block_size
             rq.start = self.now + stall
             rq.new, rq.cached = r.n_tokens, 0
             ms = c.prefill_ms(rq.new, 0)
             stall += ms
-            self.sched.prefill_done(r, rq.decision, rq.new, 0, ms,
-                                    self.now + stall - rq.arrival)
+            self.sched.prefill_done(r, rq.decision, rq.new, 0, ms, self.now + stall - rq.arrival)
             rq.first_token = self.now + stall
             rq.prefill_end = rq.first_token
             rq.produced = 1
@@ -380,11 +405,16 @@ class Simulation:
     def records(self) -> list[dict]:
         out = []
         for rq in self.reqs:
-            rec = {"rid": rq.r.request_id, "status": rq.status, "reject_reason": rq.reason,
-                   "sent_ms": rq.arrival, "prompt_tokens": rq.r.n_tokens,
-                   "completion_tokens": rq.produced if rq.status == "OK" else 0,
-                   "cached_tokens": rq.cached + rq.fetched if rq.status == "OK" else 0,
-                   "computed_tokens": rq.new if rq.status == "OK" else 0}
+            rec = {
+                "rid": rq.r.request_id,
+                "status": rq.status,
+                "reject_reason": rq.reason,
+                "sent_ms": rq.arrival,
+                "prompt_tokens": rq.r.n_tokens,
+                "completion_tokens": rq.produced if rq.status == "OK" else 0,
+                "cached_tokens": rq.cached + rq.fetched if rq.status == "OK" else 0,
+                "computed_tokens": rq.new if rq.status == "OK" else 0,
+            }
             if rq.status == "OK" and rq.first_token is not None:
                 rec["ttft_ms"] = rq.first_token - rq.arrival
                 rec["tbt_ms"] = rq.steps_ms / (rq.produced - 1) if rq.produced > 1 else None

@@ -31,8 +31,8 @@ import contextvars
 import hashlib
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import grpc
 
@@ -59,7 +59,8 @@ class Principal:
 
 ANONYMOUS = Principal()
 current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar(
-    "kvmesh_principal", default=ANONYMOUS)
+    "kvmesh_principal", default=ANONYMOUS
+)
 
 
 def tenant_seed(principal: Principal | None = None) -> bytes:
@@ -83,8 +84,9 @@ def parse_entry(entry: str) -> tuple[str, Principal]:
     parts = entry.strip().split(":")
     key = parts[0]
     if not key or any(c.isspace() for c in key) or "," in key:
-        raise ConfigError(f"api key entry {entry!r}: the key must be non-empty, without "
-                          f"spaces, ',' or ':'")
+        raise ConfigError(
+            f"api key entry {entry!r}: the key must be non-empty, without spaces, ',' or ':'"
+        )
     if len(parts) == 1:
         return key, ANONYMOUS
     tenant = parts[1]
@@ -94,8 +96,9 @@ def parse_entry(entry: str) -> tuple[str, Principal]:
         return key, Principal(tenant, f"tenant {tenant}")
     if len(parts) == 3 and parts[2].startswith("shared=") and len(parts[2]) > 7:
         return key, Principal(tenant, f"shared {parts[2][7:]}")
-    raise ConfigError(f"api key entry for key {key[:4]}...: write KEY, KEY:TENANT or "
-                      f"KEY:TENANT:shared=NAMESPACE")
+    raise ConfigError(
+        f"api key entry for key {key[:4]}...: write KEY, KEY:TENANT or KEY:TENANT:shared=NAMESPACE"
+    )
 
 
 class ApiKeys:
@@ -109,7 +112,7 @@ class ApiKeys:
                 self._keys[_digest(key)] = p
 
     @classmethod
-    def from_config(cls, spec: str = "", path: str = "") -> "ApiKeys":
+    def from_config(cls, spec: str = "", path: str = "") -> ApiKeys:
         entries = [e for e in (spec or "").split(",") if e.strip()]
         if path:
             try:
@@ -201,8 +204,10 @@ def _with_principal(handler, principal: Principal):
             return await inner(request, ctx)
 
         return grpc.unary_unary_rpc_method_handler(
-            unary_unary, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            unary_unary,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
     if handler.unary_stream is not None:
         inner_s = handler.unary_stream
 
@@ -212,8 +217,10 @@ def _with_principal(handler, principal: Principal):
                 yield item
 
         return grpc.unary_stream_rpc_method_handler(
-            unary_stream, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            unary_stream,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
     return handler
 
 
@@ -234,8 +241,11 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if (handler is None or not _protected(details.method)
-                or handler.request_deserializer is None):
+        if (
+            handler is None
+            or not _protected(details.method)
+            or handler.request_deserializer is None
+        ):
             return handler
         deserialize = handler.request_deserializer
         method = details.method
@@ -247,8 +257,10 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
                 return _Undecodable(e)
 
         def refuse_message(req: _Undecodable) -> str:
-            return (f"the request is not a valid {method.rsplit('/', 1)[-1]} message "
-                    f"({type(req.error).__name__}: {str(req.error)[:200]})")
+            return (
+                f"the request is not a valid {method.rsplit('/', 1)[-1]} message "
+                f"({type(req.error).__name__}: {str(req.error)[:200]})"
+            )
 
         if handler.unary_unary is not None:
             inner = handler.unary_unary
@@ -259,8 +271,10 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
                 return await inner(request, ctx)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=safe,
-                response_serializer=handler.response_serializer)
+                unary_unary,
+                request_deserializer=safe,
+                response_serializer=handler.response_serializer,
+            )
         if handler.unary_stream is not None:
             inner_s = handler.unary_stream
 
@@ -271,6 +285,8 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
                     yield item
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=safe,
-                response_serializer=handler.response_serializer)
+                unary_stream,
+                request_deserializer=safe,
+                response_serializer=handler.response_serializer,
+            )
         return handler

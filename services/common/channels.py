@@ -24,8 +24,9 @@ here. ``--tls-server-name`` overrides the name checked against the server's cert
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 
@@ -50,15 +51,20 @@ class TlsFiles:
         return bool(self.ca and self.cert)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "TlsFiles":
-        return cls(getattr(cfg, "tls_cert", "") or "", getattr(cfg, "tls_key", "") or "",
-                   getattr(cfg, "tls_ca", "") or "", getattr(cfg, "tls_server_name", "") or "")
+    def from_config(cls, cfg: Any) -> TlsFiles:
+        return cls(
+            getattr(cfg, "tls_cert", "") or "",
+            getattr(cfg, "tls_key", "") or "",
+            getattr(cfg, "tls_ca", "") or "",
+            getattr(cfg, "tls_server_name", "") or "",
+        )
 
     def validate(self, what: str = "tls") -> None:
         """Raises ConfigError with a clear message when the files do not fit together."""
         if bool(self.cert) != bool(self.key):
-            raise ConfigError(f"{what}: give both a certificate and a key (--tls-cert and "
-                              f"--tls-key), or neither")
+            raise ConfigError(
+                f"{what}: give both a certificate and a key (--tls-cert and --tls-key), or neither"
+            )
         for name, path in (("cert", self.cert), ("key", self.key), ("ca", self.ca)):
             if path and not os.path.isfile(path):
                 raise ConfigError(f"{what}_{name}: {path!r} is not a readable file")
@@ -89,9 +95,11 @@ def current() -> TlsFiles:
 def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
     """Client credentials: verify the server against ``tls.ca`` (system roots when
     empty) and present our certificate when we have one (mutual TLS)."""
-    return grpc.ssl_channel_credentials(root_certificates=_read(tls.ca),
-                                        private_key=_read(tls.key),
-                                        certificate_chain=_read(tls.cert))
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca),
+        private_key=_read(tls.key),
+        certificate_chain=_read(tls.cert),
+    )
 
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
@@ -99,28 +107,37 @@ def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     if not (tls.cert and tls.key):
         raise ConfigError("a TLS server needs --tls-cert and --tls-key")
     ca = _read(tls.ca)
-    return grpc.ssl_server_credentials([(_read(tls.key), _read(tls.cert))],
-                                       root_certificates=ca,
-                                       require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(_read(tls.key), _read(tls.cert))],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
 
 
-def make_channel(addr: str, tls: TlsFiles | None = None,
-                 options: Sequence[tuple[str, Any]] | None = None,
-                 interceptors: Sequence[Any] | None = None) -> grpc.aio.Channel:
+def make_channel(
+    addr: str,
+    tls: TlsFiles | None = None,
+    options: Sequence[tuple[str, Any]] | None = None,
+    interceptors: Sequence[Any] | None = None,
+) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to ``addr``: plaintext when TLS is off, else TLS (mutual
     when we hold a certificate). Tracing interceptors are kept either way."""
     tls = _current if tls is None else tls
     opts = list(options or [])
     if not tls.enabled:
-        return grpc.aio.insecure_channel(addr, options=opts or None,
-                                         interceptors=list(interceptors or []) or None)
+        return grpc.aio.insecure_channel(
+            addr, options=opts or None, interceptors=list(interceptors or []) or None
+        )
     from kvmesh.services.common import telemetry
 
     if tls.server_name:
         opts.append(("grpc.ssl_target_name_override", tls.server_name))
-    return grpc.aio.secure_channel(addr, channel_credentials(tls), options=opts or None,
-                                   interceptors=[*telemetry.client_interceptors(),
-                                                 *(interceptors or [])] or None)
+    return grpc.aio.secure_channel(
+        addr,
+        channel_credentials(tls),
+        options=opts or None,
+        interceptors=[*telemetry.client_interceptors(), *(interceptors or [])] or None,
+    )
 
 
 def make_sync_channel(addr: str, tls: TlsFiles | None = None) -> grpc.Channel:

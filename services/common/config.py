@@ -13,12 +13,26 @@ import os
 import re
 import tomllib
 import typing
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6,
-          "mib": 1 << 20, "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12,
-          "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "kib": 1 << 10,
+    "m": 1e6,
+    "mb": 1e6,
+    "mib": 1 << 20,
+    "g": 1e9,
+    "gb": 1e9,
+    "gib": 1 << 30,
+    "t": 1e12,
+    "tb": 1e12,
+    "tib": 1 << 40,
+}
 
 
 class ConfigError(ValueError):
@@ -28,8 +42,9 @@ class ConfigError(ValueError):
 def option(default: Any, help: str, **kw: Any) -> Any:
     """A config field with its ``--help`` text."""
     if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: type(default)(default),
-                                 metadata={"help": help, **kw})
+        return dataclasses.field(
+            default_factory=lambda: type(default)(default), metadata={"help": help, **kw}
+        )
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
@@ -75,7 +90,12 @@ def _flag(name: str) -> str:
 
 def _base_type(tp: Any) -> Any:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and args else tp
+    return (
+        args[0]
+        if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None))
+        and args
+        else tp
+    )
 
 
 def _coerce(name: str, tp: Any, raw: Any) -> Any:
@@ -105,24 +125,40 @@ def _coerce(name: str, tp: Any, raw: Any) -> Any:
 
 def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
     """Adds one flag per field of ``cls``; defaults stay unset so other sources can win."""
-    parser.add_argument("--config", dest="_config_file", default=None,
-                        help="TOML file with values for these options (flags and KVMESH_* win)")
+    parser.add_argument(
+        "--config",
+        dest="_config_file",
+        default=None,
+        help="TOML file with values for these options (flags and KVMESH_* win)",
+    )
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{f.metadata.get('help', '')} (default: {default!r}; env KVMESH_{f.name.upper()})"
-        help_text = help_text.replace("%", "%%")   # argparse formats help with %
+        help_text = (
+            f"{f.metadata.get('help', '')} (default: {default!r}; env KVMESH_{f.name.upper()})"
+        )
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
         tp = _base_type(hints[f.name])
         if tp is bool:
-            parser.add_argument(_flag(f.name), dest=f.name, default=None,
-                                action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(
+                _flag(f.name),
+                dest=f.name,
+                default=None,
+                action=argparse.BooleanOptionalAction,
+                help=help_text,
+            )
         else:
-            parser.add_argument(_flag(f.name), dest=f.name, default=None, help=help_text,
-                                metavar=f.name.upper())
+            parser.add_argument(
+                _flag(f.name), dest=f.name, default=None, help=help_text, metavar=f.name.upper()
+            )
 
 
-def from_sources(cls: type, args: argparse.Namespace | None = None,
-                 env: Mapping[str, str] | None = None, section: str | None = None) -> Any:
+def from_sources(
+    cls: type,
+    args: argparse.Namespace | None = None,
+    env: Mapping[str, str] | None = None,
+    section: str | None = None,
+) -> Any:
     """Merges flags > env > TOML > defaults into ``cls`` and validates it."""
     env = os.environ if env is None else env
     args = args or argparse.Namespace()
@@ -143,8 +179,9 @@ def from_sources(cls: type, args: argparse.Namespace | None = None,
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(toml_values) - names
     if unknown:
-        raise ConfigError(f"config file {path}: unknown option(s) {sorted(unknown)}; "
-                          f"known: {sorted(names)}")
+        raise ConfigError(
+            f"config file {path}: unknown option(s) {sorted(unknown)}; known: {sorted(names)}"
+        )
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         raw = getattr(args, f.name, None)
@@ -161,8 +198,13 @@ def from_sources(cls: type, args: argparse.Namespace | None = None,
     return cfg
 
 
-def load(cls: type, argv: Sequence[str] | None = None, prog: str | None = None,
-         section: str | None = None, env: Mapping[str, str] | None = None) -> Any:
+def load(
+    cls: type,
+    argv: Sequence[str] | None = None,
+    prog: str | None = None,
+    section: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Any:
     """Parses ``argv`` for ``cls`` (``--help`` lists every field with its doc)."""
     parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
     add_arguments(cls, parser)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Literal
+from typing import Literal
 
 import grpc
 import grpc.aio
@@ -86,7 +87,7 @@ def prefix_range_end(prefix: bytes) -> bytes:
 def _normalize(endpoint: str) -> str:
     for scheme in ("http://", "https://"):
         if endpoint.startswith(scheme):
-            endpoint = endpoint[len(scheme):]
+            endpoint = endpoint[len(scheme) :]
     return endpoint.rstrip("/")
 
 
@@ -98,7 +99,9 @@ class LeaseKeepAliveStream:
     stream is then dead and a new one must be opened.
     """
 
-    def __init__(self, client: "EtcdClient", call: grpc.aio.StreamStreamCall, channel: grpc.aio.Channel):
+    def __init__(
+        self, client: EtcdClient, call: grpc.aio.StreamStreamCall, channel: grpc.aio.Channel
+    ):
         self._client, self._call, self._channel = client, call, channel
 
     async def keepalive(self, lease_id: int) -> int:
@@ -175,10 +178,13 @@ class EtcdClient:
             raise EtcdClosed("etcd client is closed")
         if self._channel is None:
             if self.credentials is not None:
-                self._channel = grpc.aio.secure_channel(self.endpoints[self._idx], self.credentials,
-                                                        options=_CHANNEL_OPTIONS)
+                self._channel = grpc.aio.secure_channel(
+                    self.endpoints[self._idx], self.credentials, options=_CHANNEL_OPTIONS
+                )
             else:
-                self._channel = grpc.aio.insecure_channel(self.endpoints[self._idx], options=_CHANNEL_OPTIONS)
+                self._channel = grpc.aio.insecure_channel(
+                    self.endpoints[self._idx], options=_CHANNEL_OPTIONS
+                )
             self._kv = rpc_pb2_grpc.KVStub(self._channel)
             self._lease = rpc_pb2_grpc.LeaseStub(self._channel)
             self._watch = rpc_pb2_grpc.WatchStub(self._channel)
@@ -232,12 +238,17 @@ class EtcdClient:
                 return await rpc(request, timeout=self.timeout, metadata=md, wait_for_ready=True)
             except grpc.aio.AioRpcError as e:
                 err = self._error(e, channel)
-                if attempt == 0 and self.user is not None and self._token is None and not isinstance(err, EtcdUnavailable):
+                if (
+                    attempt == 0
+                    and self.user is not None
+                    and self._token is None
+                    and not isinstance(err, EtcdUnavailable)
+                ):
                     continue  # token expired/invalid (e.g. etcd restarted): re-authenticate once
                 raise err from None
         raise AssertionError("unreachable")
 
-    async def connect(self) -> "EtcdClient":
+    async def connect(self) -> EtcdClient:
         """Create the channel now (and authenticate when credentials are set)."""
         self._ensure_channel()
         await self._metadata()
@@ -250,7 +261,7 @@ class EtcdClient:
             channel, self._channel = self._channel, None
             await channel.close()
 
-    async def __aenter__(self) -> "EtcdClient":
+    async def __aenter__(self) -> EtcdClient:
         return await self.connect()
 
     async def __aexit__(self, *exc) -> None:
@@ -260,7 +271,9 @@ class EtcdClient:
 
     async def put(self, key: str, value: bytes | str, lease: int = 0) -> int:
         """Store ``key`` = ``value`` (optionally attached to ``lease``); returns the new revision."""
-        resp = await self._unary("_kv", "Put", rpc_pb2.PutRequest(key=_b(key), value=_b(value), lease=lease))
+        resp = await self._unary(
+            "_kv", "Put", rpc_pb2.PutRequest(key=_b(key), value=_b(value), lease=lease)
+        )
         return resp.header.revision
 
     async def get(self, key: str) -> bytes | None:
@@ -271,7 +284,9 @@ class EtcdClient:
     async def get_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes]], int]:
         """All ``(key, value)`` under ``prefix`` sorted by key, plus the store revision of the read."""
         p = _b(prefix)
-        resp = await self._unary("_kv", "Range", rpc_pb2.RangeRequest(key=p, range_end=prefix_range_end(p)))
+        resp = await self._unary(
+            "_kv", "Range", rpc_pb2.RangeRequest(key=p, range_end=prefix_range_end(p))
+        )
         return [(kv.key.decode(), kv.value) for kv in resp.kvs], resp.header.revision
 
     async def delete(self, key: str) -> int:
@@ -282,12 +297,16 @@ class EtcdClient:
     async def delete_prefix(self, prefix: str) -> int:
         """Delete every key under ``prefix``; returns the number deleted."""
         p = _b(prefix)
-        resp = await self._unary("_kv", "DeleteRange", rpc_pb2.DeleteRangeRequest(key=p, range_end=prefix_range_end(p)))
+        resp = await self._unary(
+            "_kv", "DeleteRange", rpc_pb2.DeleteRangeRequest(key=p, range_end=prefix_range_end(p))
+        )
         return resp.deleted
 
     async def compact(self, revision: int) -> None:
         """Compact the key-value history up to ``revision`` (mainly for tests/ops)."""
-        await self._unary("_kv", "Compact", rpc_pb2.CompactionRequest(revision=revision, physical=True))
+        await self._unary(
+            "_kv", "Compact", rpc_pb2.CompactionRequest(revision=revision, physical=True)
+        )
 
     # ---- leases --------------------------------------------------------------------
 
@@ -311,7 +330,9 @@ class EtcdClient:
     async def lease_ttl(self, lease_id: int) -> int:
         """Remaining TTL in seconds of a lease, or -1 if it does not exist (expired/revoked)."""
         try:
-            resp = await self._unary("_lease", "LeaseTimeToLive", rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id))
+            resp = await self._unary(
+                "_lease", "LeaseTimeToLive", rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id)
+            )
         except EtcdError as e:
             if e.code == grpc.StatusCode.NOT_FOUND:
                 return -1
@@ -345,7 +366,9 @@ class EtcdClient:
                 channel = self._ensure_channel()
                 md = await self._metadata()
                 call = self._watch.Watch(metadata=md)
-                create = rpc_pb2.WatchCreateRequest(key=p, range_end=prefix_range_end(p), start_revision=next_rev)
+                create = rpc_pb2.WatchCreateRequest(
+                    key=p, range_end=prefix_range_end(p), start_revision=next_rev
+                )
                 await call.write(rpc_pb2.WatchRequest(create_request=create))
                 while True:
                     resp = await call.read()
@@ -355,7 +378,9 @@ class EtcdClient:
                         yield WatchEvent("reset", prefix, b"", resp.compact_revision)
                         return
                     if resp.canceled:
-                        raise EtcdError(f"watch canceled by etcd: {resp.cancel_reason or 'no reason given'}")
+                        raise EtcdError(
+                            f"watch canceled by etcd: {resp.cancel_reason or 'no reason given'}"
+                        )
                     if resp.created:
                         backoff = 0.05
                     for ev in resp.events:

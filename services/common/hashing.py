@@ -6,7 +6,8 @@ import dataclasses
 import hashlib
 import json
 import struct
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvmesh.services.engine.config import ModelConfig
@@ -25,7 +26,7 @@ def prefix_hashes(seed: bytes, token_ids: Sequence[int], block_size: int) -> lis
     out: list[bytes] = []
     prev = bytes(seed)
     for b in range(len(token_ids) // block_size):
-        chunk = token_ids[b * block_size:(b + 1) * block_size]
+        chunk = token_ids[b * block_size : (b + 1) * block_size]
         h = hashlib.blake2b(prev, digest_size=HASH_BYTES)
         h.update(struct.pack(f"<{block_size}i", *(int(t) for t in chunk)))
         prev = h.digest()
@@ -35,11 +36,19 @@ def prefix_hashes(seed: bytes, token_ids: Sequence[int], block_size: int) -> lis
 
 def preset_weights_digest(preset: str, seed: int) -> bytes:
     """Digest identifying the deterministic random weights of a preset."""
-    return hashlib.blake2b(f"preset:{preset}:seed:{int(seed)}".encode(), digest_size=HASH_BYTES).digest()
+    return hashlib.blake2b(
+        f"preset:{preset}:seed:{int(seed)}".encode(), digest_size=HASH_BYTES
+    ).digest()
 
 
-def model_fingerprint(config: "ModelConfig", weights_digest: bytes, dtype: str,
-                      tokenizer_name: str, block_size: int, kv_layout_version: int = 1) -> str:
+def model_fingerprint(
+    config: ModelConfig,
+    weights_digest: bytes,
+    dtype: str,
+    tokenizer_name: str,
+    block_size: int,
+    kv_layout_version: int = 1,
+) -> str:
     """Hex fingerprint of everything that must match for two nodes to share KV blocks."""
     payload = {
         "config": dataclasses.asdict(config),

@@ -44,13 +44,21 @@ class Health:
         self.names = ["", *service_names(role)]
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
         reflection.enable_server_reflection(
-            [*service_names(role), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME], server)
+            [
+                *service_names(role),
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
         self.serving = False
 
     async def set_serving(self, serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         self.serving = serving
         for name in self.names:
             await self.servicer.set(name, status)
@@ -65,12 +73,14 @@ async def check(address: str, service: str = "", timeout: float = 3.0) -> str:
     raises grpc.aio.AioRpcError when unreachable."""
     async with make_channel(address) as ch:
         resp = await health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
-async def wait_serving(address: str, service: str = "", timeout: float = 0.0,
-                       interval: float = 0.5) -> tuple[bool, str]:
+async def wait_serving(
+    address: str, service: str = "", timeout: float = 0.0, interval: float = 0.5
+) -> tuple[bool, str]:
     """Checks once (``timeout`` 0) or until SERVING or ``timeout`` seconds pass; returns
     (serving, last status or error)."""
     loop = asyncio.get_running_loop()

@@ -27,58 +27,127 @@ log = logging.getLogger(__name__)
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-_LAT = (.001, .0025, .005, .01, .025, .05, .075, .1, .15, .25, .5, .75, 1, 1.5, 2.5, 5, 10, 30, 60)
+_LAT = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1,
+    1.5,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
 
 # -- conductor: requests ----------------------------------------------------------------
-REQUESTS_ACCEPTED = Counter("kvmesh_requests_accepted_total",
-                            "requests admitted (prefill started)", registry=REGISTRY)
-REQUESTS_REJECTED = Counter("kvmesh_requests_rejected_total",
-                            "requests refused before their first token, by reason",
-                            ["reason"], registry=REGISTRY)
-REQUESTS_FINISHED = Counter("kvmesh_requests_finished_total",
-                            "requests that ended, by finish reason (stop, length, error, "
-                            "cancelled)", ["finish_reason"], registry=REGISTRY)
-TTFT = Histogram("kvmesh_ttft_seconds", "time to first token, as the conductor sees it",
-                 buckets=_LAT, registry=REGISTRY)
-TBT = Histogram("kvmesh_tbt_seconds", "time between consecutive tokens of a request",
-                buckets=_LAT, registry=REGISTRY)
-SLO = Counter("kvmesh_slo_requests_total",
-              "finished requests by SLO (ttft, tbt) and whether it was attained",
-              ["slo", "attained"], registry=REGISTRY)
-ESTIMATE_ERROR = Histogram("kvmesh_ttft_estimate_error_seconds",
-                           "|actual - estimated| TTFT of admitted requests",
-                           buckets=_LAT, registry=REGISTRY)
-ESTIMATE_RATIO = Histogram("kvmesh_ttft_estimate_ratio",
-                           "actual / estimated TTFT of admitted requests",
-                           buckets=(.1, .25, .5, .75, .9, 1.1, 1.25, 1.5, 2, 4, 10),
-                           registry=REGISTRY)
-ROUTES = Counter("kvmesh_route_requests_total", "admitted requests by (prefill, decode) pair",
-                 ["prefill_node", "decode_node"], registry=REGISTRY)
-PROMPT_TOKENS = Counter("kvmesh_request_prompt_tokens_total",
-                        "prompt tokens of finished requests, by how their KV was obtained "
-                        "(computed, cached = reused from a pool or the store)", ["kind"],
-                        registry=REGISTRY)
-GENERATED = Counter("kvmesh_request_completion_tokens_total",
-                    "completion tokens streamed to clients", registry=REGISTRY)
+REQUESTS_ACCEPTED = Counter(
+    "kvmesh_requests_accepted_total", "requests admitted (prefill started)", registry=REGISTRY
+)
+REQUESTS_REJECTED = Counter(
+    "kvmesh_requests_rejected_total",
+    "requests refused before their first token, by reason",
+    ["reason"],
+    registry=REGISTRY,
+)
+REQUESTS_FINISHED = Counter(
+    "kvmesh_requests_finished_total",
+    "requests that ended, by finish reason (stop, length, error, cancelled)",
+    ["finish_reason"],
+    registry=REGISTRY,
+)
+TTFT = Histogram(
+    "kvmesh_ttft_seconds",
+    "time to first token, as the conductor sees it",
+    buckets=_LAT,
+    registry=REGISTRY,
+)
+TBT = Histogram(
+    "kvmesh_tbt_seconds",
+    "time between consecutive tokens of a request",
+    buckets=_LAT,
+    registry=REGISTRY,
+)
+SLO = Counter(
+    "kvmesh_slo_requests_total",
+    "finished requests by SLO (ttft, tbt) and whether it was attained",
+    ["slo", "attained"],
+    registry=REGISTRY,
+)
+ESTIMATE_ERROR = Histogram(
+    "kvmesh_ttft_estimate_error_seconds",
+    "|actual - estimated| TTFT of admitted requests",
+    buckets=_LAT,
+    registry=REGISTRY,
+)
+ESTIMATE_RATIO = Histogram(
+    "kvmesh_ttft_estimate_ratio",
+    "actual / estimated TTFT of admitted requests",
+    buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2, 4, 10),
+    registry=REGISTRY,
+)
+ROUTES = Counter(
+    "kvmesh_route_requests_total",
+    "admitted requests by (prefill, decode) pair",
+    ["prefill_node", "decode_node"],
+    registry=REGISTRY,
+)
+PROMPT_TOKENS = Counter(
+    "kvmesh_request_prompt_tokens_total",
+    "prompt tokens of finished requests, by how their KV was obtained "
+    "(computed, cached = reused from a pool or the store)",
+    ["kind"],
+    registry=REGISTRY,
+)
+GENERATED = Counter(
+    "kvmesh_request_completion_tokens_total",
+    "completion tokens streamed to clients",
+    registry=REGISTRY,
+)
 
 # -- prefill node: work and data plane -------------------------------------------------
-PREFILL_SECONDS = Histogram("kvmesh_prefill_seconds",
-                            "prefill compute + handoff time per request on a prefill node",
-                            buckets=_LAT, registry=REGISTRY)
-PREFILL_QUEUE_SECONDS = Histogram("kvmesh_prefill_queue_seconds",
-                                  "time a prefill waited for the compute worker",
-                                  buckets=_LAT, registry=REGISTRY)
-TRANSFER_BYTES = Counter("kvmesh_transfer_bytes_total",
-                         "KV bytes moved by the transfer engine, by path "
-                         "(handoff = prefill->decode, store_get, store_put)", ["path"],
-                         registry=REGISTRY)
-TRANSFER_SECONDS = Histogram("kvmesh_transfer_seconds",
-                             "duration of one batched transfer, by path", ["path"],
-                             buckets=_LAT, registry=REGISTRY)
-LATE_HITS = Counter("kvmesh_late_hits_total",
-                    "store hits that did not help: the blocks were found but arrived too "
-                    "late (read lease expired) or failed to arrive, so they were recomputed",
-                    ["reason"], registry=REGISTRY)
+PREFILL_SECONDS = Histogram(
+    "kvmesh_prefill_seconds",
+    "prefill compute + handoff time per request on a prefill node",
+    buckets=_LAT,
+    registry=REGISTRY,
+)
+PREFILL_QUEUE_SECONDS = Histogram(
+    "kvmesh_prefill_queue_seconds",
+    "time a prefill waited for the compute worker",
+    buckets=_LAT,
+    registry=REGISTRY,
+)
+TRANSFER_BYTES = Counter(
+    "kvmesh_transfer_bytes_total",
+    "KV bytes moved by the transfer engine, by path "
+    "(handoff = prefill->decode, store_get, store_put)",
+    ["path"],
+    registry=REGISTRY,
+)
+TRANSFER_SECONDS = Histogram(
+    "kvmesh_transfer_seconds",
+    "duration of one batched transfer, by path",
+    ["path"],
+    buckets=_LAT,
+    registry=REGISTRY,
+)
+LATE_HITS = Counter(
+    "kvmesh_late_hits_total",
+    "store hits that did not help: the blocks were found but arrived too "
+    "late (read lease expired) or failed to arrive, so they were recomputed",
+    ["reason"],
+    registry=REGISTRY,
+)
 for _path in ("handoff", "store_get", "store_put"):
     TRANSFER_BYTES.labels(_path)
 for _r in ("ttft", "tbt", "kv", "no_nodes", "invalid_argument", "unavailable"):
@@ -96,54 +165,111 @@ class _StateCollector:
     live services of this process (weakly held) when Prometheus scrapes."""
 
     def __init__(self) -> None:
-        self.services: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.services: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def describe(self):
         return []
 
     def collect(self):
-        queue = GaugeMetricFamily("kvmesh_queue_depth", "requests waiting (prefill: for the "
-                                  "compute worker; decode: reserved, not yet running)",
-                                  labels=["node", "role"])
-        running = GaugeMetricFamily("kvmesh_running_requests",
-                                    "requests in the running decode batch", labels=["node"])
-        kv = GaugeMetricFamily("kvmesh_kv_blocks", "KV pool blocks by state (used, free)",
-                               labels=["node", "role", "state"])
-        kv_bytes = GaugeMetricFamily("kvmesh_kv_pool_bytes", "KV pool bytes by state",
-                                     labels=["node", "role", "state"])
-        tokens = CounterMetricFamily("kvmesh_prefill_tokens",
-                                     "prompt tokens handled by a prefill node, by kind "
-                                     "(computed; cached = own pool; fetched = from the store)",
-                                     labels=["node", "kind"])
-        avoided = CounterMetricFamily("kvmesh_prefill_tokens_avoided",
-                                      "prompt tokens whose KV was reused instead of computed",
-                                      labels=["node"])
-        generated = CounterMetricFamily("kvmesh_generated_tokens",
-                                        "tokens decoded by a decode node", labels=["node"])
-        store = GaugeMetricFamily("kvmesh_store_bytes", "cluster KV store bytes (used, capacity)",
-                                  labels=["state"])
+        queue = GaugeMetricFamily(
+            "kvmesh_queue_depth",
+            "requests waiting (prefill: for the compute worker; decode: reserved, not yet running)",
+            labels=["node", "role"],
+        )
+        running = GaugeMetricFamily(
+            "kvmesh_running_requests", "requests in the running decode batch", labels=["node"]
+        )
+        kv = GaugeMetricFamily(
+            "kvmesh_kv_blocks",
+            "KV pool blocks by state (used, free)",
+            labels=["node", "role", "state"],
+        )
+        kv_bytes = GaugeMetricFamily(
+            "kvmesh_kv_pool_bytes", "KV pool bytes by state", labels=["node", "role", "state"]
+        )
+        tokens = CounterMetricFamily(
+            "kvmesh_prefill_tokens",
+            "prompt tokens handled by a prefill node, by kind "
+            "(computed; cached = own pool; fetched = from the store)",
+            labels=["node", "kind"],
+        )
+        avoided = CounterMetricFamily(
+            "kvmesh_prefill_tokens_avoided",
+            "prompt tokens whose KV was reused instead of computed",
+            labels=["node"],
+        )
+        generated = CounterMetricFamily(
+            "kvmesh_generated_tokens", "tokens decoded by a decode node", labels=["node"]
+        )
+        store = GaugeMetricFamily(
+            "kvmesh_store_bytes", "cluster KV store bytes (used, capacity)", labels=["state"]
+        )
         store_blocks = GaugeMetricFamily("kvmesh_store_blocks", "blocks in the cluster KV store")
         store_segments = GaugeMetricFamily("kvmesh_store_segments", "mounted store segments")
         evictions = CounterMetricFamily("kvmesh_store_evictions", "blocks evicted from the store")
-        tier_blocks = GaugeMetricFamily("kvmesh_store_tier_blocks",
-                                        "blocks with a replica in each store tier",
-                                        labels=["tier"])
-        tier_capacity = GaugeMetricFamily("kvmesh_store_tier_capacity_bytes",
-                                          "capacity of each store tier", labels=["tier"])
+        tier_blocks = GaugeMetricFamily(
+            "kvmesh_store_tier_blocks", "blocks with a replica in each store tier", labels=["tier"]
+        )
+        tier_capacity = GaugeMetricFamily(
+            "kvmesh_store_tier_capacity_bytes", "capacity of each store tier", labels=["tier"]
+        )
         up = GaugeMetricFamily("kvmesh_up", "1 while the service serves", labels=["node", "role"])
         for s in list(self.services):
             try:
-                self._one(s, queue, running, kv, kv_bytes, tokens, avoided, generated, store,
-                          store_blocks, store_segments, evictions, up, tier_blocks,
-                          tier_capacity)
+                self._one(
+                    s,
+                    queue,
+                    running,
+                    kv,
+                    kv_bytes,
+                    tokens,
+                    avoided,
+                    generated,
+                    store,
+                    store_blocks,
+                    store_segments,
+                    evictions,
+                    up,
+                    tier_blocks,
+                    tier_capacity,
+                )
             except Exception as e:  # a half-started service must not break the scrape
                 log.debug("metrics of %s skipped: %s", getattr(s, "node_id", s), e)
-        return [queue, running, kv, kv_bytes, tokens, avoided, generated, store, store_blocks,
-                store_segments, evictions, up, tier_blocks, tier_capacity]
+        return [
+            queue,
+            running,
+            kv,
+            kv_bytes,
+            tokens,
+            avoided,
+            generated,
+            store,
+            store_blocks,
+            store_segments,
+            evictions,
+            up,
+            tier_blocks,
+            tier_capacity,
+        ]
 
     @staticmethod
-    def _one(s, queue, running, kv, kv_bytes, tokens, avoided, generated, store, store_blocks,
-             store_segments, evictions, up, tier_blocks=None, tier_capacity=None) -> None:
+    def _one(
+        s,
+        queue,
+        running,
+        kv,
+        kv_bytes,
+        tokens,
+        avoided,
+        generated,
+        store,
+        store_blocks,
+        store_segments,
+        evictions,
+        up,
+        tier_blocks=None,
+        tier_capacity=None,
+    ) -> None:
         node, role = s.node_id, s.role
         up.add_metric([node, role], 0 if getattr(s, "_shutting_down", False) else 1)
         pool = getattr(s, "pool", None)
@@ -229,11 +355,14 @@ class RequestStats:
 
     def summary(self) -> dict[str, Any]:
         ttft, tbt = self._recent(self.ttft), self._recent(self.tbt)
-        out = {"window_s": self.window_s, "requests_accepted": self.accepted,
-               "requests_rejected": sum(self.rejected.values()),
-               "rejected_by_reason": dict(self.rejected),
-               "slo_attainment": (self.slo_met / self.slo_total) if self.slo_total else 0.0,
-               "top_routes": self.routes.most_common(5)}
+        out = {
+            "window_s": self.window_s,
+            "requests_accepted": self.accepted,
+            "requests_rejected": sum(self.rejected.values()),
+            "rejected_by_reason": dict(self.rejected),
+            "slo_attainment": (self.slo_met / self.slo_total) if self.slo_total else 0.0,
+            "top_routes": self.routes.most_common(5),
+        }
         for name, vals in (("ttft", ttft), ("tbt", tbt)):
             for q in (50, 90, 99):
                 out[f"{name}_p{q}_ms"] = self.percentile(vals, q / 100) * 1000

@@ -14,6 +14,7 @@ import torch
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import TransferEngine
+from kvmesh.services.common.channels import make_channel
 from kvmesh.services.common.config import parse_memory, parse_size
 from kvmesh.services.common.node_events import EventHub, profile
 from kvmesh.services.common.registry import Membership, nodes_prefix
@@ -26,7 +27,6 @@ from kvmesh.services.engine.model import LlamaModel
 from kvmesh.services.engine.tokenizer import ByteTokenizer, HFTokenizer
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store.segment import SegmentHost
-from kvmesh.services.common.channels import make_channel
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,13 @@ class ModelNode(Service):
         self.model_config: ModelConfig | None = None
         self.tokenizer: ByteTokenizer | HFTokenizer | None = None
         self.fingerprint = ""
-        self.te = TransferEngine(cfg.secret.encode(), host=cfg.host, port=cfg.data_port,
-                                 checksum=cfg.checksum, poll_us=cfg.te_poll_us)
+        self.te = TransferEngine(
+            cfg.secret.encode(),
+            host=cfg.host,
+            port=cfg.data_port,
+            checksum=cfg.checksum,
+            poll_us=cfg.te_poll_us,
+        )
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self.model: LlamaModel | None = None
         self.pool: KVPool | None = None
@@ -54,7 +59,7 @@ class ModelNode(Service):
         # The store segment this node lends (DRAM + optional SSD tier, services.store).
         self.segment: SegmentHost | None = None
         self.segment_region = -1
-        self.store: StoreClient | None = None   # the cluster KV store, set in after_start
+        self.store: StoreClient | None = None  # the cluster KV store, set in after_start
         self.counters = {"computed": 0, "cached": 0, "fetched": 0, "generated": 0}
         self.profile: dict[str, list[list[float]]] = {}
         self.events: EventHub | None = None
@@ -65,11 +70,16 @@ class ModelNode(Service):
         self.model, self.model_config = self.loaded.model, self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.fingerprint = self.loaded.fingerprint(dtype_name(self.dtype), self.cfg.block_size)
-        self.pool = KVPool.from_memory(self.model_config, parse_memory(self.cfg.kv_memory),
-                                       self.cfg.block_size, self.dtype)
-        self.profile = await asyncio.to_thread(profile, self.model, self.pool,
-                                               self.cfg.block_size,
-                                               self.model_config.max_position_embeddings)
+        self.pool = KVPool.from_memory(
+            self.model_config, parse_memory(self.cfg.kv_memory), self.cfg.block_size, self.dtype
+        )
+        self.profile = await asyncio.to_thread(
+            profile,
+            self.model,
+            self.pool,
+            self.cfg.block_size,
+            self.model_config.max_position_embeddings,
+        )
         self.events = EventHub(self.pool, self.load_info)
         await self.te.start()
         self.pool_region = self.te.register(self.pool.kv)
@@ -83,13 +93,23 @@ class ModelNode(Service):
 
     def node_info(self) -> dict[str, Any]:
         mc = self.model_config
-        return {**super().node_info(), "data": self.te.address, "model": self.cfg.model,
-                "model_path": self.loaded.path, "eos_ids": sorted(self.tokenizer.eos_ids),
-                "fingerprint": self.fingerprint, "block_size": self.cfg.block_size,
-                "max_context": mc.max_position_embeddings, "vocab_size": mc.vocab_size,
-                "tokenizer": self.tokenizer.name, "kv_blocks": self.pool.num_blocks,
-                "block_nbytes": self.pool.block_nbytes, "layer_nbytes": self.pool.layer_nbytes,
-                "num_layers": mc.num_layers, "profile": self.profile}
+        return {
+            **super().node_info(),
+            "data": self.te.address,
+            "model": self.cfg.model,
+            "model_path": self.loaded.path,
+            "eos_ids": sorted(self.tokenizer.eos_ids),
+            "fingerprint": self.fingerprint,
+            "block_size": self.cfg.block_size,
+            "max_context": mc.max_position_embeddings,
+            "vocab_size": mc.vocab_size,
+            "tokenizer": self.tokenizer.name,
+            "kv_blocks": self.pool.num_blocks,
+            "block_nbytes": self.pool.block_nbytes,
+            "layer_nbytes": self.pool.layer_nbytes,
+            "num_layers": mc.num_layers,
+            "profile": self.profile,
+        }
 
     async def after_start(self) -> None:
         if self.segment is not None:
@@ -132,12 +152,22 @@ class ModelNode(Service):
     def status(self, queue_depth: int = 0, running: int = 0) -> pb.NodeStatus:
         c = self.counters
         return pb.NodeStatus(
-            node_id=self.node_id, role=self.role, grpc_address=self.grpc_address,
-            data_address=self.te.address, model=self.cfg.model, fingerprint=self.fingerprint,
-            kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
-            queue_depth=queue_depth, running=running, computed_tokens_total=c["computed"],
-            cached_tokens_total=c["cached"], fetched_tokens_total=c["fetched"],
-            generated_tokens_total=c["generated"], reachable=True)
+            node_id=self.node_id,
+            role=self.role,
+            grpc_address=self.grpc_address,
+            data_address=self.te.address,
+            model=self.cfg.model,
+            fingerprint=self.fingerprint,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_free=self.pool.num_free,
+            queue_depth=queue_depth,
+            running=running,
+            computed_tokens_total=c["computed"],
+            cached_tokens_total=c["cached"],
+            fetched_tokens_total=c["fetched"],
+            generated_tokens_total=c["generated"],
+            reachable=True,
+        )
 
     async def teardown(self) -> None:
         await self.membership.stop()

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -63,12 +63,18 @@ class EventHub:
 
     def _load(self, sub: _Subscriber) -> pb.NodeLoad:
         info = self.load()
-        load = pb.NodeLoad(queue_depth=info.get("queue_depth", 0), running=info.get("running", 0),
-                           kv_blocks_free=self.pool.num_free, kv_blocks_total=self.pool.num_blocks)
-        load.prefill_samples.extend(pb.PrefillSample(new_tokens=n, cached_tokens=c, ms=ms)
-                                    for n, c, ms in sub.prefill)
-        load.decode_samples.extend(pb.DecodeSample(batch=b, kv_tokens=k, ms=ms)
-                                   for b, k, ms in sub.decode)
+        load = pb.NodeLoad(
+            queue_depth=info.get("queue_depth", 0),
+            running=info.get("running", 0),
+            kv_blocks_free=self.pool.num_free,
+            kv_blocks_total=self.pool.num_blocks,
+        )
+        load.prefill_samples.extend(
+            pb.PrefillSample(new_tokens=n, cached_tokens=c, ms=ms) for n, c, ms in sub.prefill
+        )
+        load.decode_samples.extend(
+            pb.DecodeSample(batch=b, kv_tokens=k, ms=ms) for b, k, ms in sub.decode
+        )
         for peer, bw in info.get("bandwidth", {}).items():
             load.bandwidth_bytes_per_s[peer] = bw
         sub.prefill, sub.decode = [], []
@@ -80,19 +86,24 @@ class EventHub:
         self.pump()  # what happened before this subscriber is in the snapshot
         self._subs.add(sub)
         try:
-            yield pb.NodeEvent(seq=next(self._seq), reset=True,
-                               stored=self.pool.prefix_cache.hashes(), load=self._load(sub))
+            yield pb.NodeEvent(
+                seq=next(self._seq),
+                reset=True,
+                stored=self.pool.prefix_cache.hashes(),
+                load=self._load(sub),
+            )
             while True:
                 try:
                     await asyncio.wait_for(sub.wake.wait(), interval_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 sub.wake.clear()
                 self.pump()
                 stored, removed = sub.stored, sub.removed
                 sub.stored, sub.removed = [], []
-                yield pb.NodeEvent(seq=next(self._seq), stored=stored, removed=removed,
-                                   load=self._load(sub))
+                yield pb.NodeEvent(
+                    seq=next(self._seq), stored=stored, removed=removed, load=self._load(sub)
+                )
         finally:
             self._subs.discard(sub)
 
@@ -130,8 +141,10 @@ def profile(model, pool, block_size: int, max_tokens: int) -> dict[str, list[lis
         tables = [pool.allocate(-(-(ctx + 1) // block_size)) for _ in range(batch)]
         try:
             toks = torch.randint(0, vocab, (batch,), generator=g)
-            ms = min(_ms(lambda: model.forward_decode(toks, [ctx] * batch, tables, pool))
-                     for _ in range(2))
+            ms = min(
+                _ms(lambda: model.forward_decode(toks, [ctx] * batch, tables, pool))
+                for _ in range(2)
+            )
         finally:
             for t in tables:
                 pool.free(t)

@@ -49,18 +49,22 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
-from opentelemetry.sdk.metrics.export import (MetricExporter, MetricExportResult,
-                                              PeriodicExportingMetricReader)
+from opentelemetry.sdk.metrics.export import (
+    MetricExporter,
+    MetricExportResult,
+    PeriodicExportingMetricReader,
+)
 
 log = logging.getLogger(__name__)
 
 METER_NAME = "kvmesh"
 
 _provider = None
-_bridge: "PrometheusBridge | None" = None
+_bridge: PrometheusBridge | None = None
 _setup_lock = threading.Lock()
 
 # (sample-name suffix, OTel kind) of each Prometheus metric type; "" = the family name.
@@ -97,8 +101,9 @@ class PrometheusBridge:
     (instruments cannot be created while the SDK collects, so that happens on a helper
     thread; :meth:`sync` does it at once)."""
 
-    def __init__(self, meter: Meter, registry: Any = None, prefix: str = "kvmesh_",
-                 max_age_s: float = 1.0) -> None:
+    def __init__(
+        self, meter: Meter, registry: Any = None, prefix: str = "kvmesh_", max_age_s: float = 1.0
+    ) -> None:
         if registry is None:
             from kvmesh.services.common.metrics import REGISTRY
 
@@ -147,10 +152,14 @@ class PrometheusBridge:
             for name, (kind, unit, doc) in sorted(series.items()):
                 if name in self.instruments:
                     continue
-                create = (self.meter.create_observable_counter if kind == "counter"
-                          else self.meter.create_observable_gauge)
-                self.instruments[name] = create(name, callbacks=[self._callback(name)],
-                                                unit=unit, description=doc)
+                create = (
+                    self.meter.create_observable_counter
+                    if kind == "counter"
+                    else self.meter.create_observable_gauge
+                )
+                self.instruments[name] = create(
+                    name, callbacks=[self._callback(name)], unit=unit, description=doc
+                )
                 created += 1
             return created
 
@@ -158,13 +167,17 @@ class PrometheusBridge:
     def _callback(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             return [Observation(value, labels) for labels, value in self._read(name)]
+
         return observe
 
     def _read(self, name: str) -> list[tuple[dict[str, str], float]]:
         with self._lock:
             now = time.monotonic()
-            if (self._snapshot is None or name in self._served
-                    or now - self._snapshot_at > self.max_age_s):
+            if (
+                self._snapshot is None
+                or name in self._served
+                or now - self._snapshot_at > self.max_age_s
+            ):
                 try:
                     self._snapshot, series = self._read_registry()
                 except Exception as e:  # a broken collector must not break the export
@@ -182,8 +195,9 @@ class PrometheusBridge:
     def _sync_later(self) -> None:
         if self._sync_thread is not None and self._sync_thread.is_alive():
             return
-        self._sync_thread = threading.Thread(target=self._safe_sync, name="otel-metrics-sync",
-                                             daemon=True)
+        self._sync_thread = threading.Thread(
+            target=self._safe_sync, name="otel-metrics-sync", daemon=True
+        )
         self._sync_thread.start()
 
     def _safe_sync(self) -> None:
@@ -194,6 +208,7 @@ class PrometheusBridge:
 
 
 # ------------------------------------------------------------------ file exporter
+
 
 def metrics_data_to_dict(data: Any) -> dict[str, Any]:
     """A flat, JSON-friendly view of an OTel ``MetricsData``: resource attributes and
@@ -251,14 +266,16 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------ setup
 
+
 def _otlp_metric_exporter():
     from kvmesh.services.common.telemetry import otlp_exporter
 
     return otlp_exporter("metrics")
 
 
-def setup_metrics(role: str, node_id: str, *, readers: Sequence[Any] = (),
-                  set_global: bool = True) -> bool:
+def setup_metrics(
+    role: str, node_id: str, *, readers: Sequence[Any] = (), set_global: bool = True
+) -> bool:
     """Starts a ``MeterProvider`` whose readers export the bridged registry, if an exporter
     is configured (module doc) or ``readers`` are given; returns whether it runs.
     Idempotent (the first successful call wins until :func:`shutdown_metrics`)."""
@@ -272,8 +289,9 @@ def setup_metrics(role: str, node_id: str, *, readers: Sequence[Any] = (),
             if path.endswith("/") or os.path.isdir(path):
                 path = os.path.join(path, f"{role}-{os.getpid()}.jsonl")
             all_readers.append(PeriodicExportingMetricReader(JsonLinesMetricExporter(path)))
-        otlp = (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"))
+        otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
+        )
         if otlp and os.environ.get("OTEL_METRICS_EXPORTER", "").strip().lower() != "none":
             exporter = _otlp_metric_exporter()
             if exporter is not None:
@@ -286,14 +304,18 @@ def setup_metrics(role: str, node_id: str, *, readers: Sequence[Any] = (),
 
         provider = MeterProvider(
             metric_readers=all_readers,
-            resource=Resource.create({"service.name": f"kvmesh-{role}",
-                                      "service.instance.id": node_id}))
+            resource=Resource.create(
+                {"service.name": f"kvmesh-{role}", "service.instance.id": node_id}
+            ),
+        )
         _bridge = PrometheusBridge(provider.get_meter(METER_NAME))
         _provider = provider
         if set_global:
             otel_metrics_api.set_meter_provider(provider)
-        log.info("OpenTelemetry metrics on (%d series bridged from the Prometheus registry)",
-                 len(_bridge.instruments))
+        log.info(
+            "OpenTelemetry metrics on (%d series bridged from the Prometheus registry)",
+            len(_bridge.instruments),
+        )
         return True
 
 
@@ -317,5 +339,13 @@ def shutdown_metrics(timeout_millis: float = 5_000) -> None:
             log.warning("flushing metrics failed: %s", e)
 
 
-__all__ = ["PrometheusBridge", "setup_metrics", "shutdown_metrics", "read_metrics",
-           "JsonLinesMetricExporter", "metrics_data_to_dict", "enabled", "bridge"]
+__all__ = [
+    "PrometheusBridge",
+    "setup_metrics",
+    "shutdown_metrics",
+    "read_metrics",
+    "JsonLinesMetricExporter",
+    "metrics_data_to_dict",
+    "enabled",
+    "bridge",
+]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 DEFAULT_SANS = ("127.0.0.1", "::1", "localhost")
 
@@ -33,9 +33,9 @@ def _key():
 def _write_key(key, path: str) -> None:
     from cryptography.hazmat.primitives import serialization
 
-    data = key.private_bytes(serialization.Encoding.PEM,
-                             serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    data = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -72,18 +72,32 @@ class DevCA:
         self.dir, self.days = directory, days
         self.key = _key()
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        now = dt.datetime.now(dt.timezone.utc)
-        self.cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-                     .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
-                     .not_valid_before(now - dt.timedelta(minutes=5))
-                     .not_valid_after(now + dt.timedelta(days=days))
-                     .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-                     .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
-                                                  crl_sign=True, content_commitment=False,
-                                                  key_encipherment=False, data_encipherment=False,
-                                                  key_agreement=False, encipher_only=False,
-                                                  decipher_only=False), critical=True)
-                     .sign(self.key, hashes.SHA256()))
+        now = dt.datetime.now(dt.UTC)
+        self.cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(self.key, hashes.SHA256())
+        )
         self.ca_path = os.path.join(directory, "ca.pem")
         _write_cert(self.cert, self.ca_path)
         _write_key(self.key, os.path.join(directory, "ca-key.pem"))
@@ -95,19 +109,25 @@ class DevCA:
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
         key = _key()
-        now = dt.datetime.now(dt.timezone.utc)
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-                .issuer_name(self.cert.subject).public_key(key.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - dt.timedelta(minutes=5))
-                .not_valid_after(now + dt.timedelta(days=self.days))
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.SubjectAlternativeName(_sans(sans)), critical=False)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                      ExtendedKeyUsageOID.CLIENT_AUTH]),
-                               critical=False)
-                .sign(self.key, hashes.SHA256()))
+        now = dt.datetime.now(dt.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=self.days))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName(_sans(sans)), critical=False)
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+            .sign(self.key, hashes.SHA256())
+        )
         cert_path = os.path.join(self.dir, f"{name}.pem")
         key_path = os.path.join(self.dir, f"{name}-key.pem")
         _write_cert(cert, cert_path)
@@ -115,8 +135,9 @@ class DevCA:
         return Identity(cert_path, key_path, self.ca_path)
 
 
-def generate_dev_pki(directory: str, names: Iterable[str],
-                     sans: Iterable[str] = DEFAULT_SANS) -> dict[str, Identity]:
+def generate_dev_pki(
+    directory: str, names: Iterable[str], sans: Iterable[str] = DEFAULT_SANS
+) -> dict[str, Identity]:
     """A fresh CA in ``directory`` and one identity per name (plus ``client`` for CLIs)."""
     ca = DevCA(directory)
     out = {n: ca.issue(n, sans) for n in names}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from kvmesh.services.common.etcd import EtcdClient, EtcdClosed, EtcdError, WatchEvent
 
@@ -80,7 +80,9 @@ class Registration:
                 while True:
                     ttl = await stream.keepalive(self.lease_id)
                     if ttl <= 0:
-                        log.warning("lease %x of %s expired; re-registering", self.lease_id, self.key)
+                        log.warning(
+                            "lease %x of %s expired; re-registering", self.lease_id, self.key
+                        )
                         self.lease_id, self._registered = None, False
                         await self._register()
                         continue
@@ -213,6 +215,8 @@ class Membership:
             except EtcdClosed:
                 return
             except EtcdError as e:
-                log.warning("membership watch on %s failed: %s; retrying in %.1fs", self.prefix, e, backoff)
+                log.warning(
+                    "membership watch on %s failed: %s; retrying in %.1fs", self.prefix, e, backoff
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _MAX_BACKOFF)

@@ -17,7 +17,8 @@ import asyncio
 import json
 import logging
 import signal
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -31,8 +32,9 @@ log = logging.getLogger(__name__)
 
 
 def setup_logging(level: str, role: str) -> None:
-    logging.basicConfig(level=level.upper(),
-                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("grpc").setLevel(logging.WARNING)
 
 
@@ -46,19 +48,28 @@ class Service:
         self.cfg = cfg
         self.node_id = cfg.default_node_id(self.role)
         channels.configure(cfg)  # TLS / mTLS for every gRPC channel and port of this process
-        interceptors = [telemetry.ServerInterceptor()] if telemetry.setup_tracing(
-            self.role, self.node_id) else []
+        interceptors = (
+            [telemetry.ServerInterceptor()]
+            if telemetry.setup_tracing(self.role, self.node_id)
+            else []
+        )
         interceptors += self.server_interceptors()
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                               ("grpc.max_send_message_length", 64 << 20)],
-                                      interceptors=interceptors)
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+            ],
+            interceptors=interceptors,
+        )
         self.health = Health(self.server, self.role)
         self.metrics_address = ""
         self._metrics_server = None
-        self.etcd = EtcdClient(cfg.etcd_endpoints, user=cfg.etcd_user or None,
-                               password=cfg.etcd_password or None,
-                               credentials=etcd_credentials(cfg.etcd_ca, cfg.etcd_cert,
-                                                            cfg.etcd_key))
+        self.etcd = EtcdClient(
+            cfg.etcd_endpoints,
+            user=cfg.etcd_user or None,
+            password=cfg.etcd_password or None,
+            credentials=etcd_credentials(cfg.etcd_ca, cfg.etcd_cert, cfg.etcd_key),
+        )
         self.grpc_address = ""
         self.registration: Registration | None = None
         self._stop = asyncio.Event()
@@ -105,19 +116,25 @@ class Service:
         await self.registration.start()
         await self.after_start()
         await self.health.set_serving(True)
-        log.info("%s %s serving on %s%s", self.role, self.node_id, self.grpc_address,
-                 f" (metrics on http://{self.metrics_address}/metrics)"
-                 if self.metrics_address else "")
+        log.info(
+            "%s %s serving on %s%s",
+            self.role,
+            self.node_id,
+            self.grpc_address,
+            f" (metrics on http://{self.metrics_address}/metrics)" if self.metrics_address else "",
+        )
 
     def _start_metrics(self) -> None:
         if self.cfg.metrics_port < 0:
             return
         try:
-            self._metrics_server, port = metrics.start_metrics_server(self.cfg.host,
-                                                                      self.cfg.metrics_port)
+            self._metrics_server, port = metrics.start_metrics_server(
+                self.cfg.host, self.cfg.metrics_port
+            )
         except OSError as e:
-            raise RuntimeError(f"cannot bind the metrics port {self.cfg.host}:"
-                               f"{self.cfg.metrics_port}: {e}") from None
+            raise RuntimeError(
+                f"cannot bind the metrics port {self.cfg.host}:{self.cfg.metrics_port}: {e}"
+            ) from None
         self.metrics_address = f"{self.cfg.host}:{port}"
         metrics.track(self)
 

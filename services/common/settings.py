@@ -19,25 +19,46 @@ class ServiceConfig:
     etcd: str = option("127.0.0.1:2379", "etcd endpoints, comma-separated host:port")
     etcd_user: str = option("", "etcd user name (empty = no auth)")
     etcd_password: str = option("", "etcd password")
-    etcd_ca: str = option("", "CA certificate (PEM) to verify etcd's TLS certificate; setting any "
-                              "etcd_ca/etcd_cert makes the etcd connection TLS")
-    etcd_cert: str = option("", "client certificate (PEM) presented to etcd (its --client-cert-auth)")
+    etcd_ca: str = option(
+        "",
+        "CA certificate (PEM) to verify etcd's TLS certificate; setting any "
+        "etcd_ca/etcd_cert makes the etcd connection TLS",
+    )
+    etcd_cert: str = option(
+        "", "client certificate (PEM) presented to etcd (its --client-cert-auth)"
+    )
     etcd_key: str = option("", "private key (PEM) of --etcd-cert")
-    tls_cert: str = option("", "certificate (PEM) of this service: its gRPC port speaks TLS, and it "
-                               "is presented as the client certificate to peers (empty = plaintext)")
+    tls_cert: str = option(
+        "",
+        "certificate (PEM) of this service: its gRPC port speaks TLS, and it "
+        "is presented as the client certificate to peers (empty = plaintext)",
+    )
     tls_key: str = option("", "private key (PEM) of --tls-cert")
-    tls_ca: str = option("", "CA certificate (PEM): peers' certificates must be signed by it; with "
-                             "--tls-cert it turns on mutual TLS (clients must present a certificate)")
-    tls_server_name: str = option("", "name to check in peers' server certificates instead of "
-                                      "their address (empty = the address)")
+    tls_ca: str = option(
+        "",
+        "CA certificate (PEM): peers' certificates must be signed by it; with "
+        "--tls-cert it turns on mutual TLS (clients must present a certificate)",
+    )
+    tls_server_name: str = option(
+        "",
+        "name to check in peers' server certificates instead of "
+        "their address (empty = the address)",
+    )
     host: str = option("127.0.0.1", "address to bind and to advertise to peers")
     port: int = option(0, "gRPC port (0 = any free port)")
-    node_id: str = option("", "unique id of this process in the cluster (default: <role>-<host>-<pid>)")
-    lease_ttl: int = option(10, "etcd lease TTL in seconds; a dead node leaves the cluster within it")
+    node_id: str = option(
+        "", "unique id of this process in the cluster (default: <role>-<host>-<pid>)"
+    )
+    lease_ttl: int = option(
+        10, "etcd lease TTL in seconds; a dead node leaves the cluster within it"
+    )
     grace_s: float = option(1.0, "seconds between deregistering and stopping on shutdown")
     log_level: str = option("INFO", "log level: DEBUG, INFO, WARNING, ERROR")
-    metrics_port: int = option(0, "Prometheus /metrics HTTP port on --host (0 = any free port, "
-                                  "advertised in etcd as \"metrics\"; -1 = off)")
+    metrics_port: int = option(
+        0,
+        "Prometheus /metrics HTTP port on --host (0 = any free port, "
+        'advertised in etcd as "metrics"; -1 = off)',
+    )
 
     def validate(self) -> None:
         if not self.cluster or "/" in self.cluster:
@@ -61,8 +82,10 @@ class ServiceConfig:
 
         TlsFiles.from_config(self).validate("tls")
         if self.tls_ca and not self.tls_cert:
-            raise ConfigError("tls_ca: a service with a CA also needs --tls-cert/--tls-key "
-                              "(mutual TLS: it is a server and a client of its peers)")
+            raise ConfigError(
+                "tls_ca: a service with a CA also needs --tls-cert/--tls-key "
+                "(mutual TLS: it is a server and a client of its peers)"
+            )
         TlsFiles(self.etcd_cert, self.etcd_key, self.etcd_ca).validate("etcd")
 
     @property
@@ -77,36 +100,55 @@ class ServiceConfig:
 class NodeConfig(ServiceConfig):
     """Options of a model node (prefill or decode)."""
 
-    model: str = option("tiny", "model to serve: a random preset (tiny, small) or a Hugging Face "
-                               "model directory (config.json, *.safetensors, tokenizer.json)")
+    model: str = option(
+        "tiny",
+        "model to serve: a random preset (tiny, small) or a Hugging Face "
+        "model directory (config.json, *.safetensors, tokenizer.json)",
+    )
     dtype: str = option("float32", "compute dtype: float32 or bfloat16 (never float16 on CPU)")
     seed: int = option(0, "seed of a random preset's weights; all nodes must agree")
     block_size: int = option(256, "tokens per KV block (engine block = store block)")
-    kv_memory: str = option("256MiB", "memory for this node's KV pool: a size (2GiB) or a "
-                                      "share of the memory available at start (40%)")
-    segment_memory: str = option("256MiB", "DRAM this node lends to the cluster KV store (0 = none)")
-    ssd_dir: str = option("", "directory backing the store segment with an SSD tier: blocks "
-                               "evicted from DRAM spill there (empty = no SSD tier)")
+    kv_memory: str = option(
+        "256MiB",
+        "memory for this node's KV pool: a size (2GiB) or a "
+        "share of the memory available at start (40%)",
+    )
+    segment_memory: str = option(
+        "256MiB", "DRAM this node lends to the cluster KV store (0 = none)"
+    )
+    ssd_dir: str = option(
+        "",
+        "directory backing the store segment with an SSD tier: blocks "
+        "evicted from DRAM spill there (empty = no SSD tier)",
+    )
     ssd_bytes: str = option("1GiB", "most bytes of block data the SSD tier keeps on disk")
     data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
     secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
     threads: int = option(0, "torch intra-op threads (0 = torch's default)")
-    te_poll_us: int = option(200, "busy-poll window in microseconds: after a request the "
-                                  "transfer engine's threads spin this long for the next one, "
-                                  "and the event loop this long for a small transfer's or a "
-                                  "store call's answer, before sleeping; trades CPU for "
-                                  "latency, 0 = never spin")
-    checksum: bool = option(False, "integrity checking on the data plane: every KV slice carries "
-                                   "a crc32 that the receiver checks; a damaged handoff fails "
-                                   "(the prefill is retried) and a damaged store read is a miss")
+    te_poll_us: int = option(
+        200,
+        "busy-poll window in microseconds: after a request the "
+        "transfer engine's threads spin this long for the next one, "
+        "and the event loop this long for a small transfer's or a "
+        "store call's answer, before sleeping; trades CPU for "
+        "latency, 0 = never spin",
+    )
+    checksum: bool = option(
+        False,
+        "integrity checking on the data plane: every KV slice carries "
+        "a crc32 that the receiver checks; a damaged handoff fails "
+        "(the prefill is retried) and a damaged store read is a miss",
+    )
 
     def validate(self) -> None:
         super().validate()
         from kvmesh.services.engine.config import PRESETS, resolve_dtype
 
         if self.model not in PRESETS and not os.path.isdir(self.model):
-            raise ConfigError(f"model: {self.model!r} is neither a preset ({', '.join(PRESETS)}) "
-                              f"nor a model directory")
+            raise ConfigError(
+                f"model: {self.model!r} is neither a preset ({', '.join(PRESETS)}) "
+                f"nor a model directory"
+            )
         try:
             resolve_dtype(self.dtype)
         except ValueError as e:
@@ -123,5 +165,7 @@ class NodeConfig(ServiceConfig):
         if not 0 <= self.data_port < 65536:
             raise ConfigError(f"data_port: {self.data_port} is not a TCP port")
         if not 0 <= self.te_poll_us <= 5000:
-            raise ConfigError(f"te_poll_us: {self.te_poll_us} must be between 0 and 5000 "
-                              f"(the event loop spins that long at most)")
+            raise ConfigError(
+                f"te_poll_us: {self.te_poll_us} must be between 0 and 5000 "
+                f"(the event loop spins that long at most)"
+            )

@@ -30,7 +30,8 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
@@ -54,6 +55,7 @@ def tracer() -> trace.Tracer:
 
 
 # ------------------------------------------------------------------ exporters
+
 
 class JsonLinesSpanExporter:
     """Appends each finished span as one JSON line (one ``write`` per span, O_APPEND)."""
@@ -99,8 +101,10 @@ def span_to_dict(s: Any) -> dict[str, Any]:
         "end_ns": s.end_time,
         "status": s.status.status_code.name,
         "attributes": dict(s.attributes or {}),
-        "events": [{"name": e.name, "ts": e.timestamp, "attributes": dict(e.attributes or {})}
-                   for e in s.events],
+        "events": [
+            {"name": e.name, "ts": e.timestamp, "attributes": dict(e.attributes or {})}
+            for e in s.events
+        ],
     }
 
 
@@ -112,8 +116,11 @@ def read_spans(path: str) -> list[dict[str, Any]]:
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     """Every JSON line of ``path``, a file or a directory of ``*.jsonl`` files."""
-    files = ([os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".jsonl")]
-             if os.path.isdir(path) else [path])
+    files = (
+        [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".jsonl")]
+        if os.path.isdir(path)
+        else [path]
+    )
     out = []
     for f in files:
         with open(f) as fh:
@@ -133,9 +140,18 @@ def otlp_exporter(signal: str = "traces"):
     ("grpc" or "http/protobuf"); unset, gRPC is tried first, then HTTP."""
     import importlib
 
-    proto = (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
-             or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "").strip().lower()
-    kinds = ["http"] if proto.startswith("http") else ["grpc"] if proto == "grpc" else ["grpc", "http"]
+    proto = (
+        (
+            os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or ""
+        )
+        .strip()
+        .lower()
+    )
+    kinds = (
+        ["http"] if proto.startswith("http") else ["grpc"] if proto == "grpc" else ["grpc", "http"]
+    )
     module, cls = _OTLP_MODULES[signal]
     for kind in kinds:
         try:
@@ -144,8 +160,13 @@ def otlp_exporter(signal: str = "traces"):
             continue
         return getattr(mod, cls)()
     pkg = " or ".join(f"opentelemetry-exporter-otlp-proto-{k}" for k in kinds)
-    log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but no OTLP exporter (%s) is installed "
-                "(pip install %s); not exporting %s", proto or "grpc/http", pkg, signal)
+    log.warning(
+        "OTEL_EXPORTER_OTLP_ENDPOINT is set but no OTLP exporter (%s) is installed "
+        "(pip install %s); not exporting %s",
+        proto or "grpc/http",
+        pkg,
+        signal,
+    )
     return None
 
 
@@ -171,16 +192,18 @@ def setup_tracing(role: str, node_id: str) -> bool:
     if _enabled:
         return True
     trace_file = os.environ.get("KVMESH_TRACE_FILE", "")
-    otlp = (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-            or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    )
     if not trace_file and not otlp:
         return False
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({
-        "service.name": f"kvmesh-{role}", "service.instance.id": node_id}))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": f"kvmesh-{role}", "service.instance.id": node_id})
+    )
     if trace_file:
         if trace_file.endswith("/") or os.path.isdir(trace_file):
             trace_file = os.path.join(trace_file, f"{role}-{os.getpid()}.jsonl")
@@ -209,9 +232,15 @@ def shutdown_tracing() -> None:
 
 # ------------------------------------------------------------------ spans
 
-def record_span(name: str, start_ns: int, end_ns: int | None = None,
-                attributes: dict[str, Any] | None = None, error: str | None = None,
-                events: Iterable[tuple[str, int, dict]] = ()) -> None:
+
+def record_span(
+    name: str,
+    start_ns: int,
+    end_ns: int | None = None,
+    attributes: dict[str, Any] | None = None,
+    error: str | None = None,
+    events: Iterable[tuple[str, int, dict]] = (),
+) -> None:
     """Records a finished INTERNAL span after the fact, child of the current span (cheap
     to call on hot paths: a no-op when tracing is off)."""
     if not _enabled:
@@ -235,7 +264,9 @@ def _clean(attrs: dict[str, Any] | None) -> dict[str, Any]:
     for k, v in (attrs or {}).items():
         if isinstance(v, (str, bool, int, float)):
             out[k] = v
-        elif isinstance(v, (list, tuple)) and all(isinstance(x, (str, bool, int, float)) for x in v):
+        elif isinstance(v, (list, tuple)) and all(
+            isinstance(x, (str, bool, int, float)) for x in v
+        ):
             out[k] = list(v)
         elif v is not None:
             out[k] = str(v)
@@ -243,6 +274,7 @@ def _clean(attrs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ gRPC propagation
+
 
 def _traced(method: str) -> bool:
     return method.startswith("/kvmesh.")
@@ -260,8 +292,11 @@ class _ClientInterceptor:
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         if not _traced(method):
             return None, details
-        span = tracer().start_span(_span_name(method), kind=SpanKind.CLIENT,
-                                   attributes={"rpc.system": "grpc", "rpc.method": method})
+        span = tracer().start_span(
+            _span_name(method),
+            kind=SpanKind.CLIENT,
+            attributes={"rpc.system": "grpc", "rpc.method": method},
+        )
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
         md = grpc.aio.Metadata(*tuple(details.metadata or ()))
@@ -273,6 +308,7 @@ class _ClientInterceptor:
     def _finish(span, call) -> None:
         def done(_):
             span.end()
+
         try:
             call.add_done_callback(done)
         except Exception:
@@ -316,8 +352,12 @@ def patch_grpc_channels() -> None:
     original = grpc.aio.insecure_channel
 
     def insecure_channel(target, options=None, compression=None, interceptors=None):
-        return original(target, options=options, compression=compression,
-                        interceptors=[*client_interceptors(), *(interceptors or [])])
+        return original(
+            target,
+            options=options,
+            compression=compression,
+            interceptors=[*client_interceptors(), *(interceptors or [])],
+        )
 
     grpc.aio.insecure_channel = insecure_channel
 
@@ -335,8 +375,11 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
         def start():
             return tracer().start_as_current_span(
-                name, context=propagate.extract(carrier), kind=SpanKind.SERVER,
-                attributes={"rpc.system": "grpc", "rpc.method": details.method})
+                name,
+                context=propagate.extract(carrier),
+                kind=SpanKind.SERVER,
+                attributes={"rpc.system": "grpc", "rpc.method": details.method},
+            )
 
         if handler.unary_unary is not None:
             inner = handler.unary_unary
@@ -346,8 +389,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                     return await inner(request, ctx)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                unary_unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         if handler.unary_stream is not None:
             inner_s = handler.unary_stream
 
@@ -357,8 +402,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                         yield item
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                unary_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
 

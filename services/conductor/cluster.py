@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
-from kvmesh.services.common.registry import Membership
 from kvmesh.services.common.channels import make_channel
+from kvmesh.services.common.registry import Membership
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -71,8 +71,9 @@ class _Regression:
 
 
 class PrefillModel(_Regression):
-    def __init__(self, base_ms: float = 5.0, per_token_ms: float = 0.05,
-                 pair_ms: float = 1e-6, **kw) -> None:
+    def __init__(
+        self, base_ms: float = 5.0, per_token_ms: float = 0.05, pair_ms: float = 1e-6, **kw
+    ) -> None:
         super().__init__((base_ms, per_token_ms, pair_ms), **kw)
 
     def _features(self, new: float, cached: float) -> tuple[float, ...]:
@@ -93,8 +94,9 @@ class PrefillModel(_Regression):
 
 
 class DecodeModel(_Regression):
-    def __init__(self, base_ms: float = 5.0, per_request_ms: float = 0.5,
-                 per_kv_token_ms: float = 1e-4, **kw) -> None:
+    def __init__(
+        self, base_ms: float = 5.0, per_request_ms: float = 0.5, per_kv_token_ms: float = 1e-4, **kw
+    ) -> None:
         super().__init__((base_ms, per_request_ms, per_kv_token_ms), **kw)
 
     def _features(self, batch: float, kv_tokens: float) -> tuple[float, ...]:
@@ -131,4 +133,3 @@ class ErrorTracker:
 
     def __len__(self) -> int:
         return len(self._e)
-

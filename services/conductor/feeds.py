@@ -78,7 +78,9 @@ class NodeFeeds:
         backoff = 0.1
         while True:
             try:
-                async for ev in stub.WatchEvents(pb.WatchEventsRequest(interval_ms=self.interval_ms)):
+                async for ev in stub.WatchEvents(
+                    pb.WatchEventsRequest(interval_ms=self.interval_ms)
+                ):
                     self._apply(n, ev)
                     backoff = 0.1
             except grpc.aio.AioRpcError as e:

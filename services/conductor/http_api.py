@@ -55,23 +55,43 @@ from kvmesh.services.conductor.observe import observed
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 COMPLETION_MAX_TOKENS = 16
 CHAT_MAX_TOKENS = 256
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status, headers=self.headers)
@@ -84,15 +104,23 @@ def from_rejected(e: Any) -> ApiError:
         return ApiError(400, e.message)
     if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         ms = float(md.get("retry-after-ms", 1000) or 1000)
-        return ApiError(429, e.message, "rate_limit_exceeded", code="rate_limit_exceeded",
-                        headers={"Retry-After": str(max(1, math.ceil(ms / 1000))),
-                                 "retry-after-ms": f"{ms:.0f}"})
+        return ApiError(
+            429,
+            e.message,
+            "rate_limit_exceeded",
+            code="rate_limit_exceeded",
+            headers={
+                "Retry-After": str(max(1, math.ceil(ms / 1000))),
+                "retry-after-ms": f"{ms:.0f}",
+            },
+        )
     if e.code == grpc.StatusCode.UNAVAILABLE:
         return ApiError(503, e.message, "service_unavailable", code="service_unavailable")
     return ApiError(500, e.message, "server_error")
 
 
 # ------------------------------------------------------------------ chat templates
+
 
 def _text_content(content: Any, i: int) -> str:
     if content is None:
@@ -102,13 +130,23 @@ def _text_content(content: Any, i: int) -> str:
     if isinstance(content, list):
         parts = []
         for p in content:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported",
-                               param=f"messages[{i}].content")
+            if (
+                not isinstance(p, dict)
+                or p.get("type") != "text"
+                or not isinstance(p.get("text"), str)
+            ):
+                raise ApiError(
+                    400,
+                    f"messages[{i}].content: only text parts are supported",
+                    param=f"messages[{i}].content",
+                )
             parts.append(p["text"])
         return "".join(parts)
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
-                   param=f"messages[{i}].content")
+    raise ApiError(
+        400,
+        f"messages[{i}].content must be a string or a list of text parts",
+        param=f"messages[{i}].content",
+    )
 
 
 def normalize_messages(messages: Any) -> list[dict[str, str]]:
@@ -151,8 +189,11 @@ def load_checkpoint_template(model_path: str) -> dict[str, Any] | None:
         tpl = named.get("default") or next(iter(named.values()), None)
     if not isinstance(tpl, str) or not tpl:
         return None
-    return {"template": tpl, "bos_token": _token_text(cfg.get("bos_token")),
-            "eos_token": _token_text(cfg.get("eos_token"))}
+    return {
+        "template": tpl,
+        "bos_token": _token_text(cfg.get("bos_token")),
+        "eos_token": _token_text(cfg.get("eos_token")),
+    }
 
 
 def render_chat(messages: list[dict[str, str]], checkpoint: dict[str, Any] | None) -> str:
@@ -171,16 +212,21 @@ def render_chat(messages: list[dict[str, str]], checkpoint: dict[str, Any] | Non
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(checkpoint["template"]).render(
-            messages=messages, add_generation_prompt=True, bos_token=checkpoint["bos_token"],
-            eos_token=checkpoint["eos_token"])
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=checkpoint["bos_token"],
+            eos_token=checkpoint["eos_token"],
+        )
     except ApiError:
         raise
     except Exception as e:
-        raise ApiError(400, f"the model's chat template failed on these messages: {e}",
-                       param="messages") from None
+        raise ApiError(
+            400, f"the model's chat template failed on these messages: {e}", param="messages"
+        ) from None
 
 
 # ------------------------------------------------------------------ the server
+
 
 class HttpApi:
     def __init__(self, conductor: Any, host: str, port: int) -> None:
@@ -203,7 +249,9 @@ class HttpApi:
             await site.start()
         except OSError as e:
             await self._runner.cleanup()
-            raise RuntimeError(f"cannot bind the HTTP API on {self.host}:{self.port}: {e}") from None
+            raise RuntimeError(
+                f"cannot bind the HTTP API on {self.host}:{self.port}: {e}"
+            ) from None
         port = site._server.sockets[0].getsockname()[1]
         self.address = f"{self.host}:{port}"
         log.info("OpenAI-compatible HTTP API on http://%s/v1", self.address)
@@ -217,8 +265,9 @@ class HttpApi:
     # -- endpoints ---------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         ok = self.c.health.serving
-        return web.json_response({"status": "SERVING" if ok else "NOT_SERVING"},
-                                 status=200 if ok else 503)
+        return web.json_response(
+            {"status": "SERVING" if ok else "NOT_SERVING"}, status=200 if ok else 503
+        )
 
     def _authenticate(self, request: web.Request) -> None:
         """Checks the bearer API key (conductor ``--api-keys``) and sets the request's
@@ -231,16 +280,23 @@ class HttpApi:
         try:
             current_principal.set(keys.authenticate(request.headers.get("Authorization")))
         except Unauthenticated as e:
-            raise ApiError(401, str(e), "authentication_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"}) from None
+            raise ApiError(
+                401,
+                str(e),
+                "authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            ) from None
 
     async def models(self, request: web.Request) -> web.Response:
         try:
             self._authenticate(request)
         except ApiError as e:
             return e.response()
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvmesh"}
-                for name in sorted(self.c.view.models())]
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh"}
+            for name in sorted(self.c.view.models())
+        ]
         return web.json_response({"object": "list", "data": data})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -255,8 +311,11 @@ class HttpApi:
 
         path = request.path
         with telemetry.tracer().start_as_current_span(
-                f"POST {path}", context=propagate.extract(dict(request.headers)),
-                kind=SpanKind.SERVER, attributes={"http.route": path}):
+            f"POST {path}",
+            context=propagate.extract(dict(request.headers)),
+            kind=SpanKind.SERVER,
+            attributes={"http.route": path},
+        ):
             try:
                 self._authenticate(request)
                 body = await self._json(request)
@@ -290,10 +349,14 @@ class HttpApi:
             v = body.get(name)
             if v is None:
                 return default
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (
-                    kind is int and not float(v).is_integer()):
-                raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}",
-                               param=name)
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or (kind is int and not float(v).is_integer())
+            ):
+                raise ApiError(
+                    400, f"{name} must be {'an integer' if kind is int else 'a number'}", param=name
+                )
             if (lo is not None and v < lo) or (hi is not None and v > hi):
                 raise ApiError(400, f"{name} must be in [{lo}, {hi}]", param=name)
             return kind(v)
@@ -313,21 +376,33 @@ class HttpApi:
             name = model or (next(iter(served)) if len(served) == 1 else "")
             req.prompt = render_chat(messages, self._chat_template(name) if name else None)
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-            req.max_tokens = CHAT_MAX_TOKENS if max_tokens is None else num(
-                "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
-                0, int)
+            req.max_tokens = (
+                CHAT_MAX_TOKENS
+                if max_tokens is None
+                else num(
+                    "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                    0,
+                    int,
+                )
+            )
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
             if isinstance(prompt, str):
                 req.prompt = prompt
-            elif isinstance(prompt, list) and prompt and all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            elif (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            ):
                 req.token_ids.extend(prompt)
             else:
-                raise ApiError(400, "prompt must be a string or a list of token ids "
-                                    "(one prompt per request)", param="prompt")
+                raise ApiError(
+                    400,
+                    "prompt must be a string or a list of token ids (one prompt per request)",
+                    param="prompt",
+                )
             req.max_tokens = num("max_tokens", COMPLETION_MAX_TOKENS, int)
         if req.max_tokens <= 0:
             raise ApiError(400, "max_tokens must be > 0", param="max_tokens")
@@ -355,23 +430,30 @@ class HttpApi:
         elif isinstance(stop, list) and all(isinstance(x, str) for x in stop) and len(stop) <= 4:
             stops = list(stop)
         else:
-            raise ApiError(400, "stop must be a string or a list of at most 4 strings", param="stop")
+            raise ApiError(
+                400, "stop must be a string or a list of at most 4 strings", param="stop"
+            )
         stops = [x for x in stops if x]
         so = body.get("stream_options") or {}
         if not isinstance(so, dict):
             raise ApiError(400, "stream_options must be an object", param="stream_options")
-        opts = {"stream": bool(body.get("stream", False)), "stops": stops,
-                "include_usage": bool(so.get("include_usage", False)),
-                "model": model}
+        opts = {
+            "stream": bool(body.get("stream", False)),
+            "stops": stops,
+            "include_usage": bool(so.get("include_usage", False)),
+            "model": model,
+        }
         return req, opts
 
-    async def _run(self, request: web.Request, req: pb.GenerateRequest, opts: dict,
-                   chat: bool) -> web.StreamResponse:
+    async def _run(
+        self, request: web.Request, req: pb.GenerateRequest, opts: dict, chat: bool
+    ) -> web.StreamResponse:
         from kvmesh.services.common.auth import current_principal
         from kvmesh.services.conductor.server import Rejected, client_id
 
-        client_id.set(current_principal.get().tenant if self.c.api_keys.enabled
-                      else (request.remote or ""))
+        client_id.set(
+            current_principal.get().tenant if self.c.api_keys.enabled else (request.remote or "")
+        )
         created = int(time.time())
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         agen = observed(self.c, req)
@@ -386,8 +468,9 @@ class HttpApi:
             model = opts["model"] or self._model_name()
             if not opts["stream"]:
                 return await self._collect(agen, first, cutter, rid, created, model, chat)
-            return await self._stream(request, agen, first, cutter, rid, created, model, chat,
-                                      opts["include_usage"])
+            return await self._stream(
+                request, agen, first, cutter, rid, created, model, chat, opts["include_usage"]
+            )
         finally:
             await agen.aclose()
 
@@ -399,9 +482,12 @@ class HttpApi:
     def _usage(u: pb.Usage | None, completion: int) -> dict:
         prompt = u.prompt_tokens if u is not None else 0
         completion = u.completion_tokens if u is not None else completion
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": u.cached_tokens if u is not None else 0}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens if u is not None else 0},
+        }
 
     async def _collect(self, agen, first, cutter, rid, created, model, chat) -> web.Response:
         from kvmesh.services.conductor.server import Rejected
@@ -434,22 +520,42 @@ class HttpApi:
             choice["text"] = text
             choice["logprobs"] = None
             obj = "text_completion"
-        return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
-                                  "choices": [choice], "usage": self._usage(usage, len(ids)),
-                                  "system_fingerprint": None})
+        return web.json_response(
+            {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                "usage": self._usage(usage, len(ids)),
+                "system_fingerprint": None,
+            }
+        )
 
-    async def _stream(self, request, agen, first, cutter, rid, created, model, chat,
-                      include_usage) -> web.StreamResponse:
+    async def _stream(
+        self, request, agen, first, cutter, rid, created, model, chat, include_usage
+    ) -> web.StreamResponse:
         from kvmesh.services.conductor.server import Rejected
 
-        out = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no"})
+        out = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            },
+        )
         await out.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(piece: str | None, ids: list[int], reason: str | None, role: bool = False,
-                  usage: dict | None = None, empty: bool = False) -> bytes:
+        def chunk(
+            piece: str | None,
+            ids: list[int],
+            reason: str | None,
+            role: bool = False,
+            usage: dict | None = None,
+            empty: bool = False,
+        ) -> bytes:
             if empty:
                 choices = []
             elif chat:
@@ -458,13 +564,32 @@ class HttpApi:
                     delta["role"] = "assistant"
                 if piece is not None:
                     delta["content"] = piece
-                choices = [{"index": 0, "delta": delta, "finish_reason": reason or None,
-                            "logprobs": None, "token_ids": ids}]
+                choices = [
+                    {
+                        "index": 0,
+                        "delta": delta,
+                        "finish_reason": reason or None,
+                        "logprobs": None,
+                        "token_ids": ids,
+                    }
+                ]
             else:
-                choices = [{"index": 0, "text": piece or "", "finish_reason": reason or None,
-                            "logprobs": None, "token_ids": ids}]
-            data: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
-                                    "choices": choices}
+                choices = [
+                    {
+                        "index": 0,
+                        "text": piece or "",
+                        "finish_reason": reason or None,
+                        "logprobs": None,
+                        "token_ids": ids,
+                    }
+                ]
+            data: dict[str, Any] = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
             if include_usage:
                 data["usage"] = usage
             return f"data: {json.dumps(data)}\n\n".encode()
@@ -529,5 +654,5 @@ class _StopCutter:
                 if buf.endswith(s[:k]):
                     hold = max(hold, k)
                     break
-        self.pending = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold], False
+        self.pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False

@@ -8,11 +8,11 @@ longest prefix present anywhere in the cluster store.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
-POOL = "pool"      # a node's engine KV pool (prefix cache)
-STORE = "store"    # the cluster store: DRAM segments, and SSD tiers behind them
+POOL = "pool"  # a node's engine KV pool (prefix cache)
+STORE = "store"  # the cluster store: DRAM segments, and SSD tiers behind them
 
 
 @dataclass
@@ -20,8 +20,8 @@ class Lookup:
     """Longest held prefix, in blocks: per node (own pool) and in the store."""
 
     per_node: dict[str, int] = field(default_factory=dict)
-    store_prefix: int = 0        # any tier
-    store_dram_prefix: int = 0   # the leading part of it held in DRAM (the rest on SSD)
+    store_prefix: int = 0  # any tier
+    store_dram_prefix: int = 0  # the leading part of it held in DRAM (the rest on SSD)
 
 
 class CacheIndex:
@@ -29,7 +29,7 @@ class CacheIndex:
         self._pool: dict[bytes, set[str]] = {}
         self._by_node: dict[str, set[bytes]] = {}
         self._store: dict[bytes, int] = {}  # hash -> replica count, any tier
-        self._ssd: dict[bytes, int] = {}    # hash -> replicas on an SSD tier
+        self._ssd: dict[bytes, int] = {}  # hash -> replicas on an SSD tier
 
     # -- node pools ------------------------------------------------------------------------
     def stored(self, node: str, hashes: Iterable[bytes]) -> None:
@@ -69,7 +69,7 @@ class CacheIndex:
 
     def store_removed(self, hashes: Iterable[bytes], tier: str = "dram") -> None:
         for h in hashes:
-            for table in ((self._store, self._ssd) if tier == "ssd" else (self._store,)):
+            for table in (self._store, self._ssd) if tier == "ssd" else (self._store,):
                 n = table.get(h, 0) - 1
                 if n > 0:
                     table[h] = n

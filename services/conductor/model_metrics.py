@@ -19,14 +19,19 @@ class ModelErrorCollector:
         return []
 
     def collect(self):
-        err = GaugeMetricFamily("kvmesh_model_prediction_error_ratio",
-                                "relative error of the conductor's time models over recent "
-                                "observations", labels=["node", "model", "quantile"])
-        obs = GaugeMetricFamily("kvmesh_model_observations",
-                                "observations each time model was fitted on",
-                                labels=["node", "model"])
-        overhead = GaugeMetricFamily("kvmesh_route_overhead_seconds",
-                                     "learned TTFT overhead of each route", labels=["route"])
+        err = GaugeMetricFamily(
+            "kvmesh_model_prediction_error_ratio",
+            "relative error of the conductor's time models over recent observations",
+            labels=["node", "model", "quantile"],
+        )
+        obs = GaugeMetricFamily(
+            "kvmesh_model_observations",
+            "observations each time model was fitted on",
+            labels=["node", "model"],
+        )
+        overhead = GaugeMetricFamily(
+            "kvmesh_route_overhead_seconds", "learned TTFT overhead of each route", labels=["route"]
+        )
         models = [(n, "prefill", p.model) for n, p in self.sched.prefill.items()]
         for n, d in self.sched.decode.items():
             models += [(n, "decode_step", d.model), (n, "colocated_prefill", d.prefill_model)]

@@ -6,7 +6,8 @@ routes, estimate error, token usage, and the request span's attributes."""
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -43,8 +44,14 @@ def admission_attributes(r: Any, d: Any) -> dict[str, Any]:
         "kvmesh.route.prefill": getattr(d, "prefill_node", "") or "",
         "kvmesh.route.decode": getattr(d, "decode_node", "") or "",
         "kvmesh.estimated_ttft_ms": float(est.ttft_ms) if est is not None else -1.0,
-        **({f"kvmesh.estimate.{k}_ms": float(getattr(est, f"{k}_ms", 0.0))
-            for k in ("queue", "prefill", "fetch", "handoff")} if est is not None else {}),
+        **(
+            {
+                f"kvmesh.estimate.{k}_ms": float(getattr(est, f"{k}_ms", 0.0))
+                for k in ("queue", "prefill", "fetch", "handoff")
+            }
+            if est is not None
+            else {}
+        ),
         "kvmesh.candidates": [f"{getattr(c, 'route', '')}:{getattr(c, 'node', '')}" for c in cands],
         "kvmesh.candidate_ttft_ms": [round(float(getattr(c, "ttft_ms", 0.0)), 3) for c in cands],
     }
@@ -79,10 +86,15 @@ async def observed(conductor: Any, req) -> AsyncIterator:
                     est = r.estimated_ttft_ms / 1000
                     m.ESTIMATE_ERROR.observe(abs(ttft - est))
                     m.ESTIMATE_RATIO.observe(ttft / est)
-                telemetry.set_attributes({
-                    "kvmesh.request_id": resp.request_id, "kvmesh.route.prefill": r.prefill_node,
-                    "kvmesh.route.decode": r.decode_node,
-                    "kvmesh.ttft_ms": ttft * 1000, "kvmesh.estimated_ttft_ms": r.estimated_ttft_ms})
+                telemetry.set_attributes(
+                    {
+                        "kvmesh.request_id": resp.request_id,
+                        "kvmesh.route.prefill": r.prefill_node,
+                        "kvmesh.route.decode": r.decode_node,
+                        "kvmesh.ttft_ms": ttft * 1000,
+                        "kvmesh.estimated_ttft_ms": r.estimated_ttft_ms,
+                    }
+                )
             elif resp.token_ids:
                 gap = (now - last) / len(resp.token_ids)
                 for _ in resp.token_ids:
@@ -96,12 +108,15 @@ async def observed(conductor: Any, req) -> AsyncIterator:
                 m.PROMPT_TOKENS.labels("computed").inc(u.computed_tokens)
                 m.PROMPT_TOKENS.labels("cached").inc(u.cached_tokens)
                 m.GENERATED.inc(u.completion_tokens)
-                telemetry.set_attributes({
-                    "kvmesh.prompt_tokens": u.prompt_tokens,
-                    "kvmesh.completion_tokens": u.completion_tokens,
-                    "kvmesh.cached_tokens": u.cached_tokens,
-                    "kvmesh.computed_tokens": u.computed_tokens,
-                    "kvmesh.finish_reason": finish})
+                telemetry.set_attributes(
+                    {
+                        "kvmesh.prompt_tokens": u.prompt_tokens,
+                        "kvmesh.completion_tokens": u.completion_tokens,
+                        "kvmesh.cached_tokens": u.cached_tokens,
+                        "kvmesh.computed_tokens": u.computed_tokens,
+                        "kvmesh.finish_reason": finish,
+                    }
+                )
             yield resp
     except Rejected as e:
         if ttft is None:

@@ -35,8 +35,8 @@ import random
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvmesh.services.conductor.estimator import DecodeModel, ErrorTracker, PrefillModel
 from kvmesh.services.conductor.index import CacheIndex
@@ -62,14 +62,14 @@ class Candidate:
     """One estimated way to serve a request."""
 
     route: str
-    node: str               # the node that computes the prompt
+    node: str  # the node that computes the prompt
     ttft_ms: float
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     fetch_ms: float = 0.0
     handoff_ms: float = 0.0
     cached_blocks: int = 0  # from the computing node's own pool
-    fetch_blocks: int = 0   # pulled from the store
+    fetch_blocks: int = 0  # pulled from the store
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Decision:
     estimate: Candidate | None = None
     tbt_ms: float = 0.0
     candidates: list[Candidate] = field(default_factory=list)
-    reason: str = ""        # when rejected: ttft, tbt, kv, no-nodes
+    reason: str = ""  # when rejected: ttft, tbt, kv, no-nodes
     message: str = ""
     retry_after_ms: float = 0.0
 
@@ -93,10 +93,10 @@ class PrefillNodeState:
     block_nbytes: int
     layer_nbytes: int
     model: PrefillModel = field(default_factory=PrefillModel)
-    bandwidth: float = 1e6          # bytes per ms (1 GB/s) until measured
+    bandwidth: float = 1e6  # bytes per ms (1 GB/s) until measured
     queue: dict[str, float] = field(default_factory=dict)  # FIFO, as the node serves it
-    queue_ms: float = 0.0           # predicted time of everything queued
-    head_since: float = 0.0         # when the head of the queue started computing
+    queue_ms: float = 0.0  # predicted time of everything queued
+    head_since: float = 0.0  # when the head of the queue started computing
 
     def enqueue(self, rid: str, ms: float, now: float = 0.0) -> None:
         if not self.queue:
@@ -129,11 +129,13 @@ class DecodeNodeState:
     model: DecodeModel = field(default_factory=DecodeModel)
     prefill_model: PrefillModel = field(default_factory=PrefillModel)
     bandwidth: float = 1e6
-    ends: list[float] = field(default_factory=list)       # predicted end times, sorted
-    work: dict[str, tuple[float, int, int]] = field(default_factory=dict)  # rid -> (end, kv, blocks)
+    ends: list[float] = field(default_factory=list)  # predicted end times, sorted
+    work: dict[str, tuple[float, int, int]] = field(
+        default_factory=dict
+    )  # rid -> (end, kv, blocks)
     kv_tokens: int = 0
-    reserved_blocks: int = 0        # reserved by us since the last report
-    local_queue_ms: float = 0.0     # colocated prefills queued here
+    reserved_blocks: int = 0  # reserved by us since the last report
+    local_queue_ms: float = 0.0  # colocated prefills queued here
 
     def batch_at(self, t: float) -> int:
         return len(self.ends) - bisect.bisect_right(self.ends, t)
@@ -165,21 +167,25 @@ class DecodeNodeState:
 @dataclass
 class PolicyConfig:
     policy: str = "kvmesh"
-    colocate_below_tokens: int = 512     # colocated fast path threshold
-    direct_share: float = 0.9            # decode-direct when the decode node holds this share
-    expected_output_share: float = 1.0   # expected output tokens / max_tokens (learned)
-    candidates: int = 2                  # uncached prefill nodes considered, least queued first
-    disagg_overhead_ms: float = 2.0      # extra RPC hops of the disaggregated route
-    slo_margin: float = 1.0              # admit only if the estimate <= margin x SLO
-    ssd_bytes_per_ms: float = 5e5        # promoting a spilled block (0.5 GB/s) before the fetch
+    colocate_below_tokens: int = 512  # colocated fast path threshold
+    direct_share: float = 0.9  # decode-direct when the decode node holds this share
+    expected_output_share: float = 1.0  # expected output tokens / max_tokens (learned)
+    candidates: int = 2  # uncached prefill nodes considered, least queued first
+    disagg_overhead_ms: float = 2.0  # extra RPC hops of the disaggregated route
+    slo_margin: float = 1.0  # admit only if the estimate <= margin x SLO
+    ssd_bytes_per_ms: float = 5e5  # promoting a spilled block (0.5 GB/s) before the fetch
 
 
 class Scheduler:
     """Holds node states and the cache index; decides; books what it decided."""
 
-    def __init__(self, cfg: PolicyConfig | None = None, index: CacheIndex | None = None,
-                 clock: Callable[[], float] = lambda: time.monotonic() * 1000.0,
-                 rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PolicyConfig | None = None,
+        index: CacheIndex | None = None,
+        clock: Callable[[], float] = lambda: time.monotonic() * 1000.0,
+        rng: random.Random | None = None,
+    ) -> None:
         self.cfg = cfg or PolicyConfig()
         if self.cfg.policy not in POLICIES:
             raise ValueError(f"policy {self.cfg.policy!r} is not one of {POLICIES}")
@@ -195,21 +201,33 @@ class Scheduler:
         self._output_share = self.cfg.expected_output_share
 
     # -- estimates ---------------------------------------------------------------------
-    def _prefill_candidate(self, p: PrefillNodeState, n: int, usable: int, local: int,
-                           store_prefix: int, use_store: bool, now: float,
-                           dram_prefix: int | None = None) -> Candidate:
+    def _prefill_candidate(
+        self,
+        p: PrefillNodeState,
+        n: int,
+        usable: int,
+        local: int,
+        store_prefix: int,
+        use_store: bool,
+        now: float,
+        dram_prefix: int | None = None,
+    ) -> Candidate:
         bs, m = p.block_size, p.model
         local = min(local, usable)
         fetch_blocks, fetch_ms = 0, 0.0
         if use_store:
             k = max(0, min(store_prefix, usable) - local)
             if k:
-                on_ssd = k - max(0, min(store_prefix if dram_prefix is None else dram_prefix,
-                                        usable) - local)
-                fetch_ms = (k * p.block_nbytes / p.bandwidth
-                            + on_ssd * p.block_nbytes / self.cfg.ssd_bytes_per_ms)
-                saved = m.predict(n - local * bs, local * bs) - m.predict(n - (local + k) * bs,
-                                                                          (local + k) * bs)
+                on_ssd = k - max(
+                    0, min(store_prefix if dram_prefix is None else dram_prefix, usable) - local
+                )
+                fetch_ms = (
+                    k * p.block_nbytes / p.bandwidth
+                    + on_ssd * p.block_nbytes / self.cfg.ssd_bytes_per_ms
+                )
+                saved = m.predict(n - local * bs, local * bs) - m.predict(
+                    n - (local + k) * bs, (local + k) * bs
+                )
                 if fetch_ms < saved:
                     fetch_blocks = k
                 else:
@@ -223,18 +241,27 @@ class Scheduler:
         handoff_ms = max(0.0, prefix_ms - prefill_ms) + new_blocks * p.layer_nbytes / p.bandwidth
         queue = p.remaining(now)
         ttft = queue + prefill_ms + fetch_ms + handoff_ms + self.overhead_ms[DISAGG]
-        return Candidate(DISAGG, p.node_id, ttft, queue, prefill_ms, fetch_ms, handoff_ms,
-                         local, fetch_blocks)
+        return Candidate(
+            DISAGG, p.node_id, ttft, queue, prefill_ms, fetch_ms, handoff_ms, local, fetch_blocks
+        )
 
-    def _colocated_candidate(self, d: DecodeNodeState, n: int, usable: int, local: int,
-                             route: str) -> Candidate:
+    def _colocated_candidate(
+        self, d: DecodeNodeState, n: int, usable: int, local: int, route: str
+    ) -> Candidate:
         bs = d.block_size
         cached = min(local, usable) * bs
         step = d.model.predict(len(d.ends), d.kv_tokens)  # a running step finishes first
         prefill_ms = d.prefill_model.predict(n - cached, cached)
-        return Candidate(route, d.node_id, d.local_queue_ms + step + prefill_ms +
-                         self.overhead_ms[route], d.local_queue_ms + step, prefill_ms, 0.0, 0.0,
-                         min(local, usable))
+        return Candidate(
+            route,
+            d.node_id,
+            d.local_queue_ms + step + prefill_ms + self.overhead_ms[route],
+            d.local_queue_ms + step,
+            prefill_ms,
+            0.0,
+            0.0,
+            min(local, usable),
+        )
 
     # -- the decision ------------------------------------------------------------------
     def decide(self, r: Request, store_prefix: int | None = None) -> Decision:
@@ -271,13 +298,27 @@ class Scheduler:
             use_store = pol == "kvmesh"
             store_prefix = look.store_prefix if look else 0
             dram_prefix = look.store_dram_prefix if look and not override else None
-            cands = [self._prefill_candidate(p, n, usable, per_node.get(p.node_id, 0),
-                                             store_prefix, use_store, now, dram_prefix)
-                     for p in pick]
+            cands = [
+                self._prefill_candidate(
+                    p,
+                    n,
+                    usable,
+                    per_node.get(p.node_id, 0),
+                    store_prefix,
+                    use_store,
+                    now,
+                    dram_prefix,
+                )
+                for p in pick
+            ]
             if pol == "cache":
                 best_local = max(c.cached_blocks for c in cands)
-                cands = [min((c for c in cands if c.cached_blocks == best_local),
-                             key=lambda c: c.queue_ms)]
+                cands = [
+                    min(
+                        (c for c in cands if c.cached_blocks == best_local),
+                        key=lambda c: c.queue_ms,
+                    )
+                ]
         # colocated / decode-direct candidates (kvmesh only)
         if pol == "kvmesh":
             for d in self.decode.values():
@@ -287,8 +328,12 @@ class Scheduler:
                 elif usable and local >= self.cfg.direct_share * usable:
                     cands.append(self._colocated_candidate(d, n, usable, local, DIRECT))
         if not cands or not self.decode:
-            return Decision(False, reason="no-nodes", candidates=cands,
-                            message="no live node can serve this request; retry shortly")
+            return Decision(
+                False,
+                reason="no-nodes",
+                candidates=cands,
+                message="no live node can serve this request; retry shortly",
+            )
         # the fast paths skip the transfer tax (a short prompt; a prefix the decode node
         # already holds): they are tried first, the others only if they break an SLO
         cands.sort(key=lambda c: (c.route == DISAGG, c.ttft_ms))
@@ -334,21 +379,31 @@ class Scheduler:
         best = min(cands, key=lambda c: c.ttft_ms)
         reason = worst or "ttft"
         if reason == "ttft":
-            msg = (f"estimated TTFT {best.ttft_ms:.1f} ms (queue {best.queue_ms:.1f} + prefill "
-                   f"{best.prefill_ms:.1f} + fetch {best.fetch_ms:.1f} + handoff "
-                   f"{best.handoff_ms:.1f}) on the best node {best.node} exceeds the TTFT SLO "
-                   f"of {r.ttft_slo_ms:.1f} ms")
+            msg = (
+                f"estimated TTFT {best.ttft_ms:.1f} ms (queue {best.queue_ms:.1f} + prefill "
+                f"{best.prefill_ms:.1f} + fetch {best.fetch_ms:.1f} + handoff "
+                f"{best.handoff_ms:.1f}) on the best node {best.node} exceeds the TTFT SLO "
+                f"of {r.ttft_slo_ms:.1f} ms"
+            )
             retry = max(best.ttft_ms - r.ttft_slo_ms * self.cfg.slo_margin, best.queue_ms, 50.0)
         elif reason == "tbt":
             tbt = best_seen[1] if best_seen else float("nan")
-            msg = (f"predicted time between tokens {tbt:.1f} ms on the least-loaded decode node "
-                   f"exceeds the TBT SLO of {r.tbt_slo_ms:.1f} ms")
+            msg = (
+                f"predicted time between tokens {tbt:.1f} ms on the least-loaded decode node "
+                f"exceeds the TBT SLO of {r.tbt_slo_ms:.1f} ms"
+            )
             retry = 500.0
         else:
             msg = f"no decode node has KV room for {n + r.max_tokens} tokens"
             retry = 500.0
-        return Decision(False, candidates=cands, reason=reason, estimate=best,
-                        message=f"{msg}; retry after {retry:.0f} ms", retry_after_ms=retry)
+        return Decision(
+            False,
+            candidates=cands,
+            reason=reason,
+            estimate=best,
+            message=f"{msg}; retry after {retry:.0f} ms",
+            retry_after_ms=retry,
+        )
 
     # -- booking -------------------------------------------------------------------------
     def commit(self, r: Request, d: Decision) -> None:
@@ -363,11 +418,22 @@ class Scheduler:
         dn = self.decode[d.decode_node]
         expected = max(1.0, r.max_tokens * self._output_share)
         end = now + c.ttft_ms + expected * max(d.tbt_ms, 1e-3)
-        dn.admit(r.request_id, end, r.n_tokens + r.max_tokens,
-                 -(-(r.n_tokens + r.max_tokens) // dn.block_size))
+        dn.admit(
+            r.request_id,
+            end,
+            r.n_tokens + r.max_tokens,
+            -(-(r.n_tokens + r.max_tokens) // dn.block_size),
+        )
 
-    def prefill_done(self, r: Request, d: Decision, new: int, cached: int,
-                     ms: float | None = None, ttft_ms: float | None = None) -> None:
+    def prefill_done(
+        self,
+        r: Request,
+        d: Decision,
+        new: int,
+        cached: int,
+        ms: float | None = None,
+        ttft_ms: float | None = None,
+    ) -> None:
         """The prompt is computed: free its queue slot; learn from the compute time ``ms``
         (when the caller has no better source, e.g. node reports) and from the TTFT seen:
         the part of it no model explains (RPC hops, event loops) becomes the route's

@@ -33,25 +33,36 @@ import grpc
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
-from kvmesh.services.common.auth import (ApiKeyInterceptor, ApiKeys, StrictDecoding,
-                                  current_principal, tenant_seed)
+from kvmesh.services.common.auth import (
+    ApiKeyInterceptor,
+    ApiKeys,
+    StrictDecoding,
+    current_principal,
+    tenant_seed,
+)
 from kvmesh.services.common.config import ConfigError, load, option
 from kvmesh.services.common.hashing import prefix_hashes
+from kvmesh.services.common.metrics import REGISTRY as METRICS_REGISTRY
+from kvmesh.services.common.metrics import RequestStats
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.service import Service, run, setup_logging
 from kvmesh.services.common.settings import ServiceConfig
-from kvmesh.services.common.metrics import RequestStats
 from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.conductor.cluster import ClusterView, NodeInfo
-from kvmesh.services.conductor.http_api import HttpApi
-from kvmesh.services.conductor.observe import admission_attributes, fill_status, observed
-from kvmesh.services.common.metrics import REGISTRY as METRICS_REGISTRY
 from kvmesh.services.conductor.feeds import NodeFeeds
+from kvmesh.services.conductor.http_api import HttpApi
 from kvmesh.services.conductor.model_metrics import ModelErrorCollector
-from kvmesh.services.conductor.policy import (DISAGG, POLICIES, Decision, PolicyConfig, Request,
-                                       Scheduler)
-from kvmesh.services.engine.sampling import Sampling
+from kvmesh.services.conductor.observe import admission_attributes, fill_status, observed
+from kvmesh.services.conductor.policy import (
+    DISAGG,
+    POLICIES,
+    Decision,
+    PolicyConfig,
+    Request,
+    Scheduler,
+)
 from kvmesh.services.conductor.text import TextStream
+from kvmesh.services.engine.sampling import Sampling
 from kvmesh.services.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -64,26 +75,41 @@ class ConductorConfig(ServiceConfig):
     ttft_slo_ms: float = option(60000.0, "cluster TTFT SLO in ms; requests may only tighten it")
     tbt_slo_ms: float = option(5000.0, "cluster time-between-tokens SLO in ms")
     policy: str = option("kvmesh", "routing policy: random, load, cache, cache-load, kvmesh")
-    colocate_below_tokens: int = option(512, "prompts shorter than this are prefilled on the "
-                                             "decode node itself (0 = never)")
-    direct_share: float = option(0.9, "decode-direct when the decode node holds this share "
-                                      "of the prefix")
-    slo_margin: float = option(0.85, "admit only when the estimate is within this share of "
-                                     "the SLO (room for estimate error)")
+    colocate_below_tokens: int = option(
+        512, "prompts shorter than this are prefilled on the decode node itself (0 = never)"
+    )
+    direct_share: float = option(
+        0.9, "decode-direct when the decode node holds this share of the prefix"
+    )
+    slo_margin: float = option(
+        0.85,
+        "admit only when the estimate is within this share of the SLO (room for estimate error)",
+    )
     report_interval_ms: float = option(200.0, "period of the nodes' load reports")
     request_timeout_s: float = option(300.0, "longest a request may run end to end")
-    max_prompt_tokens: int = option(0, "longest prompt accepted, in tokens (0 = the model's "
-                                       "context)")
+    max_prompt_tokens: int = option(
+        0, "longest prompt accepted, in tokens (0 = the model's context)"
+    )
     max_tokens_limit: int = option(4096, "largest max_tokens a request may ask for")
-    max_streams_per_client: int = option(64, "concurrent Generate streams per client (API "
-                                             "key, else peer address)")
-    drain_timeout_s: float = option(20.0, "on shutdown, how long in-flight streams may take "
-                                          "to finish before they end with UNAVAILABLE")
-    http_port: int = option(8000, "OpenAI-compatible HTTP API port on --host (0 = any free port, "
-                                  "advertised in etcd as \"http\"; -1 = off)")
-    api_keys: str = option("", "client API keys, comma-separated entries KEY, KEY:TENANT or "
-                               "KEY:TENANT:shared=NAMESPACE (see services.common.auth); empty "
-                               "(and no --api-keys-file) = open API")
+    max_streams_per_client: int = option(
+        64, "concurrent Generate streams per client (API key, else peer address)"
+    )
+    drain_timeout_s: float = option(
+        20.0,
+        "on shutdown, how long in-flight streams may take "
+        "to finish before they end with UNAVAILABLE",
+    )
+    http_port: int = option(
+        8000,
+        "OpenAI-compatible HTTP API port on --host (0 = any free port, "
+        'advertised in etcd as "http"; -1 = off)',
+    )
+    api_keys: str = option(
+        "",
+        "client API keys, comma-separated entries KEY, KEY:TENANT or "
+        "KEY:TENANT:shared=NAMESPACE (see services.common.auth); empty "
+        "(and no --api-keys-file) = open API",
+    )
     api_keys_file: str = option("", "file with one API key entry per line (# comments)")
 
     def validate(self) -> None:
@@ -104,20 +130,24 @@ client_id: contextvars.ContextVar[str] = contextvars.ContextVar("kvmesh_client",
 
 
 class Rejected(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code, self.message, self.metadata = code, message, metadata
 
 
 class ConductorServicer(pbg.ConductorServicer):
-    def __init__(self, c: "Conductor") -> None:
+    def __init__(self, c: Conductor) -> None:
         self.c = c
 
     async def Generate(self, req, context):
         principal = current_principal.get()
-        client_id.set(principal.tenant if self.c.api_keys.enabled
-                      else (context.peer() or "").rsplit(":", 1)[0])
+        client_id.set(
+            principal.tenant
+            if self.c.api_keys.enabled
+            else (context.peer() or "").rsplit(":", 1)[0]
+        )
         try:
             async for resp in observed(self.c, req):
                 yield resp
@@ -135,26 +165,32 @@ class Conductor(Service):
 
     def server_interceptors(self) -> list:
         self.api_keys = ApiKeys.from_config(self.cfg.api_keys, self.cfg.api_keys_file)
-        return [StrictDecoding(), *([ApiKeyInterceptor(self.api_keys)]
-                                    if self.api_keys.enabled else [])]
+        return [
+            StrictDecoding(),
+            *([ApiKeyInterceptor(self.api_keys)] if self.api_keys.enabled else []),
+        ]
 
     def __init__(self, cfg: ConductorConfig) -> None:
         super().__init__(cfg)
         self.cfg: ConductorConfig = cfg
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self.view = ClusterView(self.membership)
-        self.sched = Scheduler(PolicyConfig(policy=cfg.policy,
-                                            colocate_below_tokens=cfg.colocate_below_tokens,
-                                            direct_share=cfg.direct_share,
-                                            slo_margin=cfg.slo_margin))
+        self.sched = Scheduler(
+            PolicyConfig(
+                policy=cfg.policy,
+                colocate_below_tokens=cfg.colocate_below_tokens,
+                direct_share=cfg.direct_share,
+                slo_margin=cfg.slo_margin,
+            )
+        )
         self.feeds = NodeFeeds(self.view, self.sched, cfg.report_interval_ms)
         self._tokenizers: dict[str, object] = {}
         self.request_stats = RequestStats()
         self.http: HttpApi | None = None
         self.decisions: deque[dict] = deque(maxlen=1024)
         self._streams: collections.Counter[str] = collections.Counter()
-        self._draining = False        # no new requests
-        self._abort_streams = False   # in-flight streams end with UNAVAILABLE
+        self._draining = False  # no new requests
+        self._abort_streams = False  # in-flight streams end with UNAVAILABLE
 
     async def setup(self) -> None:
         pbg.add_ConductorServicer_to_server(ConductorServicer(self), self.server)
@@ -189,16 +225,22 @@ class Conductor(Service):
     def _resolve_model(self, name: str) -> tuple[str, str]:
         models = self.view.models()
         if not models:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE,
-                           "no model is served yet: the cluster has no live decode node")
+            raise Rejected(
+                grpc.StatusCode.UNAVAILABLE,
+                "no model is served yet: the cluster has no live decode node",
+            )
         if not name:
             if len(models) > 1:
-                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"model is required: this cluster serves {sorted(models)}")
+                raise Rejected(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"model is required: this cluster serves {sorted(models)}",
+                )
             name = next(iter(models))
         if name not in models:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"unknown model {name!r}; this cluster serves {sorted(models)}")
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown model {name!r}; this cluster serves {sorted(models)}",
+            )
         return name, models[name][0]
 
     def tokenizer(self, info: dict):
@@ -223,16 +265,25 @@ class Conductor(Service):
         if req.max_tokens <= 0:
             raise Rejected(bad, f"max_tokens must be > 0, got {req.max_tokens}")
         if req.max_tokens > self.cfg.max_tokens_limit:
-            raise Rejected(bad, f"max_tokens is {req.max_tokens}; this cluster allows at most "
-                                f"{self.cfg.max_tokens_limit}")
+            raise Rejected(
+                bad,
+                f"max_tokens is {req.max_tokens}; this cluster allows at most "
+                f"{self.cfg.max_tokens_limit}",
+            )
         if self.cfg.max_prompt_tokens and len(tokens) > self.cfg.max_prompt_tokens:
-            raise Rejected(bad, f"the prompt has {len(tokens)} tokens; this cluster accepts at "
-                                f"most {self.cfg.max_prompt_tokens}")
+            raise Rejected(
+                bad,
+                f"the prompt has {len(tokens)} tokens; this cluster accepts at "
+                f"most {self.cfg.max_prompt_tokens}",
+            )
         ctx = int(info.get("max_context", 0))
         if len(tokens) + req.max_tokens > ctx:
-            raise Rejected(bad, f"the prompt has {len(tokens)} tokens and max_tokens is "
-                                f"{req.max_tokens}: together they exceed the model's context "
-                                f"of {ctx} tokens; shorten the prompt or lower max_tokens")
+            raise Rejected(
+                bad,
+                f"the prompt has {len(tokens)} tokens and max_tokens is "
+                f"{req.max_tokens}: together they exceed the model's context "
+                f"of {ctx} tokens; shorten the prompt or lower max_tokens",
+            )
         err = Sampling.from_proto(req.sampling).validate(int(info.get("vocab_size", 0)))
         if err:
             raise Rejected(bad, err)
@@ -254,9 +305,11 @@ class Conductor(Service):
         """The scheduler's decision among the nodes serving fingerprint ``fp``."""
         fps = self.feeds.fingerprint_of
         if any(fps.get(n) != fp for n in (*self.sched.prefill, *self.sched.decode)):
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                           "nodes of several model fingerprints are live; serving more than "
-                           "one model per cluster is not supported yet")
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "nodes of several model fingerprints are live; serving more than "
+                "one model per cluster is not supported yet",
+            )
         store_prefix = None if self.feeds.store_live else await self._store_prefix(r.hashes)
         return self.sched.decide(r, store_prefix)
 
@@ -265,22 +318,27 @@ class Conductor(Service):
         """The request's life (module docstring), within the per-client stream limit and
         the shutdown drain."""
         if self._draining:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE, "this conductor is shutting down; "
-                                                        "retry on another conductor")
+            raise Rejected(
+                grpc.StatusCode.UNAVAILABLE,
+                "this conductor is shutting down; retry on another conductor",
+            )
         client = client_id.get()
         if self._streams[client] >= self.cfg.max_streams_per_client:
-            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"client {client!r} already has {self._streams[client]} streams "
-                           f"open (limit {self.cfg.max_streams_per_client}); retry when one "
-                           f"ends", (("retry-after-ms", "1000"),
-                                     ("kvmesh-reject-reason", "client_streams")))
+            raise Rejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"client {client!r} already has {self._streams[client]} streams "
+                f"open (limit {self.cfg.max_streams_per_client}); retry when one "
+                f"ends",
+                (("retry-after-ms", "1000"), ("kvmesh-reject-reason", "client_streams")),
+            )
         self._streams[client] += 1
         try:
             async for resp in self._generate(req):
                 if self._abort_streams:
-                    raise Rejected(grpc.StatusCode.UNAVAILABLE,
-                                   "this conductor shut down before the stream ended; retry "
-                                   "the request")
+                    raise Rejected(
+                        grpc.StatusCode.UNAVAILABLE,
+                        "this conductor shut down before the stream ended; retry the request",
+                    )
                 yield resp
         finally:
             self._streams[client] -= 1
@@ -290,13 +348,17 @@ class Conductor(Service):
     async def _generate(self, req: pb.GenerateRequest):
         t_arrival = time.perf_counter()
         model, fp = self._resolve_model(req.model)
-        info = next(n.raw for n in self.view.nodes("prefill") + self.view.nodes("decode")
-                    if n.fingerprint == fp)
+        info = next(
+            n.raw
+            for n in self.view.nodes("prefill") + self.view.nodes("decode")
+            if n.fingerprint == fp
+        )
         tokens = self._tokens(req, info)
         rid = req.request_id or uuid.uuid4().hex
         bs = int(info["block_size"])
-        hashes = prefix_hashes(bytes.fromhex(fp) + tenant_seed() + req.cache_salt.encode(),
-                               tokens, bs)  # the tenant's namespace first: see common.auth
+        hashes = prefix_hashes(
+            bytes.fromhex(fp) + tenant_seed() + req.cache_salt.encode(), tokens, bs
+        )  # the tenant's namespace first: see common.auth
         ttft_slo = min(req.slo.ttft_ms or self.cfg.ttft_slo_ms, self.cfg.ttft_slo_ms)
         tbt_slo = min(req.slo.tbt_ms or self.cfg.tbt_slo_ms, self.cfg.tbt_slo_ms)
         # the time this request already spent here (parsing, hashing, lookups) counts too
@@ -306,17 +368,27 @@ class Conductor(Service):
         d = await self._decide(r, fp)
         record_span("conductor.admission", t_admit, attributes=admission_attributes(r, d))
         if not d.accepted:
-            code = (grpc.StatusCode.UNAVAILABLE if d.reason == "no-nodes"
-                    else grpc.StatusCode.RESOURCE_EXHAUSTED)
-            meta = (("retry-after-ms", f"{d.retry_after_ms:.0f}"),
-                    ("kvmesh-reject-reason", d.reason))
+            code = (
+                grpc.StatusCode.UNAVAILABLE
+                if d.reason == "no-nodes"
+                else grpc.StatusCode.RESOURCE_EXHAUSTED
+            )
+            meta = (
+                ("retry-after-ms", f"{d.retry_after_ms:.0f}"),
+                ("kvmesh-reject-reason", d.reason),
+            )
             if d.estimate is not None:
                 meta += (("kvmesh-estimated-ttft-ms", f"{d.estimate.ttft_ms:.1f}"),)
             raise Rejected(code, d.message, meta)
         self.sched.commit(r, d)
-        record = {"request_id": rid, "route": d.route, "prefill": d.prefill_node,
-                  "decode": d.decode_node, "estimated_ttft_ms": d.estimate.ttft_ms,
-                  "candidates": [(c.route, c.node, round(c.ttft_ms, 2)) for c in d.candidates]}
+        record = {
+            "request_id": rid,
+            "route": d.route,
+            "prefill": d.prefill_node,
+            "decode": d.decode_node,
+            "estimated_ttft_ms": d.estimate.ttft_ms,
+            "candidates": [(c.route, c.node, round(c.ttft_ms, 2)) for c in d.candidates],
+        }
         self.decisions.append(record)
         log.debug("decision %s", record)
         produced = 0
@@ -327,8 +399,16 @@ class Conductor(Service):
         finally:
             self.sched.request_done(r, d, produced)
 
-    async def _serve(self, r: Request, d: Decision, req: pb.GenerateRequest,
-                     tokens: list[int], t_arrival: float, record: dict, info: dict):
+    async def _serve(
+        self,
+        r: Request,
+        d: Decision,
+        req: pb.GenerateRequest,
+        tokens: list[int],
+        t_arrival: float,
+        record: dict,
+        info: dict,
+    ):
         rid = r.request_id
         dnode = self._node("decode", d.decode_node)
         target = await self._reserve(dnode, rid, len(tokens), req.max_tokens)
@@ -337,8 +417,13 @@ class Conductor(Service):
         eos_ids = frozenset(info.get("eos_ids") or [tok.eos_id])
         usage = pb.Usage(prompt_tokens=len(tokens))
         route = pb.Route(decode_node=dnode.node_id, estimated_ttft_ms=d.estimate.ttft_ms)
-        dreq = pb.DecodeRequest(request_id=rid, max_tokens=req.max_tokens, sampling=req.sampling,
-                                prompt_token_ids=tokens, block_hashes=r.hashes)
+        dreq = pb.DecodeRequest(
+            request_id=rid,
+            max_tokens=req.max_tokens,
+            sampling=req.sampling,
+            prompt_token_ids=tokens,
+            block_hashes=r.hashes,
+        )
         if d.route == DISAGG:
             try:
                 presp, pnode = await self._prefill(r, d, tokens, target, req)
@@ -348,8 +433,9 @@ class Conductor(Service):
             route.prefill_node = pnode.node_id
             dreq.first_token = presp.first_token
             self._first_token_seen(r, d, presp, t_arrival, record)
-            first = self._response(rid, [presp.first_token], decoder, usage, presp, route, req,
-                                   eos_ids)
+            first = self._response(
+                rid, [presp.first_token], decoder, usage, presp, route, req, eos_ids
+            )
             yield first
             if first.finish_reason:
                 await self._release(dnode, rid)
@@ -361,33 +447,47 @@ class Conductor(Service):
             async for msg in stream:
                 if msg.HasField("prefill"):
                     self._first_token_seen(r, d, msg.prefill, t_arrival, record)
-                    resp = self._response(rid, list(msg.token_ids), decoder, usage, msg.prefill,
-                                          route, req, eos_ids)
+                    resp = self._response(
+                        rid, list(msg.token_ids), decoder, usage, msg.prefill, route, req, eos_ids
+                    )
                 else:
-                    resp = self._response(rid, list(msg.token_ids), decoder, usage, None, None,
-                                          req, eos_ids, msg.finish_reason,
-                                          logprobs=list(msg.logprobs))
+                    resp = self._response(
+                        rid,
+                        list(msg.token_ids),
+                        decoder,
+                        usage,
+                        None,
+                        None,
+                        req,
+                        eos_ids,
+                        msg.finish_reason,
+                        logprobs=list(msg.logprobs),
+                    )
                 yield resp
                 if resp.finish_reason:
                     return
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise Rejected(e.code(), e.details()) from None
-            raise Rejected(grpc.StatusCode.UNAVAILABLE,
-                           f"decode node {dnode.node_id} failed after "
-                           f"{usage.completion_tokens} tokens ({e.code().name}: {e.details()}); "
-                           f"retry the request") from None
+            raise Rejected(
+                grpc.StatusCode.UNAVAILABLE,
+                f"decode node {dnode.node_id} failed after "
+                f"{usage.completion_tokens} tokens ({e.code().name}: {e.details()}); "
+                f"retry the request",
+            ) from None
         finally:
             stream.cancel()
 
-    def _response(self, rid, token_ids, decoder, usage, presp, route, req, eos_ids, reason="",
-                  logprobs=()):
+    def _response(
+        self, rid, token_ids, decoder, usage, presp, route, req, eos_ids, reason="", logprobs=()
+    ):
         if presp is not None:
             usage.cached_tokens = presp.cached_tokens + presp.fetched_tokens
             usage.computed_tokens = presp.computed_tokens
             first = token_ids[0]
-            if ((first in eos_ids and not req.sampling.ignore_eos)
-                    or first in req.sampling.stop_token_ids):
+            if (
+                first in eos_ids and not req.sampling.ignore_eos
+            ) or first in req.sampling.stop_token_ids:
                 reason = "stop"
             elif req.max_tokens == 1:
                 reason = "length"
@@ -397,16 +497,23 @@ class Conductor(Service):
         text = decoder.push(token_ids, final=bool(reason))
         if decoder.stopped:
             reason = "stop"
-        return pb.GenerateResponse(request_id=rid, token_ids=token_ids, text=text,
-                                   finish_reason=reason, usage=usage if reason else None,
-                                   route=route, logprobs=list(logprobs))
+        return pb.GenerateResponse(
+            request_id=rid,
+            token_ids=token_ids,
+            text=text,
+            finish_reason=reason,
+            usage=usage if reason else None,
+            route=route,
+            logprobs=list(logprobs),
+        )
 
     def _first_token_seen(self, r, d, presp, t_arrival, record) -> None:
         ttft = (time.perf_counter() - t_arrival) * 1000
         record["actual_ttft_ms"] = ttft
         # compute times reach the models from the nodes' reports; here only the TTFT
-        self.sched.prefill_done(r, d, presp.computed_tokens, presp.cached_tokens +
-                                presp.fetched_tokens, ttft_ms=ttft)
+        self.sched.prefill_done(
+            r, d, presp.computed_tokens, presp.cached_tokens + presp.fetched_tokens, ttft_ms=ttft
+        )
 
     def _node(self, role: str, node_id: str) -> NodeInfo:
         for n in self.view.nodes(role):
@@ -417,15 +524,18 @@ class Conductor(Service):
     async def _reserve(self, d: NodeInfo, rid: str, n: int, max_tokens: int) -> pb.KVTarget:
         try:
             resp = await self.view.decode_stub(d).Reserve(
-                pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens),
-                timeout=5)
+                pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens), timeout=5
+            )
             return resp.target
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 code = grpc.StatusCode.UNAVAILABLE
-            raise Rejected(code, f"decode node {d.node_id} could not reserve KV for "
-                                 f"{n + max_tokens} tokens ({e.details()}); retry") from None
+            raise Rejected(
+                code,
+                f"decode node {d.node_id} could not reserve KV for "
+                f"{n + max_tokens} tokens ({e.details()}); retry",
+            ) from None
 
     async def _release(self, d: NodeInfo, rid: str) -> None:
         try:
@@ -444,9 +554,10 @@ class Conductor(Service):
                 if done:
                     return task.result()
                 if all(n.node_id != node.node_id for n in self.view.nodes(node.role)):
-                    raise Rejected(grpc.StatusCode.UNAVAILABLE,
-                                   f"{node.role} node {node.node_id} left the cluster "
-                                   f"mid-request")
+                    raise Rejected(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"{node.role} node {node.node_id} left the cluster mid-request",
+                    )
         finally:
             if not task.done():
                 task.cancel()
@@ -454,17 +565,26 @@ class Conductor(Service):
     async def _prefill(self, r: Request, d: Decision, tokens, target, req):
         """Prefill on the chosen node; a node that fails is skipped for the next
         disaggregated candidate (at most three tries)."""
-        order = [d.prefill_node] + [c.node for c in d.candidates
-                                    if c.route == DISAGG and c.node != d.prefill_node]
+        order = [d.prefill_node] + [
+            c.node for c in d.candidates if c.route == DISAGG and c.node != d.prefill_node
+        ]
         last = ""
         for node_id in order[:3]:
             try:
                 node = self._node("prefill", node_id)
-                resp = await self._unless_gone(node, self.view.prefill_stub(node).Prefill(
-                    pb.PrefillRequest(request_id=r.request_id, token_ids=tokens,
-                                      block_hashes=r.hashes, target=target,
-                                      sampling=req.sampling),
-                    timeout=self.cfg.request_timeout_s))
+                resp = await self._unless_gone(
+                    node,
+                    self.view.prefill_stub(node).Prefill(
+                        pb.PrefillRequest(
+                            request_id=r.request_id,
+                            token_ids=tokens,
+                            block_hashes=r.hashes,
+                            target=target,
+                            sampling=req.sampling,
+                        ),
+                        timeout=self.cfg.request_timeout_s,
+                    ),
+                )
                 return resp, node
             except grpc.aio.AioRpcError as e:
                 last = f"{node_id}: {e.code().name} {e.details()}"
@@ -474,8 +594,10 @@ class Conductor(Service):
             except Rejected as e:
                 last = e.message
                 log.warning("prefill on %s failed (%s); trying the next node", node_id, last)
-        raise Rejected(grpc.StatusCode.UNAVAILABLE, f"prefill failed on every candidate "
-                                                    f"(last: {last}); retry the request")
+        raise Rejected(
+            grpc.StatusCode.UNAVAILABLE,
+            f"prefill failed on every candidate (last: {last}); retry the request",
+        )
 
     # -- status --------------------------------------------------------------------------
     async def cluster_status(self) -> pb.ClusterStatusResponse:
@@ -483,11 +605,22 @@ class Conductor(Service):
         nodes = self.view.nodes()
 
         async def one(n: NodeInfo) -> pb.NodeStatus:
-            base = pb.NodeStatus(node_id=n.node_id, role=n.role, grpc_address=n.grpc,
-                                 data_address=n.raw.get("data", ""), model=n.model,
-                                 fingerprint=n.fingerprint, reachable=True)
-            stub = (self.view.prefill_stub(n) if n.role == "prefill" else
-                    self.view.decode_stub(n) if n.role == "decode" else None)
+            base = pb.NodeStatus(
+                node_id=n.node_id,
+                role=n.role,
+                grpc_address=n.grpc,
+                data_address=n.raw.get("data", ""),
+                model=n.model,
+                fingerprint=n.fingerprint,
+                reachable=True,
+            )
+            stub = (
+                self.view.prefill_stub(n)
+                if n.role == "prefill"
+                else self.view.decode_stub(n)
+                if n.role == "decode"
+                else None
+            )
             if stub is None:
                 return base
             try:
@@ -502,7 +635,10 @@ class Conductor(Service):
             try:
                 s = await stub.Stats(pb.StoreStatsRequest(), timeout=1)
                 out.store_blocks, out.store_bytes_used, out.store_bytes_total = (
-                    s.blocks, s.bytes_used, s.bytes_total)
+                    s.blocks,
+                    s.bytes_used,
+                    s.bytes_total,
+                )
             except grpc.aio.AioRpcError:
                 pass
         fill_status(self, out)

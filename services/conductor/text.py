@@ -26,13 +26,13 @@ class TextStream:
         if self.stops:
             cut = find_stop(text, self.stops, start=max(0, self.emitted - self.hold))
             if cut is not None:
-                out, self.emitted, self.stopped = text[self.emitted:cut], cut, True
+                out, self.emitted, self.stopped = text[self.emitted : cut], cut, True
                 return out
         end = len(text)
         if not final:
             end -= self.hold
             while end > self.emitted and text[end - 1] == "\ufffd":
                 end -= 1
-        out = text[self.emitted:end] if end > self.emitted else ""
+        out = text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return out

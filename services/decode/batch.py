@@ -20,8 +20,8 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -43,9 +43,9 @@ class Reservation:
     created: float = field(default_factory=time.monotonic)
     kv_ready: asyncio.Event = field(default_factory=asyncio.Event)
     decoding: bool = False
-    prompt_ids: list[int] = field(default_factory=list)   # to cache and to recompute
-    hashes: list[bytes] = field(default_factory=list)      # of the prompt's full blocks
-    generated: list[int] = field(default_factory=list)     # first token onwards
+    prompt_ids: list[int] = field(default_factory=list)  # to cache and to recompute
+    hashes: list[bytes] = field(default_factory=list)  # of the prompt's full blocks
+    generated: list[int] = field(default_factory=list)  # first token onwards
 
 
 @dataclass(eq=False)
@@ -65,9 +65,18 @@ class Running:
 
 
 class BatchScheduler:
-    def __init__(self, model, pool, block_size: int, max_batch: int, step_token_budget: int,
-                 eos_ids: frozenset[int], on_step: Callable[[int, int, float], None],
-                 on_prompt: Callable[[int, int, float], None], counters: dict) -> None:
+    def __init__(
+        self,
+        model,
+        pool,
+        block_size: int,
+        max_batch: int,
+        step_token_budget: int,
+        eos_ids: frozenset[int],
+        on_step: Callable[[int, int, float], None],
+        on_prompt: Callable[[int, int, float], None],
+        counters: dict,
+    ) -> None:
         self.model, self.pool, self.bs = model, pool, block_size
         self.max_batch, self.budget = max_batch, step_token_budget
         self.eos_ids = eos_ids
@@ -91,8 +100,12 @@ class BatchScheduler:
             end = min(n, pos + chunk)
             async with self.compute:
                 logits = await asyncio.to_thread(
-                    self.model.forward_prefill, torch.tensor(tokens[pos:end], dtype=torch.long),
-                    pos, self.pool, table)
+                    self.model.forward_prefill,
+                    torch.tensor(tokens[pos:end], dtype=torch.long),
+                    pos,
+                    self.pool,
+                    table,
+                )
             pos = end
         self.on_prompt(n - start, start, (time.perf_counter() - t0) * 1000)
         return logits
@@ -101,8 +114,9 @@ class BatchScheduler:
         """Blocks of the longest cached prefix (referenced), leaving >= 1 token to compute."""
         bs = self.bs
         usable = min(len(hashes), (len(tokens) - 1) // bs)
-        return self.pool.match(hashes[:usable], [tuple(tokens[i * bs:(i + 1) * bs])
-                                                 for i in range(usable)])
+        return self.pool.match(
+            hashes[:usable], [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(usable)]
+        )
 
     # -- blocks ------------------------------------------------------------------------------
     def chain(self, res: Reservation) -> tuple[list[int], list[bytes]] | None:
@@ -113,7 +127,7 @@ class BatchScheduler:
         tokens = res.prompt_ids + res.generated[:-1]  # the last token's KV is not computed
         hashes = list(res.hashes)
         if hashes:
-            hashes += prefix_hashes(hashes[-1], tokens[len(hashes) * bs:], bs)
+            hashes += prefix_hashes(hashes[-1], tokens[len(hashes) * bs :], bs)
         return tokens, hashes
 
     def cache_blocks(self, res: Reservation) -> None:
@@ -125,8 +139,12 @@ class BatchScheduler:
         tokens, hashes = got
         bs = self.bs
         for i, h in enumerate(hashes[: len(res.blocks)]):
-            self.pool.insert(h, res.blocks[i], tokens[i * bs:(i + 1) * bs],
-                             parent_hash=hashes[i - 1] if i else None)
+            self.pool.insert(
+                h,
+                res.blocks[i],
+                tokens[i * bs : (i + 1) * bs],
+                parent_hash=hashes[i - 1] if i else None,
+            )
 
     def free(self, res: Reservation) -> None:
         if any(r.res is res for r in self._in_step):
@@ -154,8 +172,11 @@ class BatchScheduler:
         victim.preemptions += 1
         self.preemptions += 1
         self.waiting.append(victim)
-        log.info("preempted %s at position %d (pool out of blocks)", victim.res.request_id,
-                 victim.position)
+        log.info(
+            "preempted %s at position %d (pool out of blocks)",
+            victim.res.request_id,
+            victim.position,
+        )
 
     async def _resume(self, r: Running) -> bool:
         """Rebuilds a preempted request's KV; False if the pool has no room yet."""
@@ -182,9 +203,12 @@ class BatchScheduler:
                     victim = max(self.running, key=lambda x: x.seq)
                     if self.chain(victim.res) is None:  # cannot be recomputed
                         self.running.remove(victim)
-                        victim.out.put_nowait(MemoryError(
-                            f"the KV pool has no room to grow request "
-                            f"{victim.res.request_id}; retry"))
+                        victim.out.put_nowait(
+                            MemoryError(
+                                f"the KV pool has no room to grow request "
+                                f"{victim.res.request_id}; retry"
+                            )
+                        )
                     else:
                         self._preempt(victim)
         return [r for r in batch if r in self.running]
@@ -196,8 +220,12 @@ class BatchScheduler:
                 self.waiting.popleft()
             if self.waiting and self.waiting[0].position // self.bs + 1 > self.pool.num_blocks:
                 r = self.waiting.popleft()  # it could never fit, even alone
-                r.out.put_nowait(MemoryError(f"the KV pool cannot hold request "
-                                             f"{r.res.request_id}; retry on a larger node"))
+                r.out.put_nowait(
+                    MemoryError(
+                        f"the KV pool cannot hold request "
+                        f"{r.res.request_id}; retry on a larger node"
+                    )
+                )
                 continue
             if not self.running:  # wait for an admission, or for blocks to free up
                 self._wake.clear()
@@ -208,7 +236,7 @@ class BatchScheduler:
                 await self._step(batch)
             # round-robin so a batch larger than max_batch shares steps fairly
             if len(self.running) > self.max_batch:
-                self.running = self.running[self.max_batch:] + self.running[: self.max_batch]
+                self.running = self.running[self.max_batch :] + self.running[: self.max_batch]
 
     async def _step(self, batch: list[Running]) -> None:
         tokens = torch.tensor([r.token for r in batch], dtype=torch.long)
@@ -218,10 +246,12 @@ class BatchScheduler:
         try:
             async with self.compute:
                 tc = time.perf_counter()
-                logits = await asyncio.to_thread(self.model.forward_decode, tokens, positions,
-                                                 tables, self.pool)
-                self.on_step(len(batch), sum(positions) + len(batch),
-                             (time.perf_counter() - tc) * 1000)
+                logits = await asyncio.to_thread(
+                    self.model.forward_decode, tokens, positions, tables, self.pool
+                )
+                self.on_step(
+                    len(batch), sum(positions) + len(batch), (time.perf_counter() - tc) * 1000
+                )
         except Exception as e:  # a bug, not a client's mistake: fail these requests
             log.exception("decode step failed")
             for r in batch:

@@ -32,9 +32,9 @@ from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common.config import ConfigError, load, option
 from kvmesh.services.common.model_node import ModelNode
-from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.settings import NodeConfig
+from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.decode.batch import BatchScheduler, Reservation, Running
 from kvmesh.services.engine.kv_pool import OutOfBlocks
 from kvmesh.services.engine.sampling import Sampling, sample_with_logprob
@@ -49,10 +49,16 @@ class DecodeConfig(NodeConfig):
     max_batch: int = option(32, "most requests decoded in one step")
     kv_wait_s: float = option(30.0, "how long Decode waits for the prefill's KV")
     reservation_timeout_s: float = option(60.0, "a reservation not decoded within this is freed")
-    fence_s: float = option(30.0, "blocks of a reservation whose KV never completed stay "
-                                  "unused this long (late writes from a cut-off prefill node)")
-    step_token_budget: int = option(512, "most tokens one model step computes: the running "
-                                         "batch plus a chunk of a prompt computed here")
+    fence_s: float = option(
+        30.0,
+        "blocks of a reservation whose KV never completed stay "
+        "unused this long (late writes from a cut-off prefill node)",
+    )
+    step_token_budget: int = option(
+        512,
+        "most tokens one model step computes: the running "
+        "batch plus a chunk of a prompt computed here",
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -63,37 +69,52 @@ class DecodeConfig(NodeConfig):
 
 
 class DecodeServicer(pbg.DecodeNodeServicer):
-    def __init__(self, node: "DecodeNode") -> None:
+    def __init__(self, node: DecodeNode) -> None:
         self.node = node
 
     async def Reserve(self, req, context):
         node = self.node
         if not req.request_id or req.prompt_tokens == 0 or req.max_tokens == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "Reserve needs request_id, prompt_tokens > 0 and max_tokens > 0")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Reserve needs request_id, prompt_tokens > 0 and max_tokens > 0",
+            )
         if req.request_id in node.reservations:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request {req.request_id} already holds a reservation")
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {req.request_id} already holds a reservation",
+            )
         total = req.prompt_tokens + req.max_tokens
         if total > node.model_config.max_position_embeddings:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{total} tokens exceed the model context")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{total} tokens exceed the model context"
+            )
         try:
             res = node.reserve(req.request_id, req.prompt_tokens)
         except OutOfBlocks:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"decode node {node.node_id} has no room for a prompt of "
-                                f"{req.prompt_tokens} tokens")
-        return pb.ReserveResponse(target=pb.KVTarget(
-            node_id=node.node_id, data_address=node.te.address, region_id=node.pool_region,
-            block_ids=res.blocks, block_nbytes=node.pool.block_nbytes))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"decode node {node.node_id} has no room for a prompt of "
+                f"{req.prompt_tokens} tokens",
+            )
+        return pb.ReserveResponse(
+            target=pb.KVTarget(
+                node_id=node.node_id,
+                data_address=node.te.address,
+                region_id=node.pool_region,
+                block_ids=res.blocks,
+                block_nbytes=node.pool.block_nbytes,
+            )
+        )
 
     async def Decode(self, req, context):
         node = self.node
         res = node.reservations.get(req.request_id)
         if res is None or res.decoding:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"no reservation for request {req.request_id!r}; call Reserve first")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no reservation for request {req.request_id!r}; call Reserve first",
+            )
         sampling = Sampling.from_proto(req.sampling)
         if err := sampling.validate(node.model_config.vocab_size):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
@@ -107,27 +128,44 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 node.release(req.request_id)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
             first, presp = await node.prefill_here(res, sampling)
-            record_span("decode.prefill_here", t_wait, attributes={
-                "kvmesh.computed_tokens": presp.computed_tokens,
-                "kvmesh.cached_tokens": presp.cached_tokens + presp.fetched_tokens})
-            yield pb.DecodeResponse(token_ids=[first], prefill=presp,
-                                    finish_reason="" if req.max_tokens > 1 else "length")
+            record_span(
+                "decode.prefill_here",
+                t_wait,
+                attributes={
+                    "kvmesh.computed_tokens": presp.computed_tokens,
+                    "kvmesh.cached_tokens": presp.cached_tokens + presp.fetched_tokens,
+                },
+            )
+            yield pb.DecodeResponse(
+                token_ids=[first],
+                prefill=presp,
+                finish_reason="" if req.max_tokens > 1 else "length",
+            )
             if req.max_tokens <= 1:
                 node.release(req.request_id)
                 return
         else:
             try:
                 await asyncio.wait_for(res.kv_ready.wait(), node.cfg.kv_wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 node.release(req.request_id)
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"KV of request {req.request_id} did not arrive in "
-                                    f"{node.cfg.kv_wait_s}s; retry the request")
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"KV of request {req.request_id} did not arrive in "
+                    f"{node.cfg.kv_wait_s}s; retry the request",
+                )
             record_span("decode.kv_wait", t_wait)
         res.generated = [first]
         t_decode, n_out = time.time_ns(), 0
-        r = Running(res, first, res.prompt_tokens, req.max_tokens - 1, step, sampling,
-                    frozenset(req.stop_token_ids) | sampling.stop_token_ids)
+        r = Running(
+            res,
+            first,
+            res.prompt_tokens,
+            req.max_tokens - 1,
+            step,
+            sampling,
+            frozenset(req.stop_token_ids) | sampling.stop_token_ids,
+        )
         node.batch.admit(r)
         try:
             while True:
@@ -138,15 +176,24 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {item}")
                 tok, reason, lp = item
                 n_out += 1
-                yield pb.DecodeResponse(token_ids=[tok], finish_reason=reason,
-                                        logprobs=[lp] if sampling.logprobs else [])
+                yield pb.DecodeResponse(
+                    token_ids=[tok],
+                    finish_reason=reason,
+                    logprobs=[lp] if sampling.logprobs else [],
+                )
                 if reason:
                     return
         finally:
             node.retire(r)
-            record_span("decode.generate", t_decode, attributes={
-                "kvmesh.tokens": n_out, "kvmesh.batch_size": len(node.running),
-                "kvmesh.preemptions": r.preemptions})
+            record_span(
+                "decode.generate",
+                t_decode,
+                attributes={
+                    "kvmesh.tokens": n_out,
+                    "kvmesh.batch_size": len(node.running),
+                    "kvmesh.preemptions": r.preemptions,
+                },
+            )
 
     async def Release(self, req, context):
         return pb.ReleaseResponse(released=self.node.release(req.request_id))
@@ -178,17 +225,25 @@ class DecodeNode(ModelNode):
     async def setup(self) -> None:
         await super().setup()
         self.batch = BatchScheduler(
-            self.model, self.pool, self.cfg.block_size, self.cfg.max_batch,
-            self.cfg.step_token_budget, frozenset(self.tokenizer.eos_ids),
-            on_step=self.events.record_decode, on_prompt=self.events.record_prefill,
-            counters=self.counters)
+            self.model,
+            self.pool,
+            self.cfg.block_size,
+            self.cfg.max_batch,
+            self.cfg.step_token_budget,
+            frozenset(self.tokenizer.eos_ids),
+            on_step=self.events.record_decode,
+            on_prompt=self.events.record_prefill,
+            counters=self.counters,
+        )
         self.te.add_notify_handler(self._on_notify)
         pbg.add_DecodeNodeServicer_to_server(DecodeServicer(self), self.server)
 
     async def after_start(self) -> None:
         await super().after_start()
-        self._tasks = [asyncio.create_task(self.batch.run()),
-                       asyncio.create_task(self._reap_loop())]
+        self._tasks = [
+            asyncio.create_task(self.batch.run()),
+            asyncio.create_task(self._reap_loop()),
+        ]
 
     def _on_notify(self, payload: bytes) -> None:
         if payload.startswith(b"kv:"):
@@ -218,8 +273,11 @@ class DecodeNode(ModelNode):
         return True
 
     def load_info(self) -> dict:
-        return {**super().load_info(), "queue_depth": len(self.reservations) - len(self.running),
-                "running": len(self.running)}
+        return {
+            **super().load_info(),
+            "queue_depth": len(self.reservations) - len(self.running),
+            "running": len(self.running),
+        }
 
     def check_prompt(self, req: pb.DecodeRequest, res: Reservation) -> str | None:
         n, bs = len(req.prompt_token_ids), self.cfg.block_size
@@ -249,10 +307,13 @@ class DecodeNode(ModelNode):
         first, first_lp = sample_with_logprob(logits, sampling, step=0)
         self.counters["computed"] += n - start
         self.counters["cached"] += start
-        return first, pb.PrefillResponse(first_token=first, computed_tokens=n - start,
-                                         cached_tokens=start,
-                                         first_logprob=first_lp if sampling.logprobs else 0.0,
-                                         prefill_ms=(time.perf_counter() - t0) * 1000)
+        return first, pb.PrefillResponse(
+            first_token=first,
+            computed_tokens=n - start,
+            cached_tokens=start,
+            first_logprob=first_lp if sampling.logprobs else 0.0,
+            prefill_ms=(time.perf_counter() - t0) * 1000,
+        )
 
     def retire(self, r: Running) -> None:
         self.batch.leave(r)

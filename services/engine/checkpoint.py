@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvmesh.services.common.hashing import model_fingerprint, preset_weights_digest
+from kvmesh.services.common.hashing import model_fingerprint
 
 from .config import PRESETS, ModelConfig, RopeScaling, dtype_name, resolve_dtype
 from .model import LlamaModel
@@ -47,7 +47,9 @@ log = logging.getLogger(__name__)
 
 KV_LAYOUT_VERSION = 1
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
 }
 _CHUNK = 1 << 22
 
@@ -64,18 +66,23 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: ByteTokenizer | HFTokenizer
     weights_digest: bytes
-    name: str   # preset name or the directory's base name
-    path: str   # preset name or absolute directory path (what the conductor loads the tokenizer from)
+    name: str  # preset name or the directory's base name
+    path: (
+        str  # preset name or absolute directory path (what the conductor loads the tokenizer from)
+    )
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def fingerprint(self, dtype_name_: str | torch.dtype | None = None, block_size: int = 256) -> str:
+    def fingerprint(
+        self, dtype_name_: str | torch.dtype | None = None, block_size: int = 256
+    ) -> str:
         """Fingerprint of weights digest, config, dtype, tokenizer, block size and KV layout."""
         dt = dtype_name(resolve_dtype(dtype_name_ if dtype_name_ is not None else self.dtype))
-        return model_fingerprint(self.config, self.weights_digest, dt, self.tokenizer.name,
-                                 block_size, KV_LAYOUT_VERSION)
+        return model_fingerprint(
+            self.config, self.weights_digest, dt, self.tokenizer.name, block_size, KV_LAYOUT_VERSION
+        )
 
 
 def load_model(spec: str, dtype: torch.dtype | str = torch.float32, seed: int = 0) -> LoadedModel:
@@ -85,8 +92,9 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32, seed: int = 
         model = LlamaModel.from_preset(spec, seed=seed, dtype=dt)
         return LoadedModel(model, model.config, ByteTokenizer(), model.weights_digest, spec, spec)
     if not os.path.isdir(spec):
-        raise CheckpointError(f"model: {spec!r} is neither a preset ({', '.join(PRESETS)}) "
-                              f"nor a model directory")
+        raise CheckpointError(
+            f"model: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory"
+        )
     path = os.path.abspath(spec)
     config = config_from_hf(path)
     try:
@@ -109,8 +117,11 @@ def _get(cfg: dict, key: str, where: str, typ=int, default: Any = ..., positive:
             raise CheckpointError(f"{where}: missing required key {key!r}")
         return default
     v = cfg[key]
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) if typ is float else (
-        isinstance(v, typ) and not isinstance(v, bool) if typ is int else isinstance(v, typ))
+    ok = (
+        isinstance(v, (int, float)) and not isinstance(v, bool)
+        if typ is float
+        else (isinstance(v, typ) and not isinstance(v, bool) if typ is int else isinstance(v, typ))
+    )
     if not ok:
         raise CheckpointError(f"{where}: {key} must be {typ.__name__}, got {v!r}")
     if positive and typ in (int, float) and not v > 0:
@@ -123,7 +134,13 @@ def _rope(cfg: dict, where: str) -> tuple[float, RopeScaling | None]:
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         raise CheckpointError(f"{where}: per-layer-type rope_parameters are not supported")
     if isinstance(params, dict):  # transformers 5.x
-        theta = _get(params, "rope_theta", where + " rope_parameters", float, cfg.get("rope_theta") or 10000.0)
+        theta = _get(
+            params,
+            "rope_theta",
+            where + " rope_parameters",
+            float,
+            cfg.get("rope_theta") or 10000.0,
+        )
         scaling = params
     else:  # transformers 4.x
         theta = _get(cfg, "rope_theta", where, float, 10000.0)
@@ -136,15 +153,23 @@ def _rope(cfg: dict, where: str) -> tuple[float, RopeScaling | None]:
     if rtype == "default":
         return theta, None
     if rtype not in ("linear", "llama3"):
-        raise CheckpointError(f"{where}: unsupported rope scaling type {rtype!r} (supported: linear, llama3)")
+        raise CheckpointError(
+            f"{where}: unsupported rope scaling type {rtype!r} (supported: linear, llama3)"
+        )
     w = f"{where} rope scaling"
     try:
         rs = RopeScaling(
-            rope_type=rtype, factor=_get(scaling, "factor", w, float),
-            low_freq_factor=_get(scaling, "low_freq_factor", w, float, 1.0 if rtype == "linear" else ...),
-            high_freq_factor=_get(scaling, "high_freq_factor", w, float, 4.0 if rtype == "linear" else ...),
+            rope_type=rtype,
+            factor=_get(scaling, "factor", w, float),
+            low_freq_factor=_get(
+                scaling, "low_freq_factor", w, float, 1.0 if rtype == "linear" else ...
+            ),
+            high_freq_factor=_get(
+                scaling, "high_freq_factor", w, float, 4.0 if rtype == "linear" else ...
+            ),
             original_max_position_embeddings=_get(
-                scaling, "original_max_position_embeddings", w, int, 0 if rtype == "linear" else ...),
+                scaling, "original_max_position_embeddings", w, int, 0 if rtype == "linear" else ...
+            ),
         )
     except ValueError as e:
         if isinstance(e, CheckpointError):
@@ -162,15 +187,23 @@ def config_from_hf(path: str) -> ModelConfig:
         raise CheckpointError(str(e)) from None
     archs = cfg.get("architectures") or []
     if archs:
-        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(f"{where}: unsupported architecture {archs!r}; supported: "
-                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if (
+            not isinstance(archs, list)
+            or len(archs) != 1
+            or archs[0] not in SUPPORTED_ARCHITECTURES
+        ):
+            raise CheckpointError(
+                f"{where}: unsupported architecture {archs!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         family = SUPPORTED_ARCHITECTURES[archs[0]]
     else:
         family = cfg.get("model_type")
         if family not in SUPPORTED_ARCHITECTURES.values():
-            raise CheckpointError(f"{where}: unsupported model_type {family!r} and no architectures; "
-                                  f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise CheckpointError(
+                f"{where}: unsupported model_type {family!r} and no architectures; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{where}: unsupported hidden_act {act!r} (only silu)")
@@ -182,8 +215,10 @@ def config_from_hf(path: str) -> ModelConfig:
     head_dim = _get(cfg, "head_dim", where, int, None)
     if head_dim is None:
         if hidden % heads:
-            raise CheckpointError(f"{where}: hidden_size {hidden} is not a multiple of "
-                                  f"num_attention_heads {heads} and no head_dim is given")
+            raise CheckpointError(
+                f"{where}: hidden_size {hidden} is not a multiple of "
+                f"num_attention_heads {heads} and no head_dim is given"
+            )
         head_dim = hidden // heads
     default_ctx = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}[family]
     max_pos = _get(cfg, "max_position_embeddings", where, int, default_ctx)
@@ -191,8 +226,13 @@ def config_from_hf(path: str) -> ModelConfig:
     if family == "mistral" or (family == "qwen2" and cfg.get("use_sliding_window")):
         window = _get(cfg, "sliding_window", where, int, None)
     if window is not None and window < max_pos:
-        log.warning("%s: sliding-window attention is not implemented; serving context capped "
-                    "at the window (%d tokens instead of %d)", where, window, max_pos)
+        log.warning(
+            "%s: sliding-window attention is not implemented; serving context capped "
+            "at the window (%d tokens instead of %d)",
+            where,
+            window,
+            max_pos,
+        )
         max_pos = window
     theta, scaling = _rope(cfg, where)
     if family == "qwen2":
@@ -202,13 +242,20 @@ def config_from_hf(path: str) -> ModelConfig:
         qkv_bias, out_bias, mlp_bias = bias, bias, bool(cfg.get("mlp_bias", False))
     try:
         return ModelConfig(
-            vocab_size=_get(cfg, "vocab_size", where), hidden_size=hidden,
-            num_layers=_get(cfg, "num_hidden_layers", where), num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=head_dim, intermediate_size=_get(cfg, "intermediate_size", where),
-            max_position_embeddings=max_pos, rope_theta=theta,
+            vocab_size=_get(cfg, "vocab_size", where),
+            hidden_size=hidden,
+            num_layers=_get(cfg, "num_hidden_layers", where),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=_get(cfg, "intermediate_size", where),
+            max_position_embeddings=max_pos,
+            rope_theta=theta,
             rms_norm_eps=_get(cfg, "rms_norm_eps", where, float, 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=qkv_bias, attention_out_bias=out_bias, mlp_bias=mlp_bias,
+            attention_bias=qkv_bias,
+            attention_out_bias=out_bias,
+            mlp_bias=mlp_bias,
             rope_scaling=scaling,
         )
     except ValueError as e:
@@ -226,23 +273,32 @@ def weight_files(path: str) -> list[str]:
         except TokenizerError as e:
             raise CheckpointError(str(e)) from None
         wmap = data.get("weight_map")
-        if not isinstance(wmap, dict) or not wmap or not all(isinstance(v, str) for v in wmap.values()):
+        if (
+            not isinstance(wmap, dict)
+            or not wmap
+            or not all(isinstance(v, str) for v in wmap.values())
+        ):
             raise CheckpointError(f"{index}: missing or malformed 'weight_map'")
         files = []
         for name in sorted(set(wmap.values())):
             f = os.path.join(path, name)
             if os.path.basename(name) != name or not os.path.isfile(f):
-                raise CheckpointError(f"{index}: shard {name!r} listed in the index is missing ({f})")
+                raise CheckpointError(
+                    f"{index}: shard {name!r} listed in the index is missing ({f})"
+                )
             files.append(f)
         return files
     if os.path.isfile(single):
         return [single]
     others = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if others:
-        raise CheckpointError(f"{path}: found {others} but neither model.safetensors nor "
-                              f"model.safetensors.index.json")
-    raise CheckpointError(f"{single}: file not found (and no model.safetensors.index.json); "
-                          f"only safetensors weights are supported")
+        raise CheckpointError(
+            f"{path}: found {others} but neither model.safetensors nor model.safetensors.index.json"
+        )
+    raise CheckpointError(
+        f"{single}: file not found (and no model.safetensors.index.json); "
+        f"only safetensors weights are supported"
+    )
 
 
 def weights_digest(files: list[str]) -> bytes:
@@ -261,8 +317,11 @@ def hf_name(param: str) -> str:
     """Hugging Face tensor name of one of our parameter names."""
     if param.startswith("layers."):
         _, i, rest = param.split(".", 2)
-        sub = "self_attn." if rest.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj") else (
-            "mlp." if rest.split(".")[0] in ("gate_proj", "up_proj", "down_proj") else "")
+        sub = (
+            "self_attn."
+            if rest.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj")
+            else ("mlp." if rest.split(".")[0] in ("gate_proj", "up_proj", "down_proj") else "")
+        )
         return f"model.layers.{i}.{sub}{rest}"
     if param == "lm_head.weight":
         return param
@@ -289,18 +348,24 @@ def load_weights(model: LlamaModel, files: list[str]) -> None:
                     if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
                         continue
                     if key not in params:
-                        raise CheckpointError(f"{f}: unexpected tensor {key!r} (not part of a "
-                                              f"{model.config.num_layers}-layer model with this config)")
+                        raise CheckpointError(
+                            f"{f}: unexpected tensor {key!r} (not part of a "
+                            f"{model.config.num_layers}-layer model with this config)"
+                        )
                     if key in loaded:
                         raise CheckpointError(f"{f}: tensor {key!r} also present in {loaded[key]}")
                     name, p = params[key]
                     t = st.get_tensor(key)
                     if not t.is_floating_point():
-                        raise CheckpointError(f"{f}: tensor {key!r} has dtype {t.dtype}; "
-                                              f"expected a floating-point dtype")
+                        raise CheckpointError(
+                            f"{f}: tensor {key!r} has dtype {t.dtype}; "
+                            f"expected a floating-point dtype"
+                        )
                     if tuple(t.shape) != tuple(p.shape):
-                        raise CheckpointError(f"{f}: tensor {key!r} has shape {list(t.shape)}, "
-                                              f"expected {list(p.shape)} from config.json")
+                        raise CheckpointError(
+                            f"{f}: tensor {key!r} has shape {list(t.shape)}, "
+                            f"expected {list(p.shape)} from config.json"
+                        )
                     p.copy_(t)  # converts to the compute dtype
                     loaded[key] = f
         except SafetensorError as e:
@@ -311,6 +376,8 @@ def load_weights(model: LlamaModel, files: list[str]) -> None:
             raise CheckpointError(f"{f}: cannot read tensors ({e})") from None
     missing = [k for k in params if k not in loaded]
     if missing:
-        where = files[0] if len(files) == 1 else f"{len(files)} shards in {os.path.dirname(files[0])}"
+        where = (
+            files[0] if len(files) == 1 else f"{len(files)} shards in {os.path.dirname(files[0])}"
+        )
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{where}: missing tensor {missing[0]!r}{more}")

@@ -30,8 +30,10 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_SCALING_TYPES:
-            raise ValueError(f"unsupported rope scaling type {self.rope_type!r}; "
-                             f"supported: {', '.join(ROPE_SCALING_TYPES)}")
+            raise ValueError(
+                f"unsupported rope scaling type {self.rope_type!r}; "
+                f"supported: {', '.join(ROPE_SCALING_TYPES)}"
+            )
         if not self.factor > 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
         if self.rope_type == "llama3":
@@ -56,9 +58,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    attention_bias: bool = False       # bias on q/k/v projections (Qwen2; Llama attention_bias)
-    attention_out_bias: bool = False   # bias on o_proj (Llama attention_bias)
-    mlp_bias: bool = False             # bias on gate/up/down projections (Llama mlp_bias)
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2; Llama attention_bias)
+    attention_out_bias: bool = False  # bias on o_proj (Llama attention_bias)
+    mlp_bias: bool = False  # bias on gate/up/down projections (Llama mlp_bias)
     rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
@@ -97,7 +99,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     wavelen = 2 * math.pi / inv
     out = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
     smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor)
+        rs.high_freq_factor - rs.low_freq_factor
+    )
     smoothed = (1 - smooth) * out / rs.factor + smooth * out
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, out)
@@ -106,22 +109,40 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 PRESETS: dict[str, ModelConfig] = {
     # Fast on two CPU cores; used by tests and local clusters.
     "tiny": ModelConfig(
-        vocab_size=320, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-        head_dim=16, intermediate_size=172, max_position_embeddings=4096,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=320,
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=172,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     ),
     # Llama-like shape, ~125M parameters (~100M without the untied lm_head).
     # Untied: with random weights a tied head makes greedy decoding repeat its input.
     "small": ModelConfig(
-        vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
-        head_dim=64, intermediate_size=2048, max_position_embeddings=4096,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=32000,
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        head_dim=64,
+        intermediate_size=2048,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     ),
 }
 
 _DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 
 
@@ -136,7 +157,9 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         name = str(name).removeprefix("torch.")
     key = str(name).strip().lower()
     if key in ("float16", "fp16", "half"):
-        raise ValueError("dtype float16 is not supported (very slow on CPU); use 'float32' or 'bfloat16'")
+        raise ValueError(
+            "dtype float16 is not supported (very slow on CPU); use 'float32' or 'bfloat16'"
+        )
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; expected 'float32' or 'bfloat16'")
     return _DTYPES[key]

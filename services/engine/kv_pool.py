@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,9 +24,14 @@ class KVPool:
     cached prefix stay in the owned :class:`PrefixCache` until evicted.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype | str = torch.float32,
-                 on_event: Callable[[BlockEvent], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | str = torch.float32,
+        on_event: Callable[[BlockEvent], None] | None = None,
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.config = config
@@ -34,7 +39,14 @@ class KVPool:
         self.block_size = int(block_size)
         self.dtype = resolve_dtype(dtype)
         self.kv = torch.zeros(
-            (self.num_blocks, config.num_layers, 2, self.block_size, config.num_kv_heads, config.head_dim),
+            (
+                self.num_blocks,
+                config.num_layers,
+                2,
+                self.block_size,
+                config.num_kv_heads,
+                config.head_dim,
+            ),
             dtype=self.dtype,
         )
         self._refcount = [0] * self.num_blocks
@@ -43,8 +55,14 @@ class KVPool:
         self.prefix_cache = PrefixCache(ref_blocks=self.ref, on_event=on_event)
 
     @classmethod
-    def from_memory(cls, config: ModelConfig, memory_bytes: int, block_size: int,
-                    dtype: torch.dtype | str = torch.float32, **kwargs) -> "KVPool":
+    def from_memory(
+        cls,
+        config: ModelConfig,
+        memory_bytes: int,
+        block_size: int,
+        dtype: torch.dtype | str = torch.float32,
+        **kwargs,
+    ) -> KVPool:
         """Pool with as many blocks as fit in ``memory_bytes``."""
         nbytes = cls.block_bytes(config, block_size, resolve_dtype(dtype))
         num_blocks = int(memory_bytes) // nbytes
@@ -121,7 +139,8 @@ class KVPool:
         if n > self.num_free:
             raise OutOfBlocks(
                 f"need {n} KV blocks, only {len(self._free)} free + "
-                f"{self.prefix_cache.num_evictable} evictable of {self.num_blocks}")
+                f"{self.prefix_cache.num_evictable} evictable of {self.num_blocks}"
+            )
         take = min(n, len(self._free))
         out = [self._free.pop() for _ in range(take)]
         out += self.prefix_cache.evict(n - take)
@@ -158,15 +177,21 @@ class KVPool:
                     self._free.append(b)
 
     # ----------------------------------------------------------- prefix cache
-    def match_prefix(self, block_hashes: Sequence[bytes],
-                     token_ids_per_block: Sequence[Sequence[int]]) -> list[int]:
+    def match_prefix(
+        self, block_hashes: Sequence[bytes], token_ids_per_block: Sequence[Sequence[int]]
+    ) -> list[int]:
         """Longest cached prefix (block ids); each hit gets one reference."""
         return self.prefix_cache.match(block_hashes, token_ids_per_block)
 
     match = match_prefix
 
-    def insert(self, block_hash: bytes, block_id: int, token_ids: Sequence[int],
-               parent_hash: bytes | None = None) -> bool:
+    def insert(
+        self,
+        block_hash: bytes,
+        block_id: int,
+        token_ids: Sequence[int],
+        parent_hash: bytes | None = None,
+    ) -> bool:
         """Cache one computed, referenced block under ``block_hash``.
 
         Pass ``parent_hash`` (the previous block's hash in the chain, None for the
@@ -176,10 +201,16 @@ class KVPool:
         self._check_id(block_id)
         if self._refcount[block_id] <= 0:
             raise ValueError(f"block {block_id} must be referenced to be cached")
-        return self.prefix_cache.insert(block_hash, block_id, tuple(token_ids), parent_hash=parent_hash)
+        return self.prefix_cache.insert(
+            block_hash, block_id, tuple(token_ids), parent_hash=parent_hash
+        )
 
-    def cache_blocks(self, block_hashes: Sequence[bytes], block_ids: Sequence[int],
-                     token_ids_per_block: Sequence[Sequence[int]]) -> int:
+    def cache_blocks(
+        self,
+        block_hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+        token_ids_per_block: Sequence[Sequence[int]],
+    ) -> int:
         """Register full, computed blocks of one chain in the prefix cache.
 
         ``block_hashes[i]`` / ``token_ids_per_block[i]`` describe ``block_ids[i]``;

@@ -11,7 +11,7 @@ Two code paths share the weights:
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,11 +60,19 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         qb, ob, mb = cfg.attention_bias, cfg.attention_out_bias, cfg.mlp_bias
-        self.q_proj, self.k_proj, self.v_proj = _linear(h, q, qb), _linear(h, kv, qb), _linear(h, kv, qb)
+        self.q_proj, self.k_proj, self.v_proj = (
+            _linear(h, q, qb),
+            _linear(h, kv, qb),
+            _linear(h, kv, qb),
+        )
         self.o_proj = _linear(q, h, ob)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         i = cfg.intermediate_size
-        self.gate_proj, self.up_proj, self.down_proj = _linear(h, i, mb), _linear(h, i, mb), _linear(i, h, mb)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            _linear(h, i, mb),
+            _linear(h, i, mb),
+            _linear(i, h, mb),
+        )
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Normalized, projected, rotated q [N, H, D] and k, v [N, KVH, D] for hidden ``h`` [N, hidden]."""
@@ -88,11 +96,17 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype | str = torch.float32) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, config.vocab_size, config.hidden_size)
+        self.embed_tokens = torch.nn.utils.skip_init(
+            nn.Embedding, config.vocab_size, config.hidden_size
+        )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else _linear(config.hidden_size, config.vocab_size)
-        self.inv_freq = rope_inv_freq(config)  # plain attribute: RoPE frequencies stay float32 under .to()
+        self.lm_head = (
+            None if config.tie_word_embeddings else _linear(config.hidden_size, config.vocab_size)
+        )
+        self.inv_freq = rope_inv_freq(
+            config
+        )  # plain attribute: RoPE frequencies stay float32 under .to()
         self.preset: str | None = None
         self.seed: int | None = None
         self.weights_digest: bytes = b""
@@ -101,7 +115,9 @@ class LlamaModel(nn.Module):
 
     # -------------------------------------------------------------- creation
     @classmethod
-    def from_preset(cls, name: str, seed: int = 0, dtype: torch.dtype | str = torch.float32) -> "LlamaModel":
+    def from_preset(
+        cls, name: str, seed: int = 0, dtype: torch.dtype | str = torch.float32
+    ) -> LlamaModel:
         """Model of preset ``name`` with deterministic random weights derived from ``seed``."""
         if name not in PRESETS:
             raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
@@ -145,8 +161,14 @@ class LlamaModel(nn.Module):
 
     def fingerprint(self, tokenizer_name: str, block_size: int, kv_layout_version: int = 1) -> str:
         """Model fingerprint (see :func:`kvmesh.services.common.hashing.model_fingerprint`)."""
-        return model_fingerprint(self.config, self.weights_digest, dtype_name(self.dtype),
-                                 tokenizer_name, block_size, kv_layout_version)
+        return model_fingerprint(
+            self.config,
+            self.weights_digest,
+            dtype_name(self.dtype),
+            tokenizer_name,
+            block_size,
+            kv_layout_version,
+        )
 
     # --------------------------------------------------------------- helpers
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,9 +189,14 @@ class LlamaModel(nn.Module):
 
     # ---------------------------------------------------------- serving path
     @torch.inference_mode()
-    def forward_prefill(self, token_ids: torch.Tensor | Sequence[int], start_pos: int, pool: KVPool,
-                        block_table: Sequence[int],
-                        on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+    def forward_prefill(
+        self,
+        token_ids: torch.Tensor | Sequence[int],
+        start_pos: int,
+        pool: KVPool,
+        block_table: Sequence[int],
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """Prefill ``n`` new tokens at positions ``start_pos..start_pos+n-1``.
 
         K/V of positions < ``start_pos`` must already be in ``block_table``'s blocks
@@ -211,8 +238,13 @@ class LlamaModel(nn.Module):
         return self._logits(h[-1:])[0]
 
     @torch.inference_mode()
-    def forward_decode(self, token_ids: torch.Tensor | Sequence[int], positions: Sequence[int],
-                       block_tables: Sequence[Sequence[int]], pool: KVPool) -> torch.Tensor:
+    def forward_decode(
+        self,
+        token_ids: torch.Tensor | Sequence[int],
+        positions: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        pool: KVPool,
+    ) -> torch.Tensor:
         """One decode step for a batch of requests of different lengths.
 
         Request ``i`` feeds ``token_ids[i]`` at position ``positions[i]``; its K/V
@@ -224,7 +256,9 @@ class LlamaModel(nn.Module):
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         b, bs = ids.numel(), pool.block_size
         if not (b == len(positions) == len(block_tables)) or b == 0:
-            raise ValueError("token_ids, positions and block_tables must have the same non-zero length")
+            raise ValueError(
+                "token_ids, positions and block_tables must have the same non-zero length"
+            )
         pos = torch.as_tensor(list(positions), dtype=torch.long)
         if int(pos.min()) < 0 or int(pos.max()) >= self.config.max_position_embeddings:
             raise ValueError("decode position out of range")
@@ -233,7 +267,7 @@ class LlamaModel(nn.Module):
         for i, t in enumerate(block_tables):
             if len(t) * bs <= int(pos[i]):
                 raise ValueError(f"block_table {i} cannot hold position {int(pos[i])}")
-            table[i, :len(t)] = torch.as_tensor(list(t), dtype=torch.long)
+            table[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.long)
         rows = torch.arange(b)
         new_blk, new_off = table[rows, pos // bs], pos % bs
         kpos = torch.arange(int(pos.max()) + 1)[None, :]
@@ -276,8 +310,9 @@ class LlamaModel(nn.Module):
             h = layer.finish(h, (probs @ v).transpose(0, 1).reshape(t, -1))
         return self._logits(h)
 
-    def reference_generate(self, token_ids: Sequence[int], max_new_tokens: int,
-                           eos_id: int | None = None) -> list[int]:
+    def reference_generate(
+        self, token_ids: Sequence[int], max_new_tokens: int, eos_id: int | None = None
+    ) -> list[int]:
         """Greedy generation from scratch, recomputing the full sequence each step (no cache).
 
         Returns only the generated tokens; stops after emitting ``eos_id`` (included)

@@ -12,8 +12,8 @@ evicted only as a last resort (its children then become chain roots).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 BlockEvent = tuple[str, bytes]  # ("stored" | "removed", block_hash)
 
@@ -40,8 +40,11 @@ class PrefixCache:
     for :meth:`drain_events`.
     """
 
-    def __init__(self, ref_blocks: Callable[[list[int]], None] | None = None,
-                 on_event: Callable[[BlockEvent], None] | None = None) -> None:
+    def __init__(
+        self,
+        ref_blocks: Callable[[list[int]], None] | None = None,
+        on_event: Callable[[BlockEvent], None] | None = None,
+    ) -> None:
         self._ref_blocks = ref_blocks
         self._on_event = on_event
         self._events: list[BlockEvent] = []
@@ -77,8 +80,13 @@ class PrefixCache:
         return None if e is None else e.block_id
 
     # ---------------------------------------------------------------- mutation
-    def insert(self, block_hash: bytes, block_id: int, token_ids: tuple[int, ...],
-               parent_hash: bytes | None = None) -> bool:
+    def insert(
+        self,
+        block_hash: bytes,
+        block_id: int,
+        token_ids: tuple[int, ...],
+        parent_hash: bytes | None = None,
+    ) -> bool:
         """Cache ``block_id`` (which the caller must hold a reference to) under ``block_hash``.
 
         ``parent_hash`` is the hash of the previous block of the chain, used to
@@ -91,8 +99,13 @@ class PrefixCache:
         if block_id in self._by_block:
             raise ValueError(f"block {block_id} is already cached under another hash")
         parent = self._by_hash.get(parent_hash) if parent_hash is not None else None
-        entry = _Entry(block_hash, block_id, tuple(int(t) for t in token_ids),
-                       parent.block_hash if parent else None, tick=self._next_tick())
+        entry = _Entry(
+            block_hash,
+            block_id,
+            tuple(int(t) for t in token_ids),
+            parent.block_hash if parent else None,
+            tick=self._next_tick(),
+        )
         if parent is not None:
             parent.children.add(block_hash)
         self._by_hash[block_hash] = entry
@@ -100,8 +113,9 @@ class PrefixCache:
         self._emit(("stored", block_hash))
         return True
 
-    def match(self, block_hashes: Sequence[bytes],
-              token_ids_per_block: Sequence[Sequence[int]]) -> list[int]:
+    def match(
+        self, block_hashes: Sequence[bytes], token_ids_per_block: Sequence[Sequence[int]]
+    ) -> list[int]:
         """Block ids of the longest cached prefix; takes one reference on each hit.
 
         A hash hit only counts if the cached block's token ids equal the

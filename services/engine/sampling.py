@@ -4,12 +4,14 @@ per-request generator so a seeded request is reproducible on any node."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 else:
+
     class _LazyTorch:
         """torch on first use: the conductor validates Sampling without ever sampling,
         and importing torch would add seconds to its (re)start."""
@@ -35,10 +37,17 @@ class Sampling:
     logprobs: bool = False
 
     @classmethod
-    def from_proto(cls, p) -> "Sampling":
-        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                   ignore_eos=p.ignore_eos, stop_token_ids=frozenset(p.stop_token_ids),
-                   stop=tuple(p.stop), logprobs=p.logprobs)
+    def from_proto(cls, p) -> Sampling:
+        return cls(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            ignore_eos=p.ignore_eos,
+            stop_token_ids=frozenset(p.stop_token_ids),
+            stop=tuple(p.stop),
+            logprobs=p.logprobs,
+        )
 
     def validate(self, vocab_size: int) -> str | None:
         """A message naming the bad field, or None."""

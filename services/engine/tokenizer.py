@@ -16,7 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Iterable, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
 
 
 class TokenizerError(ValueError):
@@ -27,9 +28,9 @@ class TokenizerError(ValueError):
 class Tokenizer(Protocol):
     """What the engine and the conductor need from a tokenizer."""
 
-    name: str            # identifies the vocabulary/merges; part of the model fingerprint
-    bos_id: int | None   # prepended by encode(add_bos=True); None when the model has none
-    eos_id: int          # the primary end-of-sequence id
+    name: str  # identifies the vocabulary/merges; part of the model fingerprint
+    bos_id: int | None  # prepended by encode(add_bos=True); None when the model has none
+    eos_id: int  # the primary end-of-sequence id
     eos_ids: frozenset[int]  # every id that ends generation
     vocab_size: int
 
@@ -79,7 +80,9 @@ def _ids(value: Any, where: str) -> list[int]:
         return []
     vals = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals):
-        raise TokenizerError(f"{where}: eos_token_id must be an int or a list of ints, got {value!r}")
+        raise TokenizerError(
+            f"{where}: eos_token_id must be an int or a list of ints, got {value!r}"
+        )
     return list(vals)
 
 
@@ -109,7 +112,9 @@ class HFTokenizer:
         self.path = os.path.abspath(path)
         tok_file = os.path.join(self.path, "tokenizer.json")
         if not os.path.isfile(tok_file):
-            raise TokenizerError(f"{tok_file}: file not found (only tokenizer.json tokenizers are supported)")
+            raise TokenizerError(
+                f"{tok_file}: file not found (only tokenizer.json tokenizers are supported)"
+            )
         with open(tok_file, "rb") as f:
             raw = f.read()
         try:
@@ -141,8 +146,10 @@ class HFTokenizer:
             if tid is not None:
                 eos.append(tid)
         if not eos:
-            raise TokenizerError(f"{self.path}: no eos_token_id in config.json / generation_config.json "
-                                 f"and no eos_token in tokenizer_config.json")
+            raise TokenizerError(
+                f"{self.path}: no eos_token_id in config.json / generation_config.json "
+                f"and no eos_token in tokenizer_config.json"
+            )
         self.eos_id = eos[0]
         self.eos_ids = frozenset(eos)
 

@@ -31,10 +31,10 @@ from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import Slice, TransferError
 from kvmesh.services.common import metrics as kvm
 from kvmesh.services.common.config import load
-from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.common.model_node import ModelNode
 from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.settings import NodeConfig
+from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.engine.sampling import Sampling, sample_with_logprob
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class PrefillConfig(NodeConfig):
 
 
 class PrefillServicer(pbg.PrefillNodeServicer):
-    def __init__(self, node: "PrefillNode") -> None:
+    def __init__(self, node: PrefillNode) -> None:
         self.node = node
 
     async def Prefill(self, req, context):
@@ -55,8 +55,10 @@ class PrefillServicer(pbg.PrefillNodeServicer):
         try:
             return await self.node.prefill(req)
         except TransferError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"KV handoff to decode node {req.target.node_id} failed: {e}")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"KV handoff to decode node {req.target.node_id} failed: {e}",
+            )
 
     async def Status(self, req, context):
         return self.node.status(queue_depth=self.node.queue_depth)
@@ -80,8 +82,11 @@ class PrefillNode(ModelNode):
         pbg.add_PrefillNodeServicer_to_server(PrefillServicer(self), self.server)
 
     def load_info(self) -> dict:
-        return {**super().load_info(), "queue_depth": self.queue_depth,
-                "running": int(self.compute.locked())}
+        return {
+            **super().load_info(),
+            "queue_depth": self.queue_depth,
+            "running": int(self.compute.locked()),
+        }
 
     def check(self, req: pb.PrefillRequest) -> str | None:
         n, bs = len(req.token_ids), self.cfg.block_size
@@ -108,7 +113,9 @@ class PrefillNode(ModelNode):
                 self.queue_depth -= 1
                 waiting = False
                 kvm.PREFILL_QUEUE_SECONDS.observe(time.perf_counter() - t0)
-                record_span("prefill.queue", t_queue, attributes={"kvmesh.queue_depth": self.queue_depth})
+                record_span(
+                    "prefill.queue", t_queue, attributes={"kvmesh.queue_depth": self.queue_depth}
+                )
                 return await self._prefill_locked(req, (time.perf_counter() - t0) * 1000)
         finally:
             if waiting:
@@ -119,7 +126,7 @@ class PrefillNode(ModelNode):
         tokens = list(req.token_ids)
         n = len(tokens)
         hashes = list(req.block_hashes)
-        blocks_tokens = [tuple(tokens[i * bs:(i + 1) * bs]) for i in range(len(hashes))]
+        blocks_tokens = [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(len(hashes))]
         usable = min(len(hashes), (n - 1) // bs)  # leave >= 1 token to compute logits from
         t0 = time.perf_counter()
 
@@ -127,11 +134,18 @@ class PrefillNode(ModelNode):
         local = pool.match(hashes[:usable], blocks_tokens[:usable])
         fetched = await self._fetch(hashes[:usable], blocks_tokens[:usable], len(local))
         if fetched:
-            kvm.observe_transfer("store_get", len(fetched) * pool.block_nbytes,
-                                 time.perf_counter() - tp)
-        record_span("prefill.prefix_fetch", t_prefix, attributes={
-            "kvmesh.local_blocks": len(local), "kvmesh.fetched_blocks": len(fetched),
-            "kvmesh.lookup_blocks": usable})
+            kvm.observe_transfer(
+                "store_get", len(fetched) * pool.block_nbytes, time.perf_counter() - tp
+            )
+        record_span(
+            "prefill.prefix_fetch",
+            t_prefix,
+            attributes={
+                "kvmesh.local_blocks": len(local),
+                "kvmesh.fetched_blocks": len(fetched),
+                "kvmesh.lookup_blocks": usable,
+            },
+        )
         prefix = local + fetched
         table: list[int] = []
         try:
@@ -144,27 +158,53 @@ class PrefillNode(ModelNode):
         transfers = []
         try:
             if prefix:
-                transfers.append(self.te.write(target.data_address, [
-                    Slice(self.pool_region, pool.block_offset(table[i]), target.region_id,
-                          target.block_ids[i] * target.block_nbytes, pool.block_nbytes)
-                    for i in range(len(prefix))]))
+                transfers.append(
+                    self.te.write(
+                        target.data_address,
+                        [
+                            Slice(
+                                self.pool_region,
+                                pool.block_offset(table[i]),
+                                target.region_id,
+                                target.block_ids[i] * target.block_nbytes,
+                                pool.block_nbytes,
+                            )
+                            for i in range(len(prefix))
+                        ],
+                    )
+                )
             loop = asyncio.get_running_loop()
             layer_events: list = []
 
             def send_layer(layer: int) -> None:
                 layer_events.append((f"layer {layer} sent", time.time_ns(), {"layer": layer}))
-                transfers.append(self.te.write(target.data_address, [
-                    Slice(self.pool_region, pool.layer_offset(table[i], layer),
-                          target.region_id,
-                          target.block_ids[i] * target.block_nbytes + layer * pool.layer_nbytes,
-                          pool.layer_nbytes)
-                    for i in range(len(prefix), len(table))]))
+                transfers.append(
+                    self.te.write(
+                        target.data_address,
+                        [
+                            Slice(
+                                self.pool_region,
+                                pool.layer_offset(table[i], layer),
+                                target.region_id,
+                                target.block_ids[i] * target.block_nbytes
+                                + layer * pool.layer_nbytes,
+                                pool.layer_nbytes,
+                            )
+                            for i in range(len(prefix), len(table))
+                        ],
+                    )
+                )
 
             new = torch.tensor(tokens[start:], dtype=torch.long)
             tc, t_compute = time.perf_counter(), time.time_ns()
             logits = await asyncio.to_thread(
-                self.model.forward_prefill, new, start, pool, table,
-                lambda layer: loop.call_soon_threadsafe(send_layer, layer))
+                self.model.forward_prefill,
+                new,
+                start,
+                pool,
+                table,
+                lambda layer: loop.call_soon_threadsafe(send_layer, layer),
+            )
             compute_ms = (time.perf_counter() - tc) * 1000
             t_computed = time.time_ns()
             await asyncio.sleep(0)  # run the layer callbacks queued before the result
@@ -179,17 +219,28 @@ class PrefillNode(ModelNode):
         handoff_bytes = len(table) * pool.block_nbytes
         kvm.PREFILL_SECONDS.observe(prefill_ms / 1000)
         kvm.observe_transfer("handoff", handoff_bytes, time.perf_counter() - tc)
-        record_span("prefill.compute", t_compute, t_computed, attributes={
-            "kvmesh.new_tokens": n - start, "kvmesh.cached_tokens": start},
-            events=layer_events)
-        record_span("prefill.kv_handoff", t_compute, attributes={
-            "kvmesh.bytes": handoff_bytes, "kvmesh.decode_node": target.node_id,
-            "kvmesh.layerwise_transfers": len(transfers)})
+        record_span(
+            "prefill.compute",
+            t_compute,
+            t_computed,
+            attributes={"kvmesh.new_tokens": n - start, "kvmesh.cached_tokens": start},
+            events=layer_events,
+        )
+        record_span(
+            "prefill.kv_handoff",
+            t_compute,
+            attributes={
+                "kvmesh.bytes": handoff_bytes,
+                "kvmesh.decode_node": target.node_id,
+                "kvmesh.layerwise_transfers": len(transfers),
+            },
+        )
         self.events.record_prefill(n - start, start, compute_ms)
 
         for i in range(len(prefix), len(hashes)):
-            pool.insert(hashes[i], table[i], blocks_tokens[i],
-                        parent_hash=hashes[i - 1] if i else None)
+            pool.insert(
+                hashes[i], table[i], blocks_tokens[i], parent_hash=hashes[i - 1] if i else None
+            )
         c = self.counters
         c["computed"] += n - start
         c["cached"] += len(local) * bs
@@ -202,11 +253,15 @@ class PrefillNode(ModelNode):
             self.background.add(task)
             task.add_done_callback(self.background.discard)
         pool.free(table)
-        return pb.PrefillResponse(first_token=first, computed_tokens=n - start,
-                                  cached_tokens=len(local) * bs,
-                                  fetched_tokens=len(fetched) * bs,
-                                  prefill_ms=prefill_ms, queue_ms=queue_ms,
-                                  first_logprob=first_lp if req.sampling.logprobs else 0.0)
+        return pb.PrefillResponse(
+            first_token=first,
+            computed_tokens=n - start,
+            cached_tokens=len(local) * bs,
+            fetched_tokens=len(fetched) * bs,
+            prefill_ms=prefill_ms,
+            queue_ms=queue_ms,
+            first_logprob=first_lp if req.sampling.logprobs else 0.0,
+        )
 
     async def _fetch(self, chain: list[bytes], chain_tokens: list[tuple], have: int) -> list[int]:
         """Pulls the longest present run of ``chain[have:]`` from the store into new pool
@@ -223,9 +278,13 @@ class PrefillNode(ModelNode):
             ids = pool.allocate(n)
         except Exception:
             return []
-        got = await store.get_into(hashes[:n], self.pool_region,
-                                   [pool.block_offset(b) for b in ids],
-                                   capacities=[pool.block_nbytes] * n, prefix=True)
+        got = await store.get_into(
+            hashes[:n],
+            self.pool_region,
+            [pool.block_offset(b) for b in ids],
+            capacities=[pool.block_nbytes] * n,
+            prefix=True,
+        )
         k = next((i for i, sz in enumerate(got) if sz != pool.block_nbytes), n)
         if k < n:
             kvm.LATE_HITS.labels("fetch_failed").inc(n - k)
@@ -239,11 +298,15 @@ class PrefillNode(ModelNode):
         pool = self.pool
         t_put = time.perf_counter()
         try:
-            ok = await self.store.put_from(hashes, self.pool_region,
-                                           [pool.block_offset(b) for b in block_ids],
-                                           [pool.block_nbytes] * len(hashes))
-            kvm.observe_transfer("store_put", sum(ok) * pool.block_nbytes,
-                                 time.perf_counter() - t_put)
+            ok = await self.store.put_from(
+                hashes,
+                self.pool_region,
+                [pool.block_offset(b) for b in block_ids],
+                [pool.block_nbytes] * len(hashes),
+            )
+            kvm.observe_transfer(
+                "store_put", sum(ok) * pool.block_nbytes, time.perf_counter() - t_put
+            )
             if not all(ok):
                 log.info("store kept %d of %d new block(s)", sum(ok), len(ok))
         except Exception as e:  # the store is a cache: never fail the request for it

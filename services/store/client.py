@@ -37,7 +37,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -55,8 +55,13 @@ from kvmesh.services.store_master import wire
 log = logging.getLogger(__name__)
 
 MAX_KEY_LEN = 256
-_PB_RESP = {"PutStart": pb.PutStartResponse, "PutEnd": pb.PutEndResponse,
-            "Pin": pb.PinResponse, "Unpin": pb.PinResponse, "Stats": pb.StoreStatsResponse}
+_PB_RESP = {
+    "PutStart": pb.PutStartResponse,
+    "PutEnd": pb.PutEndResponse,
+    "Pin": pb.PinResponse,
+    "Unpin": pb.PinResponse,
+    "Stats": pb.StoreStatsResponse,
+}
 # a located replica: (key index, data address, region id, node id, offset, size)
 Loc = tuple[int, str, int, str, int, int]
 
@@ -80,10 +85,18 @@ class StoreClient:
     :class:`SegmentHost` this node lends (enables the local paths); or call :meth:`lend`.
     ``fast_path``: use the master's raw-TCP control path when it offers one."""
 
-    def __init__(self, te: TransferEngine, master: str | Membership, node_id: str = "",
-                 rpc_timeout: float = 5.0, staging_bytes: int = 4 << 20,
-                 segment=None, fast_path: bool = True, pool_bytes: int = 32 << 20,
-                 pool_slots: int = 64) -> None:
+    def __init__(
+        self,
+        te: TransferEngine,
+        master: str | Membership,
+        node_id: str = "",
+        rpc_timeout: float = 5.0,
+        staging_bytes: int = 4 << 20,
+        segment=None,
+        fast_path: bool = True,
+        pool_bytes: int = 32 << 20,
+        pool_slots: int = 64,
+    ) -> None:
         self.te = te
         self.master = master
         self.node_id = node_id
@@ -99,14 +112,22 @@ class StoreClient:
         self._staging_lock = asyncio.Lock()
         self._fast: FastConn | None = None
         self._turns = LoopTurns()
-        self._fast_addr = ""           # master address the connection belongs to
+        self._fast_addr = ""  # master address the connection belongs to
         self._fast_retry = 0.0
         self._fast_connecting: asyncio.Future | None = None
-        self._pool: dict[int, list[int]] = {}     # size -> reserved slot offsets
+        self._pool: dict[int, list[int]] = {}  # size -> reserved slot offsets
         self._pool_epoch = -1
-        self.stats = {"puts": 0, "put_failed": 0, "gets": 0, "misses": 0,
-                      "lease_expired": 0, "read_failed": 0, "master_errors": 0,
-                      "local_puts": 0, "local_gets": 0}
+        self.stats = {
+            "puts": 0,
+            "put_failed": 0,
+            "gets": 0,
+            "misses": 0,
+            "lease_expired": 0,
+            "read_failed": 0,
+            "master_errors": 0,
+            "local_puts": 0,
+            "local_gets": 0,
+        }
 
     # -- plumbing --------------------------------------------------------------------------
     def master_address(self) -> str | None:
@@ -144,14 +165,15 @@ class StoreClient:
         self.segment, self._own_segment = host, True
         try:
             await asyncio.wait_for(host.mounted.wait(), timeout or self.rpc_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("store: segment not mounted yet; puts go remote until it is")
 
     async def close(self) -> None:
         if self._own_segment and self.segment is not None:
             host, self.segment = self.segment, None
-            await self._call("UnmountSegment", pb.UnmountSegmentRequest(node_id=self.node_id),
-                             fast=False)
+            await self._call(
+                "UnmountSegment", pb.UnmountSegmentRequest(node_id=self.node_id), fast=False
+            )
             await host.close()
             if host.region >= 0:
                 self.te.unregister(host.region)
@@ -187,10 +209,11 @@ class StoreClient:
             stub = self.stub()
             hello = await stub.StoreHello(pb.StoreHelloRequest(), timeout=self.rpc_timeout)
             if hello.fast_address:
-                conn = await FastConn.connect(hello.fast_address, self.rpc_timeout,
-                                              getattr(self.te, "poll_us", 200))
+                conn = await FastConn.connect(
+                    hello.fast_address, self.rpc_timeout, getattr(self.te, "poll_us", 200)
+                )
                 self._fast, self._fast_addr = conn, addr
-        except (grpc.aio.AioRpcError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, grpc.aio.AioRpcError, OSError) as e:
             log.debug("store fast path unavailable: %s", e)
         finally:
             self._fast_connecting = None
@@ -207,7 +230,7 @@ class StoreClient:
                 return False
         try:
             fut = c.call(method, body, self.rpc_timeout)
-            if fut.done() and self._turns.owed():   # answered while polling: let others in
+            if fut.done() and self._turns.owed():  # answered while polling: let others in
                 await asyncio.sleep(0)
             return await fut
         except FastConnError as e:
@@ -226,9 +249,12 @@ class StoreClient:
             body = await self._fast_call(wire.PB_BASE + i, req.SerializeToString())
             if body is not False:
                 # the same span name as the gRPC call, so a trace reads alike either way
-                record_span(f"kvmesh.v1.StoreMaster/{name}", t0,
-                            attributes={"kvmesh.store_path": "fast"},
-                            error=None if body is not None else "store call failed")
+                record_span(
+                    f"kvmesh.v1.StoreMaster/{name}",
+                    t0,
+                    attributes={"kvmesh.store_path": "fast"},
+                    error=None if body is not None else "store call failed",
+                )
                 return None if body is None else _PB_RESP[name].FromString(body)
         stub = self.stub()
         if stub is None:
@@ -242,13 +268,16 @@ class StoreClient:
             return None
 
     # -- hot calls (raw TCP when offered, else gRPC) ---------------------------------------
-    async def _get_replicas(self, keys: list[bytes], any_order: bool
-                            ) -> tuple[int, list[Loc]] | None:
+    async def _get_replicas(
+        self, keys: list[bytes], any_order: bool
+    ) -> tuple[int, list[Loc]] | None:
         body = await self._fast_call(wire.GET, wire.pack_get(keys, self.node_id, any_order))
         if body is not False:
             return None if body is None else wire.unpack_get_resp(body)
-        resp = await self._call("GetReplicas", pb.GetReplicasRequest(
-            hashes=keys, node_id=self.node_id, any_order=any_order))
+        resp = await self._call(
+            "GetReplicas",
+            pb.GetReplicasRequest(hashes=keys, node_id=self.node_id, any_order=any_order),
+        )
         if resp is None:
             return None
         out, i = [], 0
@@ -259,8 +288,7 @@ class StoreClient:
             i += 1
         return resp.lease_ms, out
 
-    async def _exists(self, keys: list[bytes], any_order: bool
-                      ) -> tuple[int, list[bool]] | None:
+    async def _exists(self, keys: list[bytes], any_order: bool) -> tuple[int, list[bool]] | None:
         body = await self._fast_call(wire.EXISTS, wire.pack_exists(keys, any_order))
         if body is not False:
             if body is None:
@@ -269,17 +297,34 @@ class StoreClient:
         resp = await self._call("Exists", pb.ExistsRequest(hashes=keys, any_order=any_order))
         return None if resp is None else (resp.prefix_blocks, list(resp.present))
 
-    async def _put_local_call(self, region: int, keys: list[bytes], slots: list[tuple[int, int]],
-                              rsize: int, rcount: int, rspare: int
-                              ) -> tuple[list[int], list[int]] | None:
-        body = await self._fast_call(wire.PUT_LOCAL, wire.pack_put_local(
-            self.node_id, region, keys, slots, rsize, rcount, rspare, []))
+    async def _put_local_call(
+        self,
+        region: int,
+        keys: list[bytes],
+        slots: list[tuple[int, int]],
+        rsize: int,
+        rcount: int,
+        rspare: int,
+    ) -> tuple[list[int], list[int]] | None:
+        body = await self._fast_call(
+            wire.PUT_LOCAL,
+            wire.pack_put_local(self.node_id, region, keys, slots, rsize, rcount, rspare, []),
+        )
         if body is not False:
             return None if body is None else wire.unpack_put_local_resp(body, len(keys))
-        resp = await self._call("PutLocal", pb.PutLocalRequest(
-            node_id=self.node_id, region_id=region, hashes=keys,
-            offsets=[o for o, _ in slots], sizes=[z for _, z in slots], reserve_size=rsize,
-            reserve_count=rcount, reserve_spare=rspare))
+        resp = await self._call(
+            "PutLocal",
+            pb.PutLocalRequest(
+                node_id=self.node_id,
+                region_id=region,
+                hashes=keys,
+                offsets=[o for o, _ in slots],
+                sizes=[z for _, z in slots],
+                reserve_size=rsize,
+                reserve_count=rcount,
+                reserve_spare=rspare,
+            ),
+        )
         return None if resp is None else (list(resp.status), list(resp.reserved))
 
     # -- local segment -----------------------------------------------------------------------
@@ -302,7 +347,7 @@ class StoreClient:
 
     def _pool_for(self, size: int) -> list[int]:
         seg = self.segment
-        if self._pool_epoch != seg.epoch:   # re-mounted: older slots are not ours any more
+        if self._pool_epoch != seg.epoch:  # re-mounted: older slots are not ours any more
             self._pool.clear()
             self._pool_epoch = seg.epoch
         return self._pool.setdefault(size, [])
@@ -310,8 +355,13 @@ class StoreClient:
     def _pool_target(self, size: int) -> int:
         return max(1, min(self.pool_slots, self.pool_bytes // size))
 
-    async def _put_local(self, keys: list[bytes], sizes: Sequence[int],
-                         src: Callable[[int], memoryview], ok: list[bool]) -> list[int]:
+    async def _put_local(
+        self,
+        keys: list[bytes],
+        sizes: Sequence[int],
+        src: Callable[[int], memoryview],
+        ok: list[bool],
+    ) -> list[int]:
         """Puts what it can through reserved slots of the own segment (one ``PutLocal``
         call, plus one to reserve when the pool lacks slots); returns the indices left
         for the remote path."""
@@ -320,13 +370,12 @@ class StoreClient:
             return list(range(len(keys)))
         size = sizes[0]
         if any(s != size for s in sizes):
-            return list(range(len(keys)))   # mixed sizes: PutStart places them locally
+            return list(range(len(keys)))  # mixed sizes: PutStart places them locally
         n = len(keys)
         epoch = self.segment.epoch
         if len(self._pool_for(size)) < n:
             missing = n - len(self._pool_for(size))
-            r = await self._put_local_call(region, [], [], size, missing,
-                                           self._pool_target(size))
+            r = await self._put_local_call(region, [], [], size, missing, self._pool_target(size))
             if r is None or self.segment is None:
                 return list(range(n))
             if self.segment.epoch == epoch:
@@ -341,11 +390,12 @@ class StoreClient:
         slots = [pool.pop() for _ in range(take)]
         view = seg.view
         # no await between taking the slots (same mount epoch) and copying into them
-        copy_many([(view[off:off + size], src(i)) for i, off in enumerate(slots)])
+        copy_many([(view[off : off + size], src(i)) for i, off in enumerate(slots)])
         want = self._pool_target(size) - len(pool)
         spare = want if want > self._pool_target(size) // 2 else 0
-        r = await self._put_local_call(region, keys[:take], [(o, size) for o in slots],
-                                       size if spare else 0, 0, spare)
+        r = await self._put_local_call(
+            region, keys[:take], [(o, size) for o in slots], size if spare else 0, 0, spare
+        )
         if r is None:
             for i in range(take):
                 ok[i] = False
@@ -356,15 +406,16 @@ class StoreClient:
         for i in range(take):
             ok[i] = status[i] in (1, 2)
             if status[i] == 2 and same:
-                pool.append(slots[i])      # key was present: the slot is still ours
+                pool.append(slots[i])  # key was present: the slot is still ours
         if same:
             pool.extend(reserved)
         self.stats["local_puts"] += sum(1 for i in range(take) if status[i] == 1)
         return list(range(take, n))
 
     # -- zero-copy -------------------------------------------------------------------------
-    async def put_from(self, keys: Sequence[bytes], region_id: int, offsets: Sequence[int],
-                       sizes: Sequence[int]) -> list[bool]:
+    async def put_from(
+        self, keys: Sequence[bytes], region_id: int, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[bool]:
         """Stores ``sizes[i]`` bytes at ``offsets[i]`` of local region ``region_id`` under
         ``keys[i]``. True per key when it is in the store afterwards (written now or
         already present); False when it did not fit or its write/commit failed."""
@@ -376,26 +427,39 @@ class StoreClient:
         ok = [False] * len(keys)
         rest = list(range(len(keys)))
         if self._local_region() >= 0 and self._region_view(region_id, offsets[0], 1) is not None:
+
             def src(i: int) -> memoryview:
                 return self._region_view(region_id, offsets[i], sizes[i])
+
             rest = await self._put_local(keys, sizes, src, ok)
         if rest:
-            sub = await self._put_placed([keys[i] for i in rest], region_id,
-                                         [offsets[i] for i in rest], [sizes[i] for i in rest])
+            sub = await self._put_placed(
+                [keys[i] for i in rest],
+                region_id,
+                [offsets[i] for i in rest],
+                [sizes[i] for i in rest],
+            )
             for i, v in zip(rest, sub):
                 ok[i] = v
         self.stats["puts"] += sum(ok)
         self.stats["put_failed"] += len(ok) - sum(ok)
         return ok
 
-    async def _put_placed(self, keys: list[bytes], region_id: int, offsets: Sequence[int],
-                          sizes: Sequence[int]) -> list[bool]:
+    async def _put_placed(
+        self, keys: list[bytes], region_id: int, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[bool]:
         """PutStart -> write (transfer engine; a copy for a placement in the own
         segment) -> PutEnd."""
         same = all(s == sizes[0] for s in sizes)
-        resp = await self._call("PutStart", pb.PutStartRequest(
-            node_id=self.node_id, hashes=keys, size=sizes[0] if same else 0,
-            sizes=[] if same else list(sizes)))
+        resp = await self._call(
+            "PutStart",
+            pb.PutStartRequest(
+                node_id=self.node_id,
+                hashes=keys,
+                size=sizes[0] if same else 0,
+                sizes=[] if same else list(sizes),
+            ),
+        )
         if resp is None:
             return [False] * len(keys)
         where = {k: i for i, k in enumerate(keys)}
@@ -406,22 +470,30 @@ class StoreClient:
             if self._is_local(p.data_address, p.region_id):
                 src = self._region_view(region_id, offsets[where[p.hash]], p.size)
                 if src is not None:
-                    self.segment.view[p.offset:p.offset + p.size] = src
+                    self.segment.view[p.offset : p.offset + p.size] = src
                     continue
             by_peer.setdefault(p.data_address, []).append(p)
 
         async def write(peer: str, ps: list[pb.Placement]) -> list[bytes]:
             try:
-                await self.te.write(peer, [Slice(region_id, offsets[where[p.hash]], p.region_id,
-                                                 p.offset, p.size) for p in ps])
+                await self.te.write(
+                    peer,
+                    [
+                        Slice(region_id, offsets[where[p.hash]], p.region_id, p.offset, p.size)
+                        for p in ps
+                    ],
+                )
                 return []
             except (TransferError, OSError) as e:
                 log.warning("store put to %s failed (%s); aborting %d key(s)", peer, e, len(ps))
                 return [p.hash for p in ps]
 
         if by_peer:
-            failed = [h for hs in await asyncio.gather(
-                *(write(a, ps) for a, ps in by_peer.items())) for h in hs]
+            failed = [
+                h
+                for hs in await asyncio.gather(*(write(a, ps) for a, ps in by_peer.items()))
+                for h in hs
+            ]
         bad_write = set(failed)
         written = [p.hash for p in resp.placements if p.hash not in bad_write]
         if failed:
@@ -433,9 +505,14 @@ class StoreClient:
                 ok.update(bytes(h) for h in written if h not in bad)
         return [k in ok for k in keys]
 
-    async def get_into(self, keys: Sequence[bytes], region_id: int, offsets: Sequence[int],
-                       capacities: Sequence[int] | None = None, prefix: bool = False
-                       ) -> list[int]:
+    async def get_into(
+        self,
+        keys: Sequence[bytes],
+        region_id: int,
+        offsets: Sequence[int],
+        capacities: Sequence[int] | None = None,
+        prefix: bool = False,
+    ) -> list[int]:
         """Reads each key into local region ``region_id`` at ``offsets[i]``; returns the
         bytes read per key, -1 for a miss. ``prefix``: only the longest run of present
         keys from the first one is read (a KV hash chain); the rest are -1."""
@@ -460,7 +537,7 @@ class StoreClient:
             if self._is_local(addr, region):
                 dst = self._region_view(region_id, offsets[i], size)
                 if dst is not None:
-                    dst[:] = self.segment.view[off:off + size]
+                    dst[:] = self.segment.view[off : off + size]
                     out[i] = size
                     self.stats["local_gets"] += 1
                     continue
@@ -468,8 +545,13 @@ class StoreClient:
 
         async def read(peer: str, items: list[Loc]) -> None:
             try:
-                await self.te.read(peer, [Slice(region_id, offsets[i], region, off, size)
-                                          for i, _, region, _, off, size in items])
+                await self.te.read(
+                    peer,
+                    [
+                        Slice(region_id, offsets[i], region, off, size)
+                        for i, _, region, _, off, size in items
+                    ],
+                )
             except (TransferError, OSError) as e:
                 self.stats["read_failed"] += len(items)
                 log.warning("store read from %s failed (%s): a miss", peer, e)
@@ -515,11 +597,12 @@ class StoreClient:
                 buf, region = self._stage(sum(sizes[i] for i in rest))
                 offs, pos = [], 0
                 for i in rest:
-                    copy_into(buf[pos:pos + sizes[i]], views[i])
+                    copy_into(buf[pos : pos + sizes[i]], views[i])
                     offs.append(pos)
                     pos += sizes[i]
-                sub = await self._put_placed([keys[i] for i in rest], region, offs,
-                                             [sizes[i] for i in rest])
+                sub = await self._put_placed(
+                    [keys[i] for i in rest], region, offs, [sizes[i] for i in rest]
+                )
             for i, v in zip(rest, sub):
                 ok[i] = v
         self.stats["puts"] += sum(ok)
@@ -559,7 +642,7 @@ class StoreClient:
         for loc in locs:
             i, addr, region, _, off, size = loc
             if seg is not None and region == seg.region and addr == self.te.address:
-                local.append((i, seg.view[off:off + size]))
+                local.append((i, seg.view[off : off + size]))
             else:
                 remote.append(loc)
         for (i, _), v in zip(local, fresh_bytes_many([v for _, v in local])):
@@ -578,9 +661,14 @@ class StoreClient:
 
                 async def read(peer: str, js: list[int]) -> None:
                     try:
-                        await self.te.read(peer, [Slice(sregion, offs[j], remote[j][2],
-                                                        remote[j][4], remote[j][5]) for j in js])
-                        vals = fresh_bytes_many([buf[offs[j]:offs[j] + remote[j][5]] for j in js])
+                        await self.te.read(
+                            peer,
+                            [
+                                Slice(sregion, offs[j], remote[j][2], remote[j][4], remote[j][5])
+                                for j in js
+                            ],
+                        )
+                        vals = fresh_bytes_many([buf[offs[j] : offs[j] + remote[j][5]] for j in js])
                         for j, v in zip(js, vals):
                             out[remote[j][0]] = v
                     except (TransferError, OSError) as e:

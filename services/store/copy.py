@@ -31,7 +31,7 @@ if _CPYTHON:
     _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
     _new_bytes.restype = ctypes.py_object
     _new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
-    _BYTES_DATA = bytes.__basicsize__ - 1   # offsetof(PyBytesObject, ob_sval)
+    _BYTES_DATA = bytes.__basicsize__ - 1  # offsetof(PyBytesObject, ob_sval)
 
 
 def _parallel() -> bool:
@@ -71,7 +71,7 @@ def _helper() -> ThreadPoolExecutor:
 
 def _copy_all(pairs) -> None:
     for dst, src in pairs:
-        if len(dst) != len(src):   # np.copyto would broadcast a short source
+        if len(dst) != len(src):  # np.copyto would broadcast a short source
             raise ValueError(f"copy: {len(src)} bytes into {len(dst)}")
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
@@ -109,14 +109,14 @@ def fresh_bytes(src: memoryview) -> bytes:
     n = len(src)
     if n < PARALLEL_MIN or not _CPYTHON or not _parallel():
         return src.tobytes()
-    out = _new_bytes(None, n)   # uninitialised and referenced only here until returned
+    out = _new_bytes(None, n)  # uninitialised and referenced only here until returned
     _tensor_at(id(out) + _BYTES_DATA, n).copy_(_tensor_at(_address(src), n))
     return out
 
 
 def _memmove_all(jobs) -> None:
     for dst, src, n in jobs:
-        ctypes.memmove(dst, src, n)   # a foreign call: the GIL is released
+        ctypes.memmove(dst, src, n)  # a foreign call: the GIL is released
 
 
 def fresh_bytes_many(srcs: list[memoryview]) -> list[bytes]:

@@ -40,7 +40,7 @@ class FastConn:
         self.sock = sock
         self.fd = sock.fileno()
         self.buf = bytearray()
-        self.out = bytearray()   # bytes the socket did not take yet (writer registered)
+        self.out = bytearray()  # bytes the socket did not take yet (writer registered)
         self.pending: dict[int, tuple[asyncio.Future, float]] = {}
         self.next_id = 0
         self.closed = False
@@ -51,19 +51,19 @@ class FastConn:
         self.loop.add_reader(self.fd, self._on_readable)
 
     @classmethod
-    async def connect(cls, addr: str, timeout: float = 3.0, poll_us: int = 200) -> "FastConn":
+    async def connect(cls, addr: str, timeout: float = 3.0, poll_us: int = 200) -> FastConn:
         host, port = addr.rsplit(":", 1)
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
         err: BaseException = OSError(f"{addr}: no address")
-        for family, stype, proto, _, sa in infos:   # every address, like create_connection
+        for family, stype, proto, _, sa in infos:  # every address, like create_connection
             sock = socket.socket(family, stype, proto)
             try:
                 sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 await asyncio.wait_for(loop.sock_connect(sock, sa), timeout)
                 return cls(sock, poll_us)
-            except (OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, OSError) as e:
                 sock.close()
                 err = e
             except BaseException:

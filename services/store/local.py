@@ -17,9 +17,16 @@ from kvmesh.services.launcher import Etcd, free_port
 
 
 class StoreCluster:
-    def __init__(self, workdir: str, nodes: int = 1, segment: str = "64MiB",
-                 master_args: list[str] | None = None, node_args: list[str] | None = None,
-                 lease_ttl: int = 3, cluster: str = "store") -> None:
+    def __init__(
+        self,
+        workdir: str,
+        nodes: int = 1,
+        segment: str = "64MiB",
+        master_args: list[str] | None = None,
+        node_args: list[str] | None = None,
+        lease_ttl: int = 3,
+        cluster: str = "store",
+    ) -> None:
         self.workdir = workdir
         os.makedirs(workdir, exist_ok=True)
         self.n_nodes, self.segment = nodes, segment
@@ -36,23 +43,55 @@ class StoreCluster:
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
-        common = ["--cluster", self.cluster, "--etcd", self.etcd.endpoint, "--node-id", name,
-                  "--lease-ttl", str(self.lease_ttl), "--grace-s", "0"]
-        p = subprocess.Popen([sys.executable, *argv, *common], stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        common = [
+            "--cluster",
+            self.cluster,
+            "--etcd",
+            self.etcd.endpoint,
+            "--node-id",
+            name,
+            "--lease-ttl",
+            str(self.lease_ttl),
+            "--grace-s",
+            "0",
+        ]
+        p = subprocess.Popen(
+            [sys.executable, *argv, *common],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.procs[name] = p
         return p
 
     def start_master(self) -> None:
-        self._spawn("store-master-0", ["-m", "kvmesh.services.cli", "store-master", "--port",
-                                       str(self.master_port), *self.master_args])
+        self._spawn(
+            "store-master-0",
+            [
+                "-m",
+                "kvmesh.services.cli",
+                "store-master",
+                "--port",
+                str(self.master_port),
+                *self.master_args,
+            ],
+        )
 
     def start_node(self, i: int, extra: list[str] | None = None) -> None:
-        self._spawn(f"store-node-{i}", ["-m", "kvmesh.services.store.node", "--segment-memory",
-                                        self.segment, *self.node_args, *(extra or [])])
+        self._spawn(
+            f"store-node-{i}",
+            [
+                "-m",
+                "kvmesh.services.store.node",
+                "--segment-memory",
+                self.segment,
+                *self.node_args,
+                *(extra or []),
+            ],
+        )
 
-    def start(self, timeout: float = 30) -> "StoreCluster":
+    def start(self, timeout: float = 30) -> StoreCluster:
         self.etcd.start()
         self.start_master()
         for i in range(self.n_nodes):
@@ -90,7 +129,7 @@ class StoreCluster:
             p.wait(30)
 
     def stop(self) -> None:
-        for name, p in self.procs.items():
+        for _name, p in self.procs.items():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for p in self.procs.values():

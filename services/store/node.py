@@ -26,8 +26,9 @@ class StoreNodeConfig(ServiceConfig):
     ssd_bytes: str = option("0", "most bytes of block data the SSD tier keeps")
     data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
     secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
-    te_poll_us: int = option(200, "transfer engine busy-poll window in microseconds (CPU for "
-                                  "latency; 0 = never spin)")
+    te_poll_us: int = option(
+        200, "transfer engine busy-poll window in microseconds (CPU for latency; 0 = never spin)"
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -46,10 +47,16 @@ class StoreNode(Service):
 
     def __init__(self, cfg: StoreNodeConfig) -> None:
         super().__init__(cfg)
-        self.te = TransferEngine(cfg.secret.encode(), host=cfg.host, port=cfg.data_port,
-                                 poll_us=cfg.te_poll_us)
-        self.host = SegmentHost(self.te, self.node_id, parse_size(cfg.segment_memory),
-                                cfg.ssd_dir, parse_size(cfg.ssd_bytes) if cfg.ssd_dir else 0)
+        self.te = TransferEngine(
+            cfg.secret.encode(), host=cfg.host, port=cfg.data_port, poll_us=cfg.te_poll_us
+        )
+        self.host = SegmentHost(
+            self.te,
+            self.node_id,
+            parse_size(cfg.segment_memory),
+            cfg.ssd_dir,
+            parse_size(cfg.ssd_bytes) if cfg.ssd_dir else 0,
+        )
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
 
     async def setup(self) -> None:

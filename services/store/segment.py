@@ -37,8 +37,8 @@ import grpc
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
-from kvmesh.services.common.channels import make_channel
 from kvmesh.rdma import Slice, TransferEngine
+from kvmesh.services.common.channels import make_channel
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,9 @@ class SsdTier:
         os.makedirs(directory, exist_ok=True)
         self.files: OrderedDict[bytes, int] = OrderedDict()  # key -> data size
         self.used = 0
-        for name in sorted(os.listdir(directory),
-                           key=lambda n: os.path.getmtime(os.path.join(directory, n))):
+        for name in sorted(
+            os.listdir(directory), key=lambda n: os.path.getmtime(os.path.join(directory, n))
+        ):
             if not name.endswith(".blk"):
                 if name.endswith(".tmp"):
                     os.unlink(os.path.join(directory, name))
@@ -139,8 +140,15 @@ class SegmentHost:
     """A node's store segment: DRAM registered with ``te``, optional SSD tier, local index,
     and the loops that keep every live store-master informed."""
 
-    def __init__(self, te: TransferEngine, node_id: str, size: int, ssd_dir: str = "",
-                 ssd_bytes: int = 0, track: bool = True) -> None:
+    def __init__(
+        self,
+        te: TransferEngine,
+        node_id: str,
+        size: int,
+        ssd_dir: str = "",
+        ssd_bytes: int = 0,
+        track: bool = True,
+    ) -> None:
         """``track=False``: a lender that keeps no index (e.g. a StoreClient lending its
         own memory, as Mooncake Store clients do): no event stream, no CRCs, nothing to
         re-report - after a store-master restart it re-mounts empty (its blocks are
@@ -151,11 +159,11 @@ class SegmentHost:
         # segment drops the slots it reserved under an older mount (see StoreClient)
         self.epoch = 0
         self.mounted = asyncio.Event()
-        self.buf = bytearray(size)   # calloc'd: pages are touched only when written
+        self.buf = bytearray(size)  # calloc'd: pages are touched only when written
         self.view = memoryview(self.buf)
         self.region = -1
         self.ssd = SsdTier(ssd_dir, ssd_bytes) if ssd_dir and ssd_bytes > 0 else None
-        self.index: dict[bytes, tuple[int, int, int]] = {}   # hash -> (offset, size, crc)
+        self.index: dict[bytes, tuple[int, int, int]] = {}  # hash -> (offset, size, crc)
         self.by_offset: dict[int, bytes] = {}
         self.grpc_address = ""
         self.master_id = ""
@@ -204,14 +212,19 @@ class SegmentHost:
         """What to re-report: DRAM entries whose bytes still match, then SSD files."""
         out = []
         for h, (off, size, crc) in list(self.index.items()):
-            if zlib.crc32(self.view[off:off + size]) == crc:
-                out.append(pb.BlockRecord(hash=h, offset=off, size=size, tier="dram",
-                                          region_id=self.region))
+            if zlib.crc32(self.view[off : off + size]) == crc:
+                out.append(
+                    pb.BlockRecord(
+                        hash=h, offset=off, size=size, tier="dram", region_id=self.region
+                    )
+                )
             else:
                 self._forget(h)
         if self.ssd is not None:
-            out.extend(pb.BlockRecord(hash=h, size=size, tier="ssd", region_id=self.region)
-                       for h, size in self.ssd.files.items())
+            out.extend(
+                pb.BlockRecord(hash=h, size=size, tier="ssd", region_id=self.region)
+                for h, size in self.ssd.files.items()
+            )
         return out
 
     async def _follow(self, addr: str) -> None:
@@ -223,32 +236,42 @@ class SegmentHost:
                 stub = self.stub(addr)
                 master_id = ""
                 if not self.track:
-                    master_id = (await stub.StoreHello(pb.StoreHelloRequest(), timeout=5)
-                                 ).master_id
+                    master_id = (await stub.StoreHello(pb.StoreHelloRequest(), timeout=5)).master_id
                 self.epoch += 1
-                await stub.MountSegment(pb.MountSegmentRequest(
-                    node_id=self.node_id, data_address=self.te.address, region_id=self.region,
-                    size=self.size, grpc_address=self.grpc_address,
-                    ssd_bytes=self.ssd.capacity if self.ssd else 0), timeout=5)
+                await stub.MountSegment(
+                    pb.MountSegmentRequest(
+                        node_id=self.node_id,
+                        data_address=self.te.address,
+                        region_id=self.region,
+                        size=self.size,
+                        grpc_address=self.grpc_address,
+                        ssd_bytes=self.ssd.capacity if self.ssd else 0,
+                    ),
+                    timeout=5,
+                )
                 self.mounted.set()
                 if not self.track:
                     log.info("lent %d bytes (untracked) to store-master %s", self.size, addr)
                     backoff = 0.2
-                    while (await stub.StoreHello(pb.StoreHelloRequest(), timeout=5)
-                           ).master_id == master_id:
+                    while (
+                        await stub.StoreHello(pb.StoreHelloRequest(), timeout=5)
+                    ).master_id == master_id:
                         await asyncio.sleep(1.0)
                     log.info("store-master %s restarted: re-mounting", addr)
                     continue
                 recs = await asyncio.to_thread(self.records)
                 if recs:
-                    r = await stub.ReportBlocks(pb.ReportBlocksRequest(
-                        node_id=self.node_id, blocks=recs), timeout=30)
-                    log.info("re-reported %d block(s) to %s (%d rejected)", r.accepted, addr,
-                             r.rejected)
+                    r = await stub.ReportBlocks(
+                        pb.ReportBlocksRequest(node_id=self.node_id, blocks=recs), timeout=30
+                    )
+                    log.info(
+                        "re-reported %d block(s) to %s (%d rejected)", r.accepted, addr, r.rejected
+                    )
                 log.info("lent %d bytes to store-master %s", self.size, addr)
                 backoff = 0.2
-                stream = stub.WatchBlocks(pb.WatchBlocksRequest(node_id=self.node_id,
-                                                                snapshot=True))
+                stream = stub.WatchBlocks(
+                    pb.WatchBlocksRequest(node_id=self.node_id, snapshot=True)
+                )
                 async for ev in stream:
                     if ev.master_id != self.master_id:
                         self.master_id = ev.master_id
@@ -277,7 +300,7 @@ class SegmentHost:
         other = self.by_offset.get(ev.offset)
         if other is not None and other != h:
             self._forget(other)
-        data = self.view[ev.offset:ev.offset + ev.size]
+        data = self.view[ev.offset : ev.offset + ev.size]
         crc = zlib.crc32(data) if ev.size < (1 << 20) else await asyncio.to_thread(zlib.crc32, data)
         self.index[h] = (ev.offset, ev.size, crc)
         self.by_offset[ev.offset] = h
@@ -304,7 +327,7 @@ class StoreSegmentServicer(pbg.StoreSegmentServicer):
     def _range(self, r: pb.BlockRecord) -> memoryview | None:
         if r.offset + r.size > self.host.size or r.size == 0:
             return None
-        return self.host.view[r.offset:r.offset + r.size]
+        return self.host.view[r.offset : r.offset + r.size]
 
     async def Spill(self, req, context):
         h = self.host
@@ -335,8 +358,11 @@ class StoreSegmentServicer(pbg.StoreSegmentServicer):
             return pb.PromoteResponse()
 
         def work():
-            return [r.hash for r in req.blocks
-                    if (mv := self._range(r)) is not None and h.ssd.read_into(bytes(r.hash), mv)]
+            return [
+                r.hash
+                for r in req.blocks
+                if (mv := self._range(r)) is not None and h.ssd.read_into(bytes(r.hash), mv)
+            ]
 
         return pb.PromoteResponse(promoted=await asyncio.to_thread(work))
 
@@ -347,7 +373,8 @@ class StoreSegmentServicer(pbg.StoreSegmentServicer):
             if off + src.size > h.size:
                 continue
             by_peer.setdefault(src.data_address, []).append(
-                (src.hash, Slice(h.region, off, src.region_id, src.offset, src.size)))
+                (src.hash, Slice(h.region, off, src.region_id, src.offset, src.size))
+            )
         copied = []
         for peer, items in by_peer.items():
             try:

@@ -32,7 +32,7 @@ from kvmesh.services.store_master.wire import HEAD, split_frames
 
 log = logging.getLogger(__name__)
 _RECV_BYTES = 256 << 10
-POLL_BACKOFF = 16   # most answers that start no spin after spins in which no call came
+POLL_BACKOFF = 16  # most answers that start no spin after spins in which no call came
 # After a call that placed or located this many block bytes the client is busy copying
 # or transferring them for longer than a poll window: answering it starts no spin.
 QUIET_BYTES = 1 << 20
@@ -68,7 +68,7 @@ class FastPathProtocol:
         self.s = servicer
         self.buf = bytearray()
         self.t: _Shim | None = None
-        self.moved = 0   # block bytes the last call placed or located
+        self.moved = 0  # block bytes the last call placed or located
 
     def data_received(self, data: bytes) -> None:
         frames, oversized = split_frames(self.buf, data)
@@ -125,8 +125,7 @@ class FastPathProtocol:
                 return 0, wire._U32.pack(n) + bytes(present)
             return 0, wire._U32.pack(len(s.meta.prefix(keys)))
         if method == wire.PUT_LOCAL:
-            node, region, keys, slots, rsize, rcount, rspare, release = \
-                wire.unpack_put_local(body)
+            node, region, keys, slots, rsize, rcount, rspare, release = wire.unpack_put_local(body)
             if err := _check(keys, "PutLocal"):
                 return _INVALID, err.encode()
             if len(keys) != len(slots):
@@ -134,8 +133,15 @@ class FastPathProtocol:
             if rcount + rspare > MAX_HASHES:
                 return _INVALID, f"PutLocal: at most {MAX_HASHES} slots per call".encode()
             self.moved = sum(z for _, z in slots) + rsize * rcount  # copied in, or next
-            args = (node, region, [(k, o, z) for k, (o, z) in zip(keys, slots)],
-                    rsize, rcount, rspare, release)
+            args = (
+                node,
+                region,
+                [(k, o, z) for k, (o, z) in zip(keys, slots)],
+                rsize,
+                rcount,
+                rspare,
+                release,
+            )
             if rcount and s.meta.over_high(rsize * rcount):
                 return self._put_local_slow(rsize * rcount, args)
             status, reserved = s.put_local_plain(*args)
@@ -184,11 +190,11 @@ class _Shim:
     """The transport face a :class:`FastPathProtocol` writes to: a non-blocking socket
     whose unsent bytes wait in ``out`` for a writer callback."""
 
-    def __init__(self, server: "FastPathServer", sock: socket.socket) -> None:
+    def __init__(self, server: FastPathServer, sock: socket.socket) -> None:
         self.server, self.sock, self.fd = server, sock, sock.fileno()
         self.out = bytearray()
         self.closed = False
-        self.eof = False   # the peer is done sending: close once ``out`` is flushed
+        self.eof = False  # the peer is done sending: close once ``out`` is flushed
 
     def write(self, data: bytes) -> None:
         if self.closed:
@@ -267,7 +273,7 @@ class FastPathServer:
                 sock, _ = self.ls.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:   # e.g. out of file descriptors: pause, do not spin
+            except OSError as e:  # e.g. out of file descriptors: pause, do not spin
                 log.warning("fast path: accept failed (%s); pausing accepts for 1 s", e)
                 self.loop.remove_reader(self.ls.fileno())
                 self._resume = self.loop.call_later(1.0, self._resume_accepts)
@@ -330,7 +336,7 @@ class FastPathServer:
                 break
         if served:
             self.backoff.caught()
-        else:   # nobody was that quick: later answers skip polling for a while
+        else:  # nobody was that quick: later answers skip polling for a while
             self.backoff.missed()
 
     def _stop_reading(self, fd: int) -> None:

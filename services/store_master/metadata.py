@@ -20,21 +20,36 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
-from kvmesh.services.store_master.model import (DRAM, SSD, Block, BlockState,  # noqa: F401
-                                         EventSink, Plan, Replica, Segment)
+from kvmesh.services.store_master.model import (  # noqa: F401
+    DRAM,
+    SSD,
+    Block,
+    BlockState,
+    EventSink,
+    Plan,
+    Replica,
+    Segment,
+)
 from kvmesh.services.store_master.policy import ReplicaPolicy
 
 
 class StoreMetadata(ReplicaPolicy):
     """Placement, leases, pins, heat, tiers and eviction for the cluster KV store."""
 
-    def __init__(self, lease_s: float = 10.0, put_timeout_s: float = 30.0,
-                 high_watermark: float = 0.9, low_watermark: float = 0.8,
-                 clock: Callable[[], float] = time.monotonic, hot_reads: float = 8.0,
-                 hot_window_s: float = 2.0, max_replicas: int = 3,
-                 on_event: EventSink | None = None) -> None:
+    def __init__(
+        self,
+        lease_s: float = 10.0,
+        put_timeout_s: float = 30.0,
+        high_watermark: float = 0.9,
+        low_watermark: float = 0.8,
+        clock: Callable[[], float] = time.monotonic,
+        hot_reads: float = 8.0,
+        hot_window_s: float = 2.0,
+        max_replicas: int = 3,
+        on_event: EventSink | None = None,
+    ) -> None:
         self.lease_s = lease_s
         self.put_timeout_s = put_timeout_s
         self.high = high_watermark
@@ -47,8 +62,13 @@ class StoreMetadata(ReplicaPolicy):
         self.segments: dict[str, Segment] = {}
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # LRU order: oldest first
         self.pins: set[bytes] = set()
-        self.stats = {"evictions": 0, "spills": 0, "promotions": 0, "replications": 0,
-                      "puts_reclaimed": 0}
+        self.stats = {
+            "evictions": 0,
+            "spills": 0,
+            "promotions": 0,
+            "replications": 0,
+            "puts_reclaimed": 0,
+        }
 
     @property
     def evictions(self) -> int:
@@ -59,8 +79,15 @@ class StoreMetadata(ReplicaPolicy):
             self.on_event(kind, blk, rep)
 
     # -- segments ----------------------------------------------------------------------
-    def mount(self, node_id: str, data_address: str, region_id: int, size: int,
-              grpc_address: str = "", ssd_bytes: int = 0) -> Segment:
+    def mount(
+        self,
+        node_id: str,
+        data_address: str,
+        region_id: int,
+        size: int,
+        grpc_address: str = "",
+        ssd_bytes: int = 0,
+    ) -> Segment:
         seg_id = f"{node_id}/{region_id}"
         old = self.segments.get(seg_id)
         if old and old.data_address == data_address and old.size == size:
@@ -97,8 +124,9 @@ class StoreMetadata(ReplicaPolicy):
         segs = [s for s, seg in self.segments.items() if seg.node_id == node_id]
         return len(segs), sum(self.unmount_segment(s) for s in segs)
 
-    def report(self, node_id: str, region_id: int, records: Iterable[tuple[bytes, int, int, str]]
-               ) -> tuple[int, int]:
+    def report(
+        self, node_id: str, region_id: int, records: Iterable[tuple[bytes, int, int, str]]
+    ) -> tuple[int, int]:
         """A node re-reports (hash, offset, size, tier) it holds on its mounted segment
         (after a store-master restart). Overlapping or out-of-range DRAM records are
         rejected; the segment allocator is rebuilt around what was accepted."""
@@ -107,9 +135,13 @@ class StoreMetadata(ReplicaPolicy):
             return 0, 0
         now = self.clock()
         ok = bad = 0
-        taken: list[tuple[int, int]] = [(r.offset, b.size) for b in self.blocks.values()
-                                        for r in b.replicas if r.segment is seg and r.tier == DRAM]
-        taken += list(seg.reserved.items())   # a writer may be copying into these
+        taken: list[tuple[int, int]] = [
+            (r.offset, b.size)
+            for b in self.blocks.values()
+            for r in b.replicas
+            if r.segment is seg and r.tier == DRAM
+        ]
+        taken += list(seg.reserved.items())  # a writer may be copying into these
         recs = sorted(records, key=lambda r: (r[3] != DRAM, r[1]))
         spans = sorted(taken)
         for h, off, size, tier in recs:
@@ -145,16 +177,19 @@ class StoreMetadata(ReplicaPolicy):
         """Per tier: (blocks with a complete replica there, capacity in bytes)."""
         dram = sum(1 for b in self.blocks.values() if b.complete(DRAM))
         ssd = sum(1 for b in self.blocks.values() if b.complete(SSD))
-        return {DRAM: (dram, self.capacity),
-                SSD: (ssd, sum(s.ssd_bytes for s in self.segments.values()))}
+        return {
+            DRAM: (dram, self.capacity),
+            SSD: (ssd, sum(s.ssd_bytes for s in self.segments.values())),
+        }
 
     @property
     def used(self) -> int:
         return sum(s.used for s in self.segments.values())
 
     # -- puts --------------------------------------------------------------------------
-    def put_start(self, writer: str, hashes: Iterable[bytes], size: int | list[int]
-                  ) -> tuple[list[Block], list[bytes]]:
+    def put_start(
+        self, writer: str, hashes: Iterable[bytes], size: int | list[int]
+    ) -> tuple[list[Block], list[bytes]]:
         """Allocates one PENDING DRAM replica for each absent key; returns (new blocks,
         skipped keys: present or being put). Stops at the first key that does not fit."""
         self.reclaim_abandoned()
@@ -172,8 +207,9 @@ class StoreMetadata(ReplicaPolicy):
                 break  # the store is full of leased/pending blocks: put what fits
             seg, off = seg_off
             blk = Block(h, sz, last_access=now, pinned=h in self.pins)
-            blk.replicas.append(Replica(seg, off, DRAM, BlockState.PENDING,
-                                        put_deadline=now + self.put_timeout_s))
+            blk.replicas.append(
+                Replica(seg, off, DRAM, BlockState.PENDING, put_deadline=now + self.put_timeout_s)
+            )
             self.blocks[h] = blk
             placed.append(blk)
         return placed, skipped
@@ -181,16 +217,22 @@ class StoreMetadata(ReplicaPolicy):
     def put_end(self, hashes: Iterable[bytes], abort: bool = False) -> int:
         return len(self.put_end_detail(hashes, abort)[0])
 
-    def put_end_detail(self, hashes: Iterable[bytes], abort: bool = False
-                       ) -> tuple[list[bytes], list[bytes]]:
+    def put_end_detail(
+        self, hashes: Iterable[bytes], abort: bool = False
+    ) -> tuple[list[bytes], list[bytes]]:
         """(committed, failed) keys; failed = no pending put replica any more."""
         done, failed = [], []
         now = self.clock()
         for h in hashes:
             blk = self.blocks.get(h)
-            rep = None if blk is None else next(
-                (r for r in blk.replicas if r.state is BlockState.PENDING and r.kind == "put"),
-                None)
+            rep = (
+                None
+                if blk is None
+                else next(
+                    (r for r in blk.replicas if r.state is BlockState.PENDING and r.kind == "put"),
+                    None,
+                )
+            )
             if rep is None:
                 failed.append(h)
                 continue
@@ -209,8 +251,9 @@ class StoreMetadata(ReplicaPolicy):
     def local_segment(self, writer: str, region_id: int) -> Segment | None:
         return self.segments.get(f"{writer}/{region_id}")
 
-    def reserve(self, writer: str, region_id: int, size: int, count: int, spare: int = 0
-                ) -> list[int]:
+    def reserve(
+        self, writer: str, region_id: int, size: int, count: int, spare: int = 0
+    ) -> list[int]:
         """Reserves slots of ``size`` bytes in the writer's own segment for local puts:
         ``count`` of them evicting LRU blocks if needed, then up to ``spare`` more only
         from free space below the high watermark. A reserved slot is the writer's until
@@ -236,8 +279,9 @@ class StoreMetadata(ReplicaPolicy):
             out.append(off)
         return out
 
-    def release_reserved(self, writer: str, region_id: int,
-                         slots: Iterable[tuple[int, int]]) -> int:
+    def release_reserved(
+        self, writer: str, region_id: int, slots: Iterable[tuple[int, int]]
+    ) -> int:
         """Frees reserved (offset, size) slots; unknown ones are ignored (a restarted
         master never reserved them)."""
         seg = self.local_segment(writer, region_id)
@@ -249,8 +293,9 @@ class StoreMetadata(ReplicaPolicy):
                 n += 1
         return n
 
-    def commit_local(self, writer: str, region_id: int,
-                     items: Iterable[tuple[bytes, int, int]]) -> list[int]:
+    def commit_local(
+        self, writer: str, region_id: int, items: Iterable[tuple[bytes, int, int]]
+    ) -> list[int]:
         """Publishes (key, offset, size) whose bytes the writer has already copied into
         its reserved slot at ``offset``: 1 stored (COMPLETE at once), 2 the key is
         present or being put (the slot stays reserved), 0 no such reserved slot."""
@@ -275,22 +320,26 @@ class StoreMetadata(ReplicaPolicy):
 
     def reclaim_abandoned(self) -> int:
         now = self.clock()
-        stale = [(b, r) for b in self.blocks.values() for r in b.replicas
-                 if r.state is BlockState.PENDING and r.kind == "put" and r.put_deadline < now]
+        stale = [
+            (b, r)
+            for b in self.blocks.values()
+            for r in b.replicas
+            if r.state is BlockState.PENDING and r.kind == "put" and r.put_deadline < now
+        ]
         for b, r in stale:
             self._drop_replica(b, r)
         self.stats["puts_reclaimed"] += len(stale)
         return len(stale)
 
     # -- gets --------------------------------------------------------------------------
-    def prefix(self, hashes: Iterable[bytes], tiers: tuple[str, ...] = (DRAM, SSD)
-               ) -> list[Block]:
+    def prefix(self, hashes: Iterable[bytes], tiers: tuple[str, ...] = (DRAM, SSD)) -> list[Block]:
         """The longest run of keys each with a complete replica in one of ``tiers``."""
         out = []
         for h in hashes:
             blk = self.blocks.get(h)
-            if blk is None or not any(r.state is BlockState.COMPLETE and r.tier in tiers
-                                      for r in blk.replicas):
+            if blk is None or not any(
+                r.state is BlockState.COMPLETE and r.tier in tiers for r in blk.replicas
+            ):
                 break
             out.append(blk)
         return out
@@ -298,8 +347,9 @@ class StoreMetadata(ReplicaPolicy):
     def present(self, hashes: Iterable[bytes]) -> list[bool]:
         return [(b := self.blocks.get(h)) is not None and b.visible for h in hashes]
 
-    def get_replicas(self, hashes: Iterable[bytes], reader: str = "", any_order: bool = False
-                     ) -> tuple[list[tuple[Block, Replica]], float]:
+    def get_replicas(
+        self, hashes: Iterable[bytes], reader: str = "", any_order: bool = False
+    ) -> tuple[list[tuple[Block, Replica]], float]:
         """The longest prefix (or, ``any_order``, every key) with a complete DRAM
         replica, each leased until the returned time, with the replica the reader should
         use: its own node's if it has one, else the least-loaded one."""
@@ -320,8 +370,11 @@ class StoreMetadata(ReplicaPolicy):
                 rep = reps[0]
             else:
                 own = [r for r in reps if r.segment.node_id == reader]
-                rep = own[0] if own else min(reps, key=lambda r: r.segment.load * exp(
-                    -(now - r.segment.load_t)))
+                rep = (
+                    own[0]
+                    if own
+                    else min(reps, key=lambda r: r.segment.load * exp(-(now - r.segment.load_t)))
+                )
             rep.segment.touch_load(now)
             if blk.lease_until < until:
                 blk.lease_until = until

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 DRAM, SSD = "dram", "ssd"
 
@@ -28,15 +28,23 @@ class Segment:
     O(1)), a bump pointer, and splitting of a larger free slot as the last resort. Free
     slots are not coalesced (documented limit for mixed-size generic keys)."""
 
-    def __init__(self, segment_id: str, node_id: str, data_address: str, region_id: int,
-                 size: int, grpc_address: str = "", ssd_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        segment_id: str,
+        node_id: str,
+        data_address: str,
+        region_id: int,
+        size: int,
+        grpc_address: str = "",
+        ssd_bytes: int = 0,
+    ) -> None:
         self.segment_id, self.node_id = segment_id, node_id
         self.data_address, self.region_id, self.size = data_address, region_id, size
         self.grpc_address, self.ssd_bytes = grpc_address, ssd_bytes
         self.used = 0
         self.bump = 0
         self.free_slots: dict[int, list[int]] = {}
-        self.load = 0.0          # decayed count of reads served (replica choice)
+        self.load = 0.0  # decayed count of reads served (replica choice)
         self.load_t = 0.0
         # slots its own node reserved for local puts: offset -> size (counted in used)
         self.reserved: dict[int, int] = {}
@@ -94,7 +102,7 @@ class Replica:
     tier: str = DRAM
     state: BlockState = BlockState.PENDING
     put_deadline: float = 0.0
-    kind: str = "put"        # put | replicate | promote
+    kind: str = "put"  # put | replicate | promote
 
 
 @dataclass
@@ -110,12 +118,14 @@ class Block:
 
     def complete(self, tier: str | None = DRAM) -> list[Replica]:
         reps = self.replicas
-        if len(reps) == 1:   # the common case, without a comprehension
+        if len(reps) == 1:  # the common case, without a comprehension
             r = reps[0]
-            return [r] if r.state is BlockState.COMPLETE and (tier is None or r.tier == tier) \
-                else []
-        return [r for r in reps if r.state is BlockState.COMPLETE
-                and (tier is None or r.tier == tier)]
+            return (
+                [r] if r.state is BlockState.COMPLETE and (tier is None or r.tier == tier) else []
+            )
+        return [
+            r for r in reps if r.state is BlockState.COMPLETE and (tier is None or r.tier == tier)
+        ]
 
     @property
     def visible(self) -> bool:
@@ -144,7 +154,7 @@ class Plan:
     """Data-moving work the servicer must carry out, then report back."""
 
     block: Block
-    replica: Replica          # the replica being created (replicate/promote) or spilled
+    replica: Replica  # the replica being created (replicate/promote) or spilled
     source: Replica | None = None
 
 

@@ -13,7 +13,8 @@ with a pending replica, and soft-pinned blocks go only after every unpinned one.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from kvmesh.services.store_master.model import DRAM, SSD, Block, BlockState, Plan, Replica, Segment
 
@@ -34,6 +35,7 @@ class ReplicaPolicy:
     max_replicas: int
 
     if TYPE_CHECKING:
+
         @property
         def used(self) -> int: ...
 
@@ -63,8 +65,7 @@ class ReplicaPolicy:
                 off = seg.allocate(blk.size)
             if off is None:
                 continue
-            rep = Replica(seg, off, DRAM, BlockState.PENDING, put_deadline=now + 30,
-                          kind="promote")
+            rep = Replica(seg, off, DRAM, BlockState.PENDING, put_deadline=now + 30, kind="promote")
             blk.replicas.append(rep)
             plans.append(Plan(blk, rep, ssd[0]))
         return plans
@@ -91,8 +92,9 @@ class ReplicaPolicy:
         hot = [b for b in blocks if b.heat >= self.hot_reads]
         if not hot:
             return plans
-        targets = sorted((s for s in self.segments.values() if s.grpc_address),
-                         key=lambda s: -s.free_ratio)
+        targets = sorted(
+            (s for s in self.segments.values() if s.grpc_address), key=lambda s: -s.free_ratio
+        )
         if not targets:
             return plans
         for blk in hot:
@@ -110,8 +112,9 @@ class ReplicaPolicy:
                     off = seg.allocate(blk.size)
                     if off is None:
                         continue
-                    rep = Replica(seg, off, DRAM, BlockState.PENDING, put_deadline=now + 30,
-                                  kind="replicate")
+                    rep = Replica(
+                        seg, off, DRAM, BlockState.PENDING, put_deadline=now + 30, kind="replicate"
+                    )
                     blk.replicas.append(rep)
                     blk.lease_until = max(blk.lease_until, now + self.lease_s)  # hold source
                     blk.heat = 0.0
@@ -129,8 +132,9 @@ class ReplicaPolicy:
             self.evict(target_used=int(self.low * self.capacity))
         for attempt in range(2):
             # local-first, then the segment with the highest free ratio
-            segs = sorted(self.segments.values(),
-                          key=lambda s: (s.node_id != prefer_node, -s.free_ratio))
+            segs = sorted(
+                self.segments.values(), key=lambda s: (s.node_id != prefer_node, -s.free_ratio)
+            )
             for seg in segs:
                 off = seg.allocate(size)
                 if off is not None:
@@ -164,7 +168,7 @@ class ReplicaPolicy:
                 for rep in dram:
                     freed += blk.size
                     if rep.segment.ssd_bytes and not has_ssd:
-                        blk.lease_until = now + 30   # held until the spill is done
+                        blk.lease_until = now + 30  # held until the spill is done
                         plans.append(Plan(blk, rep))
                         has_ssd = True
                     else:
@@ -175,7 +179,7 @@ class ReplicaPolicy:
     def finish_spill(self, plan: Plan, ok: bool, dropped: Iterable[bytes] = ()) -> None:
         blk, rep = plan.block, plan.replica
         seg = rep.segment
-        for h in dropped:   # the node deleted these SSD copies to stay within its disk
+        for h in dropped:  # the node deleted these SSD copies to stay within its disk
             b = self.blocks.get(h)
             if b is not None:
                 for r in [r for r in b.replicas if r.segment is seg and r.tier == SSD]:
@@ -191,8 +195,7 @@ class ReplicaPolicy:
             self._emit("stored", blk, ssd)
         self._drop_replica(blk, rep)
 
-    def evict(self, target_used: int, only: Segment | None = None, now: float | None = None
-              ) -> int:
+    def evict(self, target_used: int, only: Segment | None = None, now: float | None = None) -> int:
         """Synchronous eviction (no spilling): drops LRU DRAM replicas, unpinned first,
         until ``used <= target_used``. Used under allocation pressure."""
         now = self.clock() if now is None else now

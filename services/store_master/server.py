@@ -45,14 +45,13 @@ import grpc
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common import channels
+from kvmesh.services.common.channels import make_channel
 from kvmesh.services.common.config import ConfigError, load, option
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.service import Service, run, setup_logging
 from kvmesh.services.common.settings import ServiceConfig
 from kvmesh.services.store_master.metadata import DRAM, SSD, Block, Plan, Replica, StoreMetadata
-from kvmesh.services.common import channels
-from kvmesh.services.common.channels import make_channel
-from kvmesh.services.store_master import wire
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +69,24 @@ class StoreMasterConfig(ServiceConfig):
     put_timeout_s: float = option(30.0, "a put not ended within this is reclaimed")
     high_watermark: float = option(0.9, "eviction starts above this fraction of capacity")
     low_watermark: float = option(0.8, "eviction frees down to this fraction of capacity")
-    hot_reads: float = option(8.0, "a block read this often within hot_window_s gets another replica")
+    hot_reads: float = option(
+        8.0, "a block read this often within hot_window_s gets another replica"
+    )
     hot_window_s: float = option(2.0, "time constant of the decayed read count of a block")
     max_replicas: int = option(3, "most DRAM replicas a hot block gets (1 = no replication)")
-    fast_path: bool = option(True, "also serve the hot calls on a raw-TCP control path "
-                             "(advertised in StoreHello; only when gRPC runs without TLS)")
+    fast_path: bool = option(
+        True,
+        "also serve the hot calls on a raw-TCP control path "
+        "(advertised in StoreHello; only when gRPC runs without TLS)",
+    )
     fast_port: int = option(0, "port of the raw-TCP control path (0 = any free port)")
-    fast_poll_us: int = option(200, "busy-poll window of the raw-TCP control path in "
-                                    "microseconds: after answering, the event loop polls "
-                                    "for the next call this long before sleeping (CPU for "
-                                    "latency; 0 = never spin)")
+    fast_poll_us: int = option(
+        200,
+        "busy-poll window of the raw-TCP control path in "
+        "microseconds: after answering, the event loop polls "
+        "for the next call this long before sleeping (CPU for "
+        "latency; 0 = never spin)",
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -92,8 +99,10 @@ class StoreMasterConfig(ServiceConfig):
         if self.hot_reads <= 0 or self.hot_window_s <= 0:
             raise ConfigError("hot_reads and hot_window_s: must be > 0")
         if not 0 <= self.fast_poll_us <= 5000:
-            raise ConfigError(f"fast_poll_us: {self.fast_poll_us} must be between 0 and 5000 "
-                              f"(the event loop spins that long at most)")
+            raise ConfigError(
+                f"fast_poll_us: {self.fast_poll_us} must be between 0 and 5000 "
+                f"(the event loop spins that long at most)"
+            )
 
 
 def _check_hashes(hashes, context_name: str) -> str | None:
@@ -108,13 +117,21 @@ def _check_hashes(hashes, context_name: str) -> str | None:
 def _placement(b: Block, r: Replica | None = None) -> pb.Placement:
     r = r or b.replicas[0]
     s = r.segment
-    return pb.Placement(hash=b.hash, data_address=s.data_address, region_id=s.region_id,
-                        offset=r.offset, size=b.size, node_id=s.node_id, tier=r.tier)
+    return pb.Placement(
+        hash=b.hash,
+        data_address=s.data_address,
+        region_id=s.region_id,
+        offset=r.offset,
+        size=b.size,
+        node_id=s.node_id,
+        tier=r.tier,
+    )
 
 
 def _record(b: Block, r: Replica) -> pb.BlockRecord:
-    return pb.BlockRecord(hash=b.hash, offset=r.offset, size=b.size, tier=r.tier,
-                          region_id=r.segment.region_id)
+    return pb.BlockRecord(
+        hash=b.hash, offset=r.offset, size=b.size, tier=r.tier, region_id=r.segment.region_id
+    )
 
 
 class EventBus:
@@ -131,9 +148,17 @@ class EventBus:
         if not self.subs:
             return
         s = rep.segment
-        ev = pb.BlockEvent(seq=self.seq, type=kind, hash=blk.hash, node_id=s.node_id,
-                           tier=rep.tier, offset=rep.offset, size=blk.size,
-                           region_id=s.region_id, master_id=self.master_id)
+        ev = pb.BlockEvent(
+            seq=self.seq,
+            type=kind,
+            hash=blk.hash,
+            node_id=s.node_id,
+            tier=rep.tier,
+            offset=rep.offset,
+            size=blk.size,
+            region_id=s.region_id,
+            master_id=self.master_id,
+        )
         for node, q in list(self.subs):
             if node and node != s.node_id:
                 continue
@@ -163,7 +188,7 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._evicting: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.fast_address = ""      # the raw-TCP control path, when it listens
+        self.fast_address = ""  # the raw-TCP control path, when it listens
 
     # -- node side -----------------------------------------------------------------------
     def node_stub(self, addr: str) -> pbg.StoreSegmentStub:
@@ -202,8 +227,9 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         spilled: set[bytes] = set()
         dropped: list[bytes] = []
         try:
-            resp = await self.node_stub(addr).Spill(pb.SpillRequest(
-                blocks=[_record(p.block, p.replica) for p in plans]), timeout=10)
+            resp = await self.node_stub(addr).Spill(
+                pb.SpillRequest(blocks=[_record(p.block, p.replica) for p in plans]), timeout=10
+            )
             spilled, dropped = set(resp.spilled), list(resp.dropped)
         except grpc.aio.AioRpcError as e:
             log.warning("spill to %s failed (%s): dropping %d block(s)", addr, e.code(), len(plans))
@@ -221,13 +247,19 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
             try:
                 stub = self.node_stub(addr)
                 if what == "promote":
-                    resp = await stub.Promote(pb.PromoteRequest(
-                        blocks=[_record(p.block, p.replica) for p in ps]), timeout=10)
+                    resp = await stub.Promote(
+                        pb.PromoteRequest(blocks=[_record(p.block, p.replica) for p in ps]),
+                        timeout=10,
+                    )
                     ok = set(resp.promoted)
                 else:
-                    resp = await stub.Replicate(pb.ReplicateRequest(
-                        sources=[_placement(p.block, p.source) for p in ps],
-                        offsets=[p.replica.offset for p in ps]), timeout=30)
+                    resp = await stub.Replicate(
+                        pb.ReplicateRequest(
+                            sources=[_placement(p.block, p.source) for p in ps],
+                            offsets=[p.replica.offset for p in ps],
+                        ),
+                        timeout=30,
+                    )
                     ok = set(resp.copied)
             except grpc.aio.AioRpcError as e:
                 log.warning("%s on %s failed: %s", what, addr, e.code())
@@ -239,12 +271,20 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
     # -- RPCs ----------------------------------------------------------------------------
     async def MountSegment(self, req, context):
         if not req.node_id or not req.data_address or req.size <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "MountSegment needs node_id, data_address and size > 0")
-        seg = self.meta.mount(req.node_id, req.data_address, req.region_id, req.size,
-                              req.grpc_address, req.ssd_bytes)
-        log.info("mounted segment %s (%d bytes at %s, ssd %d)", seg.segment_id, seg.size,
-                 seg.data_address, seg.ssd_bytes)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "MountSegment needs node_id, data_address and size > 0",
+            )
+        seg = self.meta.mount(
+            req.node_id, req.data_address, req.region_id, req.size, req.grpc_address, req.ssd_bytes
+        )
+        log.info(
+            "mounted segment %s (%d bytes at %s, ssd %d)",
+            seg.segment_id,
+            seg.size,
+            seg.data_address,
+            seg.ssd_bytes,
+        )
         return pb.MountSegmentResponse(segment_id=seg.segment_id)
 
     async def UnmountSegment(self, req, context):
@@ -255,7 +295,8 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         by_region: dict[int, list] = {}
         for r in req.blocks:
             by_region.setdefault(r.region_id, []).append(
-                (bytes(r.hash), r.offset, r.size, r.tier or DRAM))
+                (bytes(r.hash), r.offset, r.size, r.tier or DRAM)
+            )
         ok = bad = 0
         for region, recs in by_region.items():
             a, b = self.meta.report(req.node_id, region, recs)
@@ -268,17 +309,18 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         sizes = list(req.sizes)
         if sizes and len(sizes) != len(req.hashes):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "PutStart: sizes must have one entry per key")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "PutStart: sizes must have one entry per key"
+            )
         if (not sizes and req.size <= 0) or any(s <= 0 for s in sizes):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PutStart: size must be > 0")
         total = sum(sizes) if sizes else req.size * len(req.hashes)
         if self.meta.over_high(total):
             await self.run_eviction(total)
-        placed, skipped = self.meta.put_start(req.node_id, list(req.hashes),
-                                              sizes or req.size)
-        return pb.PutStartResponse(placements=[_placement(b) for b in placed],
-                                   already_present=skipped)
+        placed, skipped = self.meta.put_start(req.node_id, list(req.hashes), sizes or req.size)
+        return pb.PutStartResponse(
+            placements=[_placement(b) for b in placed], already_present=skipped
+        )
 
     async def PutEnd(self, req, context):
         if err := _check_hashes(req.hashes, "PutEnd"):
@@ -296,9 +338,11 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
             await self._promote(cand)
         got, until = self._get_now(hashes, req.node_id, req.any_order)
         expires_ms = int((time.time() + (until - m.clock())) * 1000)
-        return pb.GetReplicasResponse(replicas=[_placement(b, r) for b, r in got],
-                                      lease_expires_unix_ms=expires_ms,
-                                      lease_ms=int(m.lease_s * 1000))
+        return pb.GetReplicasResponse(
+            replicas=[_placement(b, r) for b, r in got],
+            lease_expires_unix_ms=expires_ms,
+            lease_ms=int(m.lease_s * 1000),
+        )
 
     # -- the hot calls' synchronous cores (shared by gRPC and the raw-TCP path) -----------
     def _needs_promotion(self, hashes: list[bytes], any_order: bool) -> list[Block]:
@@ -324,13 +368,19 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
 
     def _put_local_now(self, req) -> pb.PutLocalResponse:
         status, reserved = self.put_local_plain(
-            req.node_id, req.region_id, zip(req.hashes, req.offsets, req.sizes),
-            req.reserve_size, req.reserve_count, req.reserve_spare,
-            zip(req.release_offsets, req.release_sizes))
+            req.node_id,
+            req.region_id,
+            zip(req.hashes, req.offsets, req.sizes),
+            req.reserve_size,
+            req.reserve_count,
+            req.reserve_spare,
+            zip(req.release_offsets, req.release_sizes),
+        )
         return pb.PutLocalResponse(status=status, reserved=reserved)
 
-    def put_local_plain(self, node: str, region: int, items, rsize: int, rcount: int,
-                        rspare: int, release=()) -> tuple[list[int], list[int]]:
+    def put_local_plain(
+        self, node: str, region: int, items, rsize: int, rcount: int, rspare: int, release=()
+    ) -> tuple[list[int], list[int]]:
         """PutLocal on plain values (the raw-TCP path skips protobuf): releases, commits
         (key, offset, size) items, reserves; returns (status per item, reserved)."""
         m = self.meta
@@ -362,9 +412,11 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         return self._put_local_now(req)
 
     async def StoreHello(self, req, context):
-        return pb.StoreHelloResponse(master_id=self.bus.master_id,
-                                     lease_ms=int(self.meta.lease_s * 1000),
-                                     fast_address=self.fast_address)
+        return pb.StoreHelloResponse(
+            master_id=self.bus.master_id,
+            lease_ms=int(self.meta.lease_s * 1000),
+            fast_address=self.fast_address,
+        )
 
     async def Exists(self, req, context):
         if err := _check_hashes(req.hashes, "Exists"):
@@ -400,10 +452,17 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
                 for r in b.complete(None):
                     if not node or r.segment.node_id == node:
                         s = r.segment
-                        yield pb.BlockEvent(seq=bus.seq, type="stored", hash=b.hash,
-                                            node_id=s.node_id, tier=r.tier, offset=r.offset,
-                                            size=b.size, region_id=s.region_id,
-                                            master_id=bus.master_id)
+                        yield pb.BlockEvent(
+                            seq=bus.seq,
+                            type="stored",
+                            hash=b.hash,
+                            node_id=s.node_id,
+                            tier=r.tier,
+                            offset=r.offset,
+                            size=b.size,
+                            region_id=s.region_id,
+                            master_id=bus.master_id,
+                        )
         # no await between the snapshot and subscribing: nothing can be missed
         bus.subs.append((node, q))
         try:
@@ -421,11 +480,19 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         replicas = sum(len(b.complete(None)) for b in m.blocks.values())
         ssd = sum(1 for b in m.blocks.values() if b.complete(SSD))
         return pb.StoreStatsResponse(
-            blocks=sum(1 for b in m.blocks.values() if b.visible), bytes_used=m.used,
-            bytes_total=m.capacity, segments=len(m.segments), evictions=m.evictions,
-            replicas=replicas, ssd_blocks=ssd, spills=m.stats["spills"],
-            promotions=m.stats["promotions"], replications=m.stats["replications"],
-            pinned=len(m.pins), puts_reclaimed=m.stats["puts_reclaimed"])
+            blocks=sum(1 for b in m.blocks.values() if b.visible),
+            bytes_used=m.used,
+            bytes_total=m.capacity,
+            segments=len(m.segments),
+            evictions=m.evictions,
+            replicas=replicas,
+            ssd_blocks=ssd,
+            spills=m.stats["spills"],
+            promotions=m.stats["promotions"],
+            replications=m.stats["replications"],
+            pinned=len(m.pins),
+            puts_reclaimed=m.stats["puts_reclaimed"],
+        )
 
 
 class StoreMaster(Service):
@@ -433,23 +500,29 @@ class StoreMaster(Service):
 
     def __init__(self, cfg: StoreMasterConfig) -> None:
         super().__init__(cfg)
-        self.meta = StoreMetadata(lease_s=cfg.lease_ms / 1000, put_timeout_s=cfg.put_timeout_s,
-                                  high_watermark=cfg.high_watermark,
-                                  low_watermark=cfg.low_watermark, hot_reads=cfg.hot_reads,
-                                  hot_window_s=cfg.hot_window_s,
-                                  max_replicas=cfg.max_replicas)
+        self.meta = StoreMetadata(
+            lease_s=cfg.lease_ms / 1000,
+            put_timeout_s=cfg.put_timeout_s,
+            high_watermark=cfg.high_watermark,
+            low_watermark=cfg.low_watermark,
+            hot_reads=cfg.hot_reads,
+            hot_window_s=cfg.hot_window_s,
+            max_replicas=cfg.max_replicas,
+        )
         self.servicer = StoreMasterServicer(self.meta)
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self._reaper: asyncio.Task | None = None
-        self._fast = None   # the raw-TCP control path's FastPathServer, when it listens
+        self._fast = None  # the raw-TCP control path's FastPathServer, when it listens
 
     async def setup(self) -> None:
         pbg.add_StoreMasterServicer_to_server(self.servicer, self.server)
         # before the gRPC port opens, so every StoreHello already advertises it
         if self.cfg.fast_path and not channels.current().enabled:
             from kvmesh.services.store_master.fastpath import serve_fast_path
+
             self._fast, self.servicer.fast_address = await serve_fast_path(
-                self.servicer, self.cfg.host, self.cfg.fast_port, self.cfg.fast_poll_us)
+                self.servicer, self.cfg.host, self.cfg.fast_port, self.cfg.fast_poll_us
+            )
             log.info("raw-TCP control path on %s", self.servicer.fast_address)
 
     async def after_start(self) -> None:

@@ -42,11 +42,12 @@ def split_frames(buf: bytearray, data: bytes) -> tuple[list[tuple[int, int, byte
             return frames, True
         if end - pos - HEAD_SIZE < n:
             break
-        frames.append((rid, code, data[pos + HEAD_SIZE:pos + HEAD_SIZE + n]))
+        frames.append((rid, code, data[pos + HEAD_SIZE : pos + HEAD_SIZE + n]))
         pos += HEAD_SIZE + n
     if pos < end:
         buf += data[pos:]
     return frames, False
+
 
 GET, EXISTS, PUT_LOCAL, REMOVE = 1, 2, 3, 4
 PB_BASE = 16
@@ -56,8 +57,8 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _KEYS = struct.Struct("<IH")
-_REP = struct.Struct("<IHQQ")      # key index, segment index, offset, size
-_SEG = struct.Struct("<IH")        # region id, address length
+_REP = struct.Struct("<IHQQ")  # key index, segment index, offset, size
+_SEG = struct.Struct("<IH")  # region id, address length
 _SLOT = struct.Struct("<QQ")
 
 
@@ -68,7 +69,7 @@ def pack_str(s: str) -> bytes:
 
 def unpack_str(buf, pos: int) -> tuple[str, int]:
     n = buf[pos]
-    return bytes(buf[pos + 1:pos + 1 + n]).decode(), pos + 1 + n
+    return bytes(buf[pos + 1 : pos + 1 + n]).decode(), pos + 1 + n
 
 
 def pack_keys(keys: list[bytes]) -> bytes:
@@ -84,14 +85,14 @@ def unpack_keys(buf, pos: int) -> tuple[list[bytes], int]:
     count, n = _KEYS.unpack_from(buf, pos)
     pos += _KEYS.size
     if n:
-        raw = bytes(buf[pos:pos + n * count])
+        raw = bytes(buf[pos : pos + n * count])
         if len(raw) != n * count:
             raise ValueError("short key list")
-        return [raw[i:i + n] for i in range(0, n * count, n)], pos + n * count
+        return [raw[i : i + n] for i in range(0, n * count, n)], pos + n * count
     out = []
     for _ in range(count):
         (k,) = _U16.unpack_from(buf, pos)
-        key = bytes(buf[pos + 2:pos + 2 + k])
+        key = bytes(buf[pos + 2 : pos + 2 + k])
         if len(key) != k:
             raise ValueError("short key")
         out.append(key)
@@ -125,8 +126,9 @@ def pack_get_resp(lease_ms: int, got: list[tuple[int, object, int, int]]) -> byt
             addr = seg.data_address.encode()
             seg_parts.append(_SEG.pack(seg.region_id, len(addr)) + addr + pack_str(seg.node_id))
         reps.append(_REP.pack(i, j, off, size))
-    return b"".join([_U32.pack(lease_ms), _U16.pack(len(seg_parts)), *seg_parts,
-                     _U32.pack(len(reps)), *reps])
+    return b"".join(
+        [_U32.pack(lease_ms), _U16.pack(len(seg_parts)), *seg_parts, _U32.pack(len(reps)), *reps]
+    )
 
 
 def unpack_get_resp(buf) -> tuple[int, list[tuple[int, str, int, str, int, int]]]:
@@ -138,13 +140,13 @@ def unpack_get_resp(buf) -> tuple[int, list[tuple[int, str, int, str, int, int]]
     for _ in range(nseg):
         region, alen = _SEG.unpack_from(buf, pos)
         pos += _SEG.size
-        addr = bytes(buf[pos:pos + alen]).decode()
+        addr = bytes(buf[pos : pos + alen]).decode()
         node, pos = unpack_str(buf, pos + alen)
         segs.append((addr, region, node))
     (n,) = _U32.unpack_from(buf, pos)
     pos += 4
     out = []
-    for i, j, off, size in _REP.iter_unpack(bytes(buf[pos:pos + n * _REP.size])):
+    for i, j, off, size in _REP.iter_unpack(bytes(buf[pos : pos + n * _REP.size])):
         addr, region, node = segs[j]
         out.append((i, addr, region, node, off, size))
     return lease_ms, out
@@ -162,13 +164,27 @@ def pack_exists(keys: list[bytes], any_order: bool) -> bytes:
 _RES = struct.Struct("<QII")
 
 
-def pack_put_local(node_id: str, region: int, keys: list[bytes], slots: list[tuple[int, int]],
-                   reserve_size: int, reserve_count: int, reserve_spare: int,
-                   release: list[tuple[int, int]]) -> bytes:
-    return b"".join([pack_str(node_id), _U32.pack(region), pack_keys(keys),
-                     *(_SLOT.pack(o, s) for o, s in slots),
-                     _RES.pack(reserve_size, reserve_count, reserve_spare),
-                     _U32.pack(len(release)), *(_SLOT.pack(o, s) for o, s in release)])
+def pack_put_local(
+    node_id: str,
+    region: int,
+    keys: list[bytes],
+    slots: list[tuple[int, int]],
+    reserve_size: int,
+    reserve_count: int,
+    reserve_spare: int,
+    release: list[tuple[int, int]],
+) -> bytes:
+    return b"".join(
+        [
+            pack_str(node_id),
+            _U32.pack(region),
+            pack_keys(keys),
+            *(_SLOT.pack(o, s) for o, s in slots),
+            _RES.pack(reserve_size, reserve_count, reserve_spare),
+            _U32.pack(len(release)),
+            *(_SLOT.pack(o, s) for o, s in release),
+        ]
+    )
 
 
 def unpack_put_local(buf):
@@ -176,13 +192,13 @@ def unpack_put_local(buf):
     (region,) = _U32.unpack_from(buf, pos)
     keys, pos = unpack_keys(buf, pos + 4)
     n = len(keys)
-    slots = list(_SLOT.iter_unpack(bytes(buf[pos:pos + n * _SLOT.size])))
+    slots = list(_SLOT.iter_unpack(bytes(buf[pos : pos + n * _SLOT.size])))
     pos += n * _SLOT.size
     rsize, rcount, rspare = _RES.unpack_from(buf, pos)
     pos += _RES.size
     (nrel,) = _U32.unpack_from(buf, pos)
     pos += 4
-    release = list(_SLOT.iter_unpack(bytes(buf[pos:pos + nrel * _SLOT.size])))
+    release = list(_SLOT.iter_unpack(bytes(buf[pos : pos + nrel * _SLOT.size])))
     if len(slots) != n or len(release) != nrel or pos + nrel * _SLOT.size != len(buf):
         raise ValueError("PutLocal frame is truncated or has trailing bytes")
     return node, region, keys, slots, rsize, rcount, rspare, release
