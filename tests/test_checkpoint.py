@@ -21,16 +21,17 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from kvmesh.services.common.hashing import prefix_hashes  # noqa: E402
-from kvmesh.services.engine.checkpoint import CheckpointError, LoadedModel, load_model  # noqa: E402
-from kvmesh.services.engine.config import rope_inv_freq  # noqa: E402
-from kvmesh.services.engine.kv_pool import KVPool  # noqa: E402
-from kvmesh.services.engine.sampling import Sampling, find_stop, sample, sample_with_logprob  # noqa: E402
-from kvmesh.services.engine.tokenizer import (  # noqa: E402
+from kvmesh.services.common.sampling_params import Sampling, find_stop  # noqa: E402
+from kvmesh.services.common.tokenizer import (  # noqa: E402
     ByteTokenizer,
     HFTokenizer,
     TokenizerError,
     load_tokenizer,
 )
+from kvmesh.services.engine.checkpoint import CheckpointError, LoadedModel, load_model  # noqa: E402
+from kvmesh.services.engine.config import rope_inv_freq  # noqa: E402
+from kvmesh.services.engine.kv_pool import KVPool  # noqa: E402
+from kvmesh.services.engine.sampling import sample, sample_with_logprob  # noqa: E402
 
 ATOL = 1e-4
 BS = 8
@@ -325,7 +326,7 @@ def test_hf_tokenizer(llama, tmp_path):
 
 def test_tokenizer_module_is_torch_free():
     code = (
-        "import sys; import services.engine.tokenizer as t; t.load_tokenizer('tiny'); "
+        "import sys; import services.common.tokenizer as t; t.load_tokenizer('tiny'); "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run(

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kvmesh.protos import kvmesh_pb2 as pb  # noqa: E402
-from kvmesh.services.engine.tokenizer import load_tokenizer  # noqa: E402
+from kvmesh.services.common.tokenizer import load_tokenizer  # noqa: E402
 from kvmesh.services.launcher import LocalCluster  # noqa: E402
 from tests.cluster_util import DISAGG_ONLY, generate  # noqa: E402
 from tests.test_checkpoint import build, train_tokenizer  # noqa: E402

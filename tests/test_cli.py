@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
+from kvmesh.services.common.tokenizer import ByteTokenizer
 from kvmesh.services.engine.model import LlamaModel
-from kvmesh.services.engine.tokenizer import ByteTokenizer
 from kvmesh.services.launcher import free_port
 
 

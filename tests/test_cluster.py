@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 
+from kvmesh.services.common.tokenizer import ByteTokenizer
 from kvmesh.services.engine.model import LlamaModel
-from kvmesh.services.engine.tokenizer import ByteTokenizer
 from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, node, status
 

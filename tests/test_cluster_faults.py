@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from kvmesh.services.common.tokenizer import ByteTokenizer
 from kvmesh.services.engine.model import LlamaModel
-from kvmesh.services.engine.tokenizer import ByteTokenizer
 from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import NODE_ARGS, generate, status
 

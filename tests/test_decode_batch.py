@@ -13,8 +13,8 @@ import pytest
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common.hashing import prefix_hashes
+from kvmesh.services.common.tokenizer import ByteTokenizer
 from kvmesh.services.engine.model import LlamaModel
-from kvmesh.services.engine.tokenizer import ByteTokenizer
 from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import status
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kvmesh.services.common.hashing import model_fingerprint, prefix_hashes, preset_weights_digest
+from kvmesh.services.common.tokenizer import ByteTokenizer
 from kvmesh.services.engine.config import PRESETS, resolve_dtype
 from kvmesh.services.engine.kv_pool import KVPool, OutOfBlocks
 from kvmesh.services.engine.model import LlamaModel, apply_rope
 from kvmesh.services.engine.prefix_cache import PrefixCache
-from kvmesh.services.engine.tokenizer import ByteTokenizer
 
 BS = 16
 ATOL = 1e-4

@@ -45,9 +45,11 @@ from kvmesh.services.common.hashing import prefix_hashes
 from kvmesh.services.common.metrics import REGISTRY as METRICS_REGISTRY
 from kvmesh.services.common.metrics import RequestStats
 from kvmesh.services.common.registry import Membership, nodes_prefix
+from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import Service, run, setup_logging
 from kvmesh.services.common.settings import ServiceConfig
 from kvmesh.services.common.telemetry import record_span
+from kvmesh.services.common.tokenizer import load_tokenizer
 from kvmesh.services.conductor.cluster import ClusterView, NodeInfo
 from kvmesh.services.conductor.feeds import NodeFeeds
 from kvmesh.services.conductor.http_api import HttpApi
@@ -62,8 +64,6 @@ from kvmesh.services.conductor.policy import (
     Scheduler,
 )
 from kvmesh.services.conductor.text import TextStream
-from kvmesh.services.engine.sampling import Sampling
-from kvmesh.services.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ start of a stop string. When a stop string appears, the text ends just before it
 
 from __future__ import annotations
 
-from kvmesh.services.engine.sampling import find_stop
+from kvmesh.services.common.sampling_params import find_stop
 
 
 class TextStream:

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.services.common.hashing import prefix_hashes
+from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.engine.kv_pool import OutOfBlocks
-from kvmesh.services.engine.sampling import Sampling, sample_with_logprob
+from kvmesh.services.engine.sampling import sample_with_logprob
 
 log = logging.getLogger(__name__)
 _seq = itertools.count()

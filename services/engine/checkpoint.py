@@ -9,7 +9,7 @@ tokenizer, weights digest, name). Supported directories:
   (``rope_theta`` + ``rope_scaling``) and 5.x (``rope_parameters``) layouts;
 * weights in ``model.safetensors`` or sharded per ``model.safetensors.index.json``
   (any tensor dtype is converted to the compute dtype);
-* ``tokenizer.json`` (see :class:`~services.engine.tokenizer.HFTokenizer`).
+* ``tokenizer.json`` (see :class:`~services.common.tokenizer.HFTokenizer`).
 
 Features: q/k/v biases (Qwen2, Llama ``attention_bias``), o_proj and MLP biases
 (Llama ``attention_bias`` / ``mlp_bias``), tied embeddings (``tie_word_embeddings``;
@@ -38,10 +38,10 @@ from typing import Any
 import torch
 
 from kvmesh.services.common.hashing import model_fingerprint
+from kvmesh.services.common.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, read_json
 
 from .config import PRESETS, ModelConfig, RopeScaling, dtype_name, resolve_dtype
 from .model import LlamaModel
-from .tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, read_json
 
 log = logging.getLogger(__name__)
 

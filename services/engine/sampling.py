@@ -1,69 +1,13 @@
-"""Token sampling: greedy at temperature 0, else temperature / top-k / top-p with a
+"""Token sampling (torch): greedy at temperature 0, else temperature / top-k / top-p with a
 per-request generator so a seeded request is reproducible on any node."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
-else:
+import torch
 
-    class _LazyTorch:
-        """torch on first use: the conductor validates Sampling without ever sampling,
-        and importing torch would add seconds to its (re)start."""
-
-        def __getattr__(self, name):
-            import torch as _torch
-
-            globals()["torch"] = _torch
-            return getattr(_torch, name)
-
-    torch = _LazyTorch()
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-    seed: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: frozenset[int] = frozenset()
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-
-    @classmethod
-    def from_proto(cls, p) -> Sampling:
-        return cls(
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            seed=p.seed,
-            ignore_eos=p.ignore_eos,
-            stop_token_ids=frozenset(p.stop_token_ids),
-            stop=tuple(p.stop),
-            logprobs=p.logprobs,
-        )
-
-    def validate(self, vocab_size: int) -> str | None:
-        """A message naming the bad field, or None."""
-        if len(self.stop_token_ids) > 64:
-            return "sampling.stop_token_ids: at most 64 ids"
-        if any(t < 0 or t >= vocab_size for t in self.stop_token_ids):
-            return f"sampling.stop_token_ids must be in [0, {vocab_size})"
-        if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
-            return "sampling.stop: at most 16 non-empty strings of at most 256 characters"
-        if not self.temperature >= 0 or self.temperature > 100:
-            return f"sampling.temperature must be in [0, 100], got {self.temperature}"
-        if not 0 <= self.top_p <= 1:
-            return f"sampling.top_p must be in [0, 1], got {self.top_p}"
-        if not 0 <= self.top_k <= vocab_size:
-            return f"sampling.top_k must be in [0, {vocab_size}], got {self.top_k}"
-        return None
+from kvmesh.services.common.sampling_params import Sampling
 
 
 def make_generator(s: Sampling, step: int = 0) -> torch.Generator | None:
@@ -107,20 +51,3 @@ def sample_with_logprob(logits: torch.Tensor, s: Sampling, step: int = 0) -> tup
     tok = sample(logits, s, step)
     lp = float(torch.log_softmax(logits.float().reshape(-1), dim=-1)[tok])
     return tok, (lp if not math.isnan(lp) else float("-inf"))
-
-
-def find_stop(text: str, stops: Iterable[str], start: int = 0) -> int | None:
-    """Truncation point for stop strings: the index in ``text`` where the earliest
-    occurrence (at or after ``start``) of any non-empty stop string begins, or None.
-
-    Output is ``text[:find_stop(...)]``; the stop string itself is excluded. To scan
-    only new text when streaming, pass ``start = max(0, old_len - max(len(stop)) + 1)``.
-    """
-    best: int | None = None
-    for stop in stops:
-        if not stop:
-            continue
-        i = text.find(stop, start)
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best

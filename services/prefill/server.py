@@ -31,11 +31,12 @@ from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import Slice, TransferError
 from kvmesh.services.common import metrics as kvm
 from kvmesh.services.common.config import load
-from kvmesh.services.common.model_node import ModelNode
+from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.settings import NodeConfig
 from kvmesh.services.common.telemetry import record_span
-from kvmesh.services.engine.sampling import Sampling, sample_with_logprob
+from kvmesh.services.engine.sampling import sample_with_logprob
+from kvmesh.services.model_node import ModelNode
 
 log = logging.getLogger(__name__)
 

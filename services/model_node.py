@@ -20,11 +20,11 @@ from kvmesh.services.common.node_events import EventHub, profile
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.service import Service
 from kvmesh.services.common.settings import NodeConfig
+from kvmesh.services.common.tokenizer import ByteTokenizer, HFTokenizer
 from kvmesh.services.engine.checkpoint import LoadedModel, load_model
 from kvmesh.services.engine.config import ModelConfig, dtype_name, resolve_dtype
 from kvmesh.services.engine.kv_pool import KVPool
 from kvmesh.services.engine.model import LlamaModel
-from kvmesh.services.engine.tokenizer import ByteTokenizer, HFTokenizer
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store.segment import SegmentHost
 
