@@ -28,10 +28,12 @@ from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common.auth import (
     ANONYMOUS,
+    ApiKeyInterceptor,
     ApiKeys,
     Principal,
     Unauthenticated,
     bearer_metadata,
+    current_principal,
     parse_entry,
     tenant_seed,
 )
@@ -40,6 +42,7 @@ from kvmesh.services.common.config import ConfigError
 from kvmesh.services.common.settings import DEV_SECRET
 from kvmesh.services.launcher import LocalCluster, free_port
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS
+from tests.grpc_util import KINDS, call, in_thread, probe_handler, serving
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -108,6 +111,29 @@ def test_tls_config_validation(tmp_path):
         ServiceConfig(tls_ca=str(cert)).validate()
     with pytest.raises(ConfigError, match="etcd"):
         ServiceConfig(etcd_cert=str(cert)).validate()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_api_key_check_covers_every_rpc_kind(kind):
+    """A real server: the key check refuses a call of each kind to the client API without
+    a key (a client-streaming one too) and runs the handler as the key's tenant otherwise;
+    the nodes' internal services are not its business."""
+    tenant = lambda: current_principal.get().tenant.encode()  # noqa: E731
+    handlers = [probe_handler(s, tenant) for s in ("kvmesh.v1.Conductor", "kvmesh.v1.DecodeNode")]
+
+    async def main():
+        async with serving(handlers, [ApiKeyInterceptor(ApiKeys.from_config("ka:alice"))]) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(ch, "kvmesh.v1.Conductor", kind)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "API key" in refused.value.details()
+            ok = await call(ch, "kvmesh.v1.Conductor", kind, bearer_metadata("ka"))
+            internal = await call(ch, "kvmesh.v1.DecodeNode", kind)
+            return ok, internal
+
+    ok, internal = in_thread(main())
+    assert ok and set(ok) == {b"alice"}
+    assert internal and set(internal) == {b""}
 
 
 # ------------------------------------------------------------------ a mutual-TLS cluster

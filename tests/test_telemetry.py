@@ -15,6 +15,7 @@ import pytest
 from kvmesh.services.common.telemetry import read_spans
 from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, status
+from tests.grpc_util import KINDS, METHOD, call, in_thread, probe_handler, serving
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -336,3 +337,34 @@ def test_grafana_dashboard_uses_exported_metrics(traced):
         for m in re.findall(r"\bkvmesh_[a-z_]+", t["expr"])
     }
     assert used and used <= names, f"dashboard uses metrics nobody exports: {sorted(used - names)}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_server_span_covers_every_rpc_kind(kind, monkeypatch):
+    """A real server with the tracing interceptor: a call of each kind (client-streaming
+    too) runs its handler inside a SERVER span named after the method."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvmesh.services.common import telemetry
+
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    monkeypatch.setattr(telemetry, "_enabled", True)  # this process's provider stays global
+    monkeypatch.setattr(telemetry, "tracer", lambda: provider.get_tracer("test"))
+    service = "kvmesh.v1.Conductor"
+    current = lambda: trace.get_current_span().name.encode()  # noqa: E731 - SDK spans have it
+    handler = probe_handler(service, current)
+
+    async def main():
+        async with serving([handler], [telemetry.ServerInterceptor()]) as ch:
+            return await call(ch, service, kind)
+
+    seen = in_thread(main())
+    name = f"{service}/{METHOD[kind]}"
+    assert seen and set(seen) == {name.encode()}
+    finished = spans.get_finished_spans()
+    assert [(s.name, s.kind.name) for s in finished] == [(name, "SERVER")]

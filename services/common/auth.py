@@ -27,6 +27,7 @@ cluster are unchanged); any other one adds ``0xFF`` + its length + its name: a U
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import logging
@@ -35,8 +36,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvmesh.services.common.config import ConfigError
+from kvmesh.services.common.interceptors import wrap_handler
 
 log = logging.getLogger(__name__)
 
@@ -175,53 +178,25 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return _with_principal(handler, principal)
 
 
-def _refusal(handler, message: str):
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind that answers UNAUTHENTICATED without reading the
     request (its bytes are not even deserialized)."""
 
-    async def unary(request, ctx):
+    @contextlib.asynccontextmanager
+    async def refuse(ctx):
         await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - abort raises
 
-    async def stream(request, ctx):
-        await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - makes this an async generator
-
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(stream)
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(unary)
-    return grpc.stream_stream_rpc_method_handler(stream)
+    return wrap_handler(handler, refuse, request_deserializer=None)
 
 
-def _with_principal(handler, principal: Principal):
-    if handler.unary_unary is not None:
-        inner = handler.unary_unary
+def _with_principal(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodHandler:
+    @contextlib.asynccontextmanager
+    async def as_principal(ctx):
+        current_principal.set(principal)  # one task per RPC: no reset needed
+        yield
 
-        async def unary_unary(request, ctx):
-            current_principal.set(principal)  # one task per RPC: no reset needed
-            return await inner(request, ctx)
-
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-    if handler.unary_stream is not None:
-        inner_s = handler.unary_stream
-
-        async def unary_stream(request, ctx):
-            current_principal.set(principal)
-            async for item in inner_s(request, ctx):
-                yield item
-
-        return grpc.unary_stream_rpc_method_handler(
-            unary_stream,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-    return handler
+    return wrap_handler(handler, as_principal)
 
 
 def api_key_from_env() -> str:
@@ -230,7 +205,7 @@ def api_key_from_env() -> str:
 
 
 class _Undecodable:
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: DecodeError) -> None:
         self.error = error
 
 
@@ -253,40 +228,20 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
         def safe(data: bytes):
             try:
                 return deserialize(data)
-            except Exception as e:  # google.protobuf.message.DecodeError and kin
+            except DecodeError as e:  # truncated frames, wrong wire types, bad UTF-8
                 return _Undecodable(e)
 
-        def refuse_message(req: _Undecodable) -> str:
-            return (
-                f"the request is not a valid {method.rsplit('/', 1)[-1]} message "
-                f"({type(req.error).__name__}: {str(req.error)[:200]})"
-            )
+        async def check(request, ctx) -> None:
+            if isinstance(request, _Undecodable):
+                await ctx.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the request is not a valid {method.rsplit('/', 1)[-1]} message "
+                    f"({type(request.error).__name__}: {str(request.error)[:200]})",
+                )
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
+        return wrap_handler(handler, _nothing, request_deserializer=safe, check_request=check)
 
-            async def unary_unary(request, ctx):
-                if isinstance(request, _Undecodable):
-                    await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, refuse_message(request))
-                return await inner(request, ctx)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary,
-                request_deserializer=safe,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            inner_s = handler.unary_stream
-
-            async def unary_stream(request, ctx):
-                if isinstance(request, _Undecodable):
-                    await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, refuse_message(request))
-                async for item in inner_s(request, ctx):
-                    yield item
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
-                request_deserializer=safe,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+@contextlib.asynccontextmanager
+async def _nothing(ctx):
+    yield

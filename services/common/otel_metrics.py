@@ -31,7 +31,7 @@ gets it) when one of these is set:
 
   OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_METRICS_ENDPOINT)
       OTLP export (gRPC or http/protobuf exporter, chosen by OTEL_EXPORTER_OTLP_PROTOCOL /
-      OTEL_EXPORTER_OTLP_METRICS_PROTOCOL, see ``telemetry.otlp_exporter``) every
+      OTEL_EXPORTER_OTLP_METRICS_PROTOCOL, see ``otlp.otlp_exporter``) every
       OTEL_METRIC_EXPORT_INTERVAL ms (default 60000); OTEL_METRICS_EXPORTER=none turns
       just the metrics off;
   KVMESH_METRICS_FILE=/path
@@ -58,6 +58,8 @@ from opentelemetry.sdk.metrics.export import (
     MetricExportResult,
     PeriodicExportingMetricReader,
 )
+
+from kvmesh.services.common.otlp import otlp_exporter, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +182,10 @@ class PrometheusBridge:
             ):
                 try:
                     self._snapshot, series = self._read_registry()
-                except Exception as e:  # a broken collector must not break the export
-                    log.warning("reading the metrics registry failed: %s", e)
+                # broad on purpose: a registered collector may raise anything, and one
+                # broken collector must not break the export of every other series
+                except Exception:
+                    log.exception("reading the metrics registry failed")
                     self._snapshot, series = {}, {}
                 self._snapshot_at = now
                 self._served = set()
@@ -203,8 +207,8 @@ class PrometheusBridge:
     def _safe_sync(self) -> None:
         try:
             self.sync()
-        except Exception as e:
-            log.warning("bridging new metric families failed: %s", e)
+        except Exception:  # broad on purpose: the end of a helper thread, nothing above it
+            log.exception("bridging new metric families failed")
 
 
 # ------------------------------------------------------------------ file exporter
@@ -259,8 +263,6 @@ class JsonLinesMetricExporter(MetricExporter):
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """Every export written by :class:`JsonLinesMetricExporter` under ``path`` (a file or a
     directory of ``*.jsonl``), oldest first within each file."""
-    from kvmesh.services.common.telemetry import read_jsonl  # telemetry imports this module
-
     return read_jsonl(path)
 
 
@@ -268,8 +270,6 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 def _otlp_metric_exporter():
-    from kvmesh.services.common.telemetry import otlp_exporter
-
     return otlp_exporter("metrics")
 
 
@@ -335,8 +335,10 @@ def shutdown_metrics(timeout_millis: float = 5_000) -> None:
     if provider is not None:
         try:
             provider.shutdown(timeout_millis=timeout_millis)
-        except Exception as e:
-            log.warning("flushing metrics failed: %s", e)
+        # broad on purpose: MeterProvider.shutdown raises a bare Exception for any reader
+        # that failed (an unreachable collector), and shutting down must go on
+        except Exception:
+            log.exception("flushing metrics failed")
 
 
 __all__ = [

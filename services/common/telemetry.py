@@ -26,6 +26,7 @@ KV handoff, KV wait, decode) with :func:`record_span` / ``tracer()``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +38,10 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from kvmesh.services.common import otel_metrics
+from kvmesh.services.common.interceptors import wrap_handler
+from kvmesh.services.common.otlp import otlp_exporter, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -114,62 +119,6 @@ def read_spans(path: str) -> list[dict[str, Any]]:
     return read_jsonl(path)
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """Every JSON line of ``path``, a file or a directory of ``*.jsonl`` files."""
-    files = (
-        [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".jsonl")]
-        if os.path.isdir(path)
-        else [path]
-    )
-    out = []
-    for f in files:
-        with open(f) as fh:
-            out.extend(json.loads(line) for line in fh if line.strip())
-    return out
-
-
-_OTLP_MODULES = {  # signal -> (module suffix, exporter class)
-    "traces": ("trace_exporter", "OTLPSpanExporter"),
-    "metrics": ("metric_exporter", "OTLPMetricExporter"),
-}
-
-
-def otlp_exporter(signal: str = "traces"):
-    """The OTLP exporter of ``signal`` ("traces" or "metrics"), or None if its package is
-    missing. OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL choose it
-    ("grpc" or "http/protobuf"); unset, gRPC is tried first, then HTTP."""
-    import importlib
-
-    proto = (
-        (
-            os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
-            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-            or ""
-        )
-        .strip()
-        .lower()
-    )
-    kinds = (
-        ["http"] if proto.startswith("http") else ["grpc"] if proto == "grpc" else ["grpc", "http"]
-    )
-    module, cls = _OTLP_MODULES[signal]
-    for kind in kinds:
-        try:
-            mod = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{kind}.{module}")
-        except ImportError:
-            continue
-        return getattr(mod, cls)()
-    pkg = " or ".join(f"opentelemetry-exporter-otlp-proto-{k}" for k in kinds)
-    log.warning(
-        "OTEL_EXPORTER_OTLP_ENDPOINT is set but no OTLP exporter (%s) is installed "
-        "(pip install %s); not exporting %s",
-        proto or "grpc/http",
-        pkg,
-        signal,
-    )
-    return None
-
-
 def _otlp_exporter():
     return otlp_exporter("traces")
 
@@ -177,11 +126,9 @@ def _otlp_exporter():
 def _setup_metrics(role: str, node_id: str) -> None:
     """OpenTelemetry export of the kvmesh_* metrics (``kvmesh.services.common.otel_metrics``)."""
     try:
-        from kvmesh.services.common import otel_metrics
-
         otel_metrics.setup_metrics(role, node_id)
-    except Exception as e:  # metrics export is optional; never block a service
-        log.warning("OpenTelemetry metrics not started: %s", e)
+    except Exception:  # broad on purpose: metrics export is optional, a service starts anyway
+        log.exception("OpenTelemetry metrics not started")
 
 
 def setup_tracing(role: str, node_id: str) -> bool:
@@ -220,14 +167,14 @@ def setup_tracing(role: str, node_id: str) -> bool:
 
 
 def shutdown_tracing() -> None:
-    from kvmesh.services.common import otel_metrics
-
     otel_metrics.shutdown_metrics()
     if _provider is not None:
         try:
             _provider.shutdown()
-        except Exception as e:  # an unreachable collector must not block shutdown
-            log.warning("flushing traces failed: %s", e)
+        # broad on purpose: span processors and exporters may raise anything (an
+        # unreachable collector) and must not block the service's shutdown
+        except Exception:
+            log.exception("flushing traces failed")
 
 
 # ------------------------------------------------------------------ spans
@@ -311,7 +258,7 @@ class _ClientInterceptor:
 
         try:
             call.add_done_callback(done)
-        except Exception:
+        except AttributeError:  # a call object without callbacks: end the span now
             span.end()
 
     async def intercept_unary_unary(self, continuation, details, request):
@@ -373,40 +320,17 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         md = details.invocation_metadata or ()
         carrier = {k: v for k, v in md if isinstance(v, str)}
 
-        def start():
-            return tracer().start_as_current_span(
+        @contextlib.asynccontextmanager
+        async def server_span(ctx):
+            with tracer().start_as_current_span(
                 name,
                 context=propagate.extract(carrier),
                 kind=SpanKind.SERVER,
                 attributes={"rpc.system": "grpc", "rpc.method": details.method},
-            )
+            ):
+                yield
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            async def unary_unary(request, ctx):
-                with start():
-                    return await inner(request, ctx)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            inner_s = handler.unary_stream
-
-            async def unary_stream(request, ctx):
-                with start():
-                    async for item in inner_s(request, ctx):
-                        yield item
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return wrap_handler(handler, server_span)
 
 
 def current_context():
