@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -35,8 +36,10 @@ from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.settings import NodeConfig
 from kvmesh.services.common.telemetry import record_span
+from kvmesh.services.engine.kv_pool import KVPool, OutOfBlocks
 from kvmesh.services.engine.sampling import sample_with_logprob
 from kvmesh.services.model_node import ModelNode
+from kvmesh.services.prefill.queue import ComputeQueue
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,91 @@ log = logging.getLogger(__name__)
 @dataclass
 class PrefillConfig(NodeConfig):
     """prefill-node: runs (incremental) prefill and streams KV to decode nodes."""
+
+
+@dataclass
+class _Prompt:
+    """A request's tokens and its full blocks: ``hashes[i]`` names ``blocks_tokens[i]``."""
+
+    tokens: list[int]
+    hashes: list[bytes]
+    blocks_tokens: list[tuple[int, ...]]
+    usable: int  # leading full blocks a cache may supply: >= 1 token is left to compute
+
+    @classmethod
+    def of(cls, req: pb.PrefillRequest, bs: int) -> _Prompt:
+        tokens, hashes = list(req.token_ids), list(req.block_hashes)
+        blocks_tokens = [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(len(hashes))]
+        return cls(tokens, hashes, blocks_tokens, min(len(hashes), (len(tokens) - 1) // bs))
+
+
+@dataclass
+class _Timing:
+    started: float  # perf_counter at the start of the computation
+    ms: float
+    start_ns: int
+    end_ns: int
+
+
+@dataclass
+class _Handoff:
+    """The writes of one request's KV into the decode node's reserved blocks: the prefix
+    blocks whole, at once; then each layer of every new block as soon as it is computed."""
+
+    te: object  # the node's TransferEngine
+    pool: KVPool
+    region: int
+    target: pb.KVTarget
+    table: list[int]
+    first_new: int  # table[first_new:] are computed here, the blocks before are the prefix
+    transfers: list = field(default_factory=list)
+    layer_events: list = field(default_factory=list)
+
+    def send_prefix(self) -> None:
+        if not self.first_new:
+            return
+        t, pool = self.target, self.pool
+        self.transfers.append(
+            self.te.write(
+                t.data_address,
+                [
+                    Slice(
+                        self.region,
+                        pool.block_offset(self.table[i]),
+                        t.region_id,
+                        t.block_ids[i] * t.block_nbytes,
+                        pool.block_nbytes,
+                    )
+                    for i in range(self.first_new)
+                ],
+            )
+        )
+
+    def send_layer(self, layer: int) -> None:
+        t, pool = self.target, self.pool
+        self.layer_events.append((f"layer {layer} sent", time.time_ns(), {"layer": layer}))
+        self.transfers.append(
+            self.te.write(
+                t.data_address,
+                [
+                    Slice(
+                        self.region,
+                        pool.layer_offset(self.table[i], layer),
+                        t.region_id,
+                        t.block_ids[i] * t.block_nbytes + layer * pool.layer_nbytes,
+                        pool.layer_nbytes,
+                    )
+                    for i in range(self.first_new, len(self.table))
+                ],
+            )
+        )
+
+    async def finish(self, request_id: str) -> None:
+        """Waits for every write to land, then tells the decode node the KV is complete
+        (an ordered notify: delivered after the writes)."""
+        for tr in self.transfers:
+            await tr
+        await self.te.notify(self.target.data_address, b"kv:" + request_id.encode())
 
 
 class PrefillServicer(pbg.PrefillNodeServicer):
@@ -60,6 +148,12 @@ class PrefillServicer(pbg.PrefillNodeServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"KV handoff to decode node {req.target.node_id} failed: {e}",
             )
+        except OutOfBlocks as e:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"prefill node {self.node.node_id} has no room for the KV of "
+                f"{len(req.token_ids)} tokens ({e}); retry",
+            )
 
     async def Status(self, req, context):
         return self.node.status(queue_depth=self.node.queue_depth)
@@ -74,9 +168,13 @@ class PrefillNode(ModelNode):
 
     def __init__(self, cfg: PrefillConfig) -> None:
         super().__init__(cfg)
-        self.compute = asyncio.Lock()
-        self.queue_depth = 0
+        self.compute = ComputeQueue()
         self.background: set[asyncio.Task] = set()
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for the compute slot."""
+        return self.compute.depth
 
     async def setup(self) -> None:
         await super().setup()
@@ -86,7 +184,7 @@ class PrefillNode(ModelNode):
         return {
             **super().load_info(),
             "queue_depth": self.queue_depth,
-            "running": int(self.compute.locked()),
+            "running": int(self.compute.busy),
         }
 
     def check(self, req: pb.PrefillRequest) -> str | None:
@@ -105,35 +203,66 @@ class PrefillNode(ModelNode):
         return Sampling.from_proto(req.sampling).validate(self.model_config.vocab_size)
 
     async def prefill(self, req: pb.PrefillRequest) -> pb.PrefillResponse:
-        t0 = time.perf_counter()
+        """Waits for the compute slot (FIFO), then runs the request's prefill."""
         t_queue = time.time_ns()
-        self.queue_depth += 1
-        waiting = True
-        try:
-            async with self.compute:
-                self.queue_depth -= 1
-                waiting = False
-                kvm.PREFILL_QUEUE_SECONDS.observe(time.perf_counter() - t0)
-                record_span(
-                    "prefill.queue", t_queue, attributes={"kvmesh.queue_depth": self.queue_depth}
-                )
-                return await self._prefill_locked(req, (time.perf_counter() - t0) * 1000)
-        finally:
-            if waiting:
-                self.queue_depth -= 1
+        async with self.compute.turn() as waited:
+            kvm.PREFILL_QUEUE_SECONDS.observe(waited)
+            record_span(
+                "prefill.queue", t_queue, attributes={"kvmesh.queue_depth": self.queue_depth}
+            )
+            return await self._prefill_locked(req, waited * 1000)
 
     async def _prefill_locked(self, req: pb.PrefillRequest, queue_ms: float) -> pb.PrefillResponse:
-        pool, bs = self.pool, self.cfg.block_size
-        tokens = list(req.token_ids)
-        n = len(tokens)
-        hashes = list(req.block_hashes)
-        blocks_tokens = [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(len(hashes))]
-        usable = min(len(hashes), (n - 1) // bs)  # leave >= 1 token to compute logits from
+        """One request with the compute slot held: load its prefix, compute the rest while
+        handing the KV off layer by layer, sample the first token, then keep the new full
+        blocks (prefix cache, store). Every block it takes is given back whatever happens."""
         t0 = time.perf_counter()
+        bs = self.cfg.block_size
+        p = _Prompt.of(req, bs)
+        local, fetched = await self._load_prefix(p)
+        prefix = local + fetched
+        table = self._allocate_table(len(p.tokens), prefix)
+        start = len(prefix) * bs
+        handoff = _Handoff(self.te, self.pool, self.pool_region, req.target, table, len(prefix))
+        try:
+            handoff.send_prefix()
+            logits, timing = await self._compute(p.tokens, start, table, handoff.send_layer)
+            first, first_lp = sample_with_logprob(logits, Sampling.from_proto(req.sampling), 0)
+            await handoff.finish(req.request_id)
+        except BaseException:  # cleanup only (a failure or a cancellation): re-raised
+            self.pool.free(table)
+            raise
+        prefill_ms = (time.perf_counter() - t0) * 1000
+        self._observe(len(p.tokens), start, handoff, timing, prefill_ms)
+        self._keep_new_blocks(p, table, len(prefix))
+        c = self.counters
+        c["computed"] += len(p.tokens) - start
+        c["cached"] += len(local) * bs
+        c["fetched"] += len(fetched) * bs
+        self._put_new_blocks(p, table, len(prefix))
+        self.pool.free(table)
+        return pb.PrefillResponse(
+            first_token=first,
+            computed_tokens=len(p.tokens) - start,
+            cached_tokens=len(local) * bs,
+            fetched_tokens=len(fetched) * bs,
+            prefill_ms=prefill_ms,
+            queue_ms=queue_ms,
+            first_logprob=first_lp if req.sampling.logprobs else 0.0,
+        )
 
+    async def _load_prefix(self, p: _Prompt) -> tuple[list[int], list[int]]:
+        """The longest run of the prompt's usable blocks in this node's pool, then the next
+        run fetched from the store: (local, fetched) block ids, each referenced."""
+        pool = self.pool
+        chain, chain_tokens = p.hashes[: p.usable], p.blocks_tokens[: p.usable]
         t_prefix, tp = time.time_ns(), time.perf_counter()
-        local = pool.match(hashes[:usable], blocks_tokens[:usable])
-        fetched = await self._fetch(hashes[:usable], blocks_tokens[:usable], len(local))
+        local = pool.match(chain, chain_tokens)
+        try:
+            fetched = await self._fetch(chain, chain_tokens, len(local))
+        except BaseException:  # cleanup only (cancelled while fetching): re-raised
+            pool.free(local)
+            raise
         if fetched:
             kvm.observe_transfer(
                 "store_get", len(fetched) * pool.block_nbytes, time.perf_counter() - tp
@@ -144,130 +273,93 @@ class PrefillNode(ModelNode):
             attributes={
                 "kvmesh.local_blocks": len(local),
                 "kvmesh.fetched_blocks": len(fetched),
-                "kvmesh.lookup_blocks": usable,
+                "kvmesh.lookup_blocks": p.usable,
             },
         )
-        prefix = local + fetched
-        table: list[int] = []
-        try:
-            table = prefix + pool.allocate(-(-n // bs) - len(prefix))
-        except Exception:
-            pool.free(prefix)
-            raise
-        start = len(prefix) * bs
-        target = req.target
-        transfers = []
-        try:
-            if prefix:
-                transfers.append(
-                    self.te.write(
-                        target.data_address,
-                        [
-                            Slice(
-                                self.pool_region,
-                                pool.block_offset(table[i]),
-                                target.region_id,
-                                target.block_ids[i] * target.block_nbytes,
-                                pool.block_nbytes,
-                            )
-                            for i in range(len(prefix))
-                        ],
-                    )
-                )
-            loop = asyncio.get_running_loop()
-            layer_events: list = []
+        return local, fetched
 
-            def send_layer(layer: int) -> None:
-                layer_events.append((f"layer {layer} sent", time.time_ns(), {"layer": layer}))
-                transfers.append(
-                    self.te.write(
-                        target.data_address,
-                        [
-                            Slice(
-                                self.pool_region,
-                                pool.layer_offset(table[i], layer),
-                                target.region_id,
-                                target.block_ids[i] * target.block_nbytes
-                                + layer * pool.layer_nbytes,
-                                pool.layer_nbytes,
-                            )
-                            for i in range(len(prefix), len(table))
-                        ],
-                    )
-                )
-
-            new = torch.tensor(tokens[start:], dtype=torch.long)
-            tc, t_compute = time.perf_counter(), time.time_ns()
-            logits = await asyncio.to_thread(
-                self.model.forward_prefill,
-                new,
-                start,
-                pool,
-                table,
-                lambda layer: loop.call_soon_threadsafe(send_layer, layer),
-            )
-            compute_ms = (time.perf_counter() - tc) * 1000
-            t_computed = time.time_ns()
-            await asyncio.sleep(0)  # run the layer callbacks queued before the result
-            first, first_lp = sample_with_logprob(logits, Sampling.from_proto(req.sampling), 0)
-            for tr in transfers:
-                await tr
-            await self.te.notify(target.data_address, b"kv:" + req.request_id.encode())
-        except BaseException:
-            pool.free(table)
+    def _allocate_table(self, n: int, prefix: list[int]) -> list[int]:
+        """The prefix blocks, then new blocks for the rest of ``n`` tokens. Raises
+        :class:`OutOfBlocks` when the pool has no room, the prefix released."""
+        try:
+            return prefix + self.pool.allocate(-(-n // self.cfg.block_size) - len(prefix))
+        except OutOfBlocks:
+            self.pool.free(prefix)
             raise
-        prefill_ms = (time.perf_counter() - t0) * 1000
-        handoff_bytes = len(table) * pool.block_nbytes
+
+    async def _compute(
+        self, tokens: list[int], start: int, table: list[int], on_layer: Callable[[int], None]
+    ) -> tuple[torch.Tensor, _Timing]:
+        """KV of ``tokens[start:]`` into ``table`` (off the event loop); ``on_layer(l)``
+        runs on the loop as each layer's KV is written, all before this returns. Returns
+        the logits of the last token."""
+        loop = asyncio.get_running_loop()
+        new = torch.tensor(tokens[start:], dtype=torch.long)
+        tc, t_compute = time.perf_counter(), time.time_ns()
+        logits = await asyncio.to_thread(
+            self.model.forward_prefill,
+            new,
+            start,
+            self.pool,
+            table,
+            lambda layer: loop.call_soon_threadsafe(on_layer, layer),
+        )
+        timing = _Timing(tc, (time.perf_counter() - tc) * 1000, t_compute, time.time_ns())
+        await asyncio.sleep(0)  # run the layer callbacks queued before the result
+        return logits, timing
+
+    def _observe(
+        self, n: int, start: int, handoff: _Handoff, timing: _Timing, prefill_ms: float
+    ) -> None:
+        """Metrics, spans and the node event of one finished prefill."""
+        handoff_bytes = len(handoff.table) * self.pool.block_nbytes
         kvm.PREFILL_SECONDS.observe(prefill_ms / 1000)
-        kvm.observe_transfer("handoff", handoff_bytes, time.perf_counter() - tc)
+        kvm.observe_transfer("handoff", handoff_bytes, time.perf_counter() - timing.started)
         record_span(
             "prefill.compute",
-            t_compute,
-            t_computed,
+            timing.start_ns,
+            timing.end_ns,
             attributes={"kvmesh.new_tokens": n - start, "kvmesh.cached_tokens": start},
-            events=layer_events,
+            events=handoff.layer_events,
         )
         record_span(
             "prefill.kv_handoff",
-            t_compute,
+            timing.start_ns,
             attributes={
                 "kvmesh.bytes": handoff_bytes,
-                "kvmesh.decode_node": target.node_id,
-                "kvmesh.layerwise_transfers": len(transfers),
+                "kvmesh.decode_node": handoff.target.node_id,
+                "kvmesh.layerwise_transfers": len(handoff.transfers),
             },
         )
-        self.events.record_prefill(n - start, start, compute_ms)
+        self.events.record_prefill(n - start, start, timing.ms)
 
-        for i in range(len(prefix), len(hashes)):
-            pool.insert(
-                hashes[i], table[i], blocks_tokens[i], parent_hash=hashes[i - 1] if i else None
+    def _keep_new_blocks(self, p: _Prompt, table: list[int], first_new: int) -> None:
+        """The newly computed full blocks enter the local prefix cache."""
+        for i in range(first_new, len(p.hashes)):
+            self.pool.insert(
+                p.hashes[i],
+                table[i],
+                p.blocks_tokens[i],
+                parent_hash=p.hashes[i - 1] if i else None,
             )
-        c = self.counters
-        c["computed"] += n - start
-        c["cached"] += len(local) * bs
-        c["fetched"] += len(fetched) * bs
-        to_put = list(range(len(prefix), len(hashes)))
-        if to_put and self.store is not None and self.store.master_address() is not None:
-            keep = [table[i] for i in to_put]
-            pool.ref(keep)
-            task = asyncio.create_task(self._put([hashes[i] for i in to_put], keep))
-            self.background.add(task)
-            task.add_done_callback(self.background.discard)
-        pool.free(table)
-        return pb.PrefillResponse(
-            first_token=first,
-            computed_tokens=n - start,
-            cached_tokens=len(local) * bs,
-            fetched_tokens=len(fetched) * bs,
-            prefill_ms=prefill_ms,
-            queue_ms=queue_ms,
-            first_logprob=first_lp if req.sampling.logprobs else 0.0,
-        )
+
+    def _put_new_blocks(self, p: _Prompt, table: list[int], first_new: int) -> None:
+        """Puts the newly computed full blocks into the store in the background (off the
+        TTFT path); they stay referenced until the put ends."""
+        to_put = list(range(first_new, len(p.hashes)))
+        if not to_put or self.store is None or self.store.master_address() is None:
+            return
+        keep = [table[i] for i in to_put]
+        self.pool.ref(keep)
+        task = asyncio.create_task(self._put([p.hashes[i] for i in to_put], keep))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def _fetch(self, chain: list[bytes], chain_tokens: list[tuple], have: int) -> list[int]:
         """Pulls the longest present run of ``chain[have:]`` from the store into new pool
-        blocks; returns their ids (referenced), or [] whenever anything goes wrong (a
-        miss, an expired read lease, a failed read: the node recomputes)."""
+        blocks; returns their ids (referenced), or [] when there is nothing to gain (a
+        miss, an expired read lease, a failed read, no room in the pool: the node
+        recomputes)."""
         hashes, blocks_tokens = chain[have:], chain_tokens[have:]
         store, pool = self.store, self.pool
         if not hashes or store is None or store.master_address() is None:
@@ -277,15 +369,19 @@ class PrefillNode(ModelNode):
             return []
         try:
             ids = pool.allocate(n)
-        except Exception:
+        except OutOfBlocks:
             return []
-        got = await store.get_into(
-            hashes[:n],
-            self.pool_region,
-            [pool.block_offset(b) for b in ids],
-            capacities=[pool.block_nbytes] * n,
-            prefix=True,
-        )
+        try:
+            got = await store.get_into(
+                hashes[:n],
+                self.pool_region,
+                [pool.block_offset(b) for b in ids],
+                capacities=[pool.block_nbytes] * n,
+                prefix=True,
+            )
+        except BaseException:  # cleanup only (cancelled while reading): re-raised
+            pool.free(ids)
+            raise
         k = next((i for i, sz in enumerate(got) if sz != pool.block_nbytes), n)
         if k < n:
             kvm.LATE_HITS.labels("fetch_failed").inc(n - k)
@@ -310,14 +406,15 @@ class PrefillNode(ModelNode):
             )
             if not all(ok):
                 log.info("store kept %d of %d new block(s)", sum(ok), len(ok))
-        except Exception as e:  # the store is a cache: never fail the request for it
-            log.warning("store put failed (%s)", e)
+        except Exception:
+            # a background task nobody awaits, for a cache: the store client turns every
+            # store failure into False, so whatever lands here is a bug; log it, keep serving
+            log.exception("store put failed")
         finally:
             pool.free(block_ids)
 
     async def drain(self) -> None:
-        async with self.compute:
-            pass
+        await self.compute.idle()
         if self.background:
             await asyncio.wait(self.background, timeout=10)
 
