@@ -22,7 +22,8 @@ from pathlib import Path
 
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake trace
 VOCAB = 256  # token ids drawn from [0, VOCAB)
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+# the Mooncake FAST'25 synthetic trace, vendored beside this module (see traces/README.md)
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "synthetic_trace.jsonl"
 
 
 @dataclass
