@@ -70,6 +70,8 @@ def test_wheel_holds_only_the_kvmesh_namespace(wheel):
         "kvmesh/protos/kvmesh.proto",
         "kvmesh/protos/etcd/rpc.proto",
         "kvmesh/loadtest/sim/core.py",
+        "kvmesh/loadtest/traces/synthetic_trace.jsonl",
+        "kvmesh/loadtest/traces/LICENSE",
     ):
         assert required in names, required
     assert not any(n.startswith("kvmesh/tests/") for n in names)
