@@ -44,6 +44,7 @@ import grpc
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import Slice, TransferEngine, TransferError
+from kvmesh.rdma.transport import RemoteAccessError
 from kvmesh.rdma.wire import LoopTurns
 from kvmesh.services.common.channels import make_channel
 from kvmesh.services.common.registry import Membership
@@ -293,7 +294,7 @@ class StoreClient:
         if body is not False:
             if body is None:
                 return None
-            return wire._U32.unpack_from(body, 0)[0], [bool(b) for b in body[4:]]
+            return wire.unpack_exists_resp(body)
         resp = await self._call("Exists", pb.ExistsRequest(hashes=keys, any_order=any_order))
         return None if resp is None else (resp.prefix_blocks, list(resp.present))
 
@@ -342,7 +343,7 @@ class StoreClient:
         """A view of one of this engine's registered regions (local copies)."""
         try:
             return self.te._regions.view(region_id, offset, size)
-        except Exception:
+        except RemoteAccessError:  # an unknown region or out of its bounds
             return None
 
     def _pool_for(self, size: int) -> list[int]:
@@ -702,7 +703,7 @@ class StoreClient:
         ks = _check_keys([keys] if isinstance(keys, (bytes, bytearray)) else keys)
         body = await self._fast_call(wire.REMOVE, wire.pack_keys(ks))
         if body is not False:
-            return 0 if body is None else wire._U32.unpack_from(body, 0)[0]
+            return 0 if body is None else wire.unpack_count(body)
         resp = await self._call("Remove", pb.RemoveRequest(hashes=ks))
         return resp.removed if resp is not None else 0
 

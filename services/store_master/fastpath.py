@@ -21,13 +21,17 @@ import select
 import socket
 import struct
 import time
+from collections.abc import Coroutine, Iterable
+from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import Message
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.rdma.wire import PollBackoff
 from kvmesh.services.store_master import wire
-from kvmesh.services.store_master.server import MAX_HASHES, _check_hashes
+from kvmesh.services.store_master.metadata import Block, Replica, StoreMetadata
+from kvmesh.services.store_master.validation import MAX_HASHES, check_keys
 from kvmesh.services.store_master.wire import HEAD, split_frames
 
 log = logging.getLogger(__name__)
@@ -37,7 +41,8 @@ POLL_BACKOFF = 16  # most answers that start no spin after spins in which no cal
 # or transferring them for longer than a poll window: answering it starts no spin.
 QUIET_BYTES = 1 << 20
 
-_PB = {
+_Answer = tuple[int, bytes]  # (0 or a grpc.StatusCode value, body)
+_PB: dict[str, tuple[type[Message], str]] = {
     "PutStart": (pb.PutStartRequest, "PutStart"),
     "PutEnd": (pb.PutEndRequest, "PutEnd"),
     "Pin": (pb.PinRequest, "Pin"),
@@ -46,6 +51,37 @@ _PB = {
 }
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+
+
+class Backend(Protocol):
+    """What the fast path needs of the store-master's servicer (its gRPC methods
+    ``PutStart``, ``PutEnd``, ``Pin``, ``Unpin`` and ``Stats`` too, looked up by name):
+    the same metadata and the same cores as the gRPC calls, so both paths agree."""
+
+    meta: StoreMetadata
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
+
+    def needs_promotion(self, hashes: list[bytes], any_order: bool) -> list[Block]: ...
+
+    async def promote(self, cand: list[Block]) -> None: ...
+
+    def get_now(
+        self, hashes: list[bytes], node_id: str, any_order: bool
+    ) -> tuple[list[tuple[Block, Replica]], float]: ...
+
+    def put_local_plain(
+        self,
+        node: str,
+        region: int,
+        items: Iterable[tuple[bytes, int, int]],
+        rsize: int,
+        rcount: int,
+        rspare: int,
+        release: Iterable[tuple[int, int]] = (),
+    ) -> tuple[list[int], list[int]]: ...
+
+    async def run_eviction(self, extra: int = 0) -> None: ...
 
 
 class _Abort(Exception):
@@ -64,7 +100,7 @@ class _Context:
 class FastPathProtocol:
     """One connection's framing and calls; ``t`` is where answers are written."""
 
-    def __init__(self, servicer) -> None:
+    def __init__(self, servicer: Backend) -> None:
         self.s = servicer
         self.buf = bytearray()
         self.t: _Shim | None = None
@@ -79,54 +115,56 @@ class FastPathProtocol:
                 r = self.call(method, body)
             except (ValueError, IndexError, UnicodeDecodeError, struct.error) as e:
                 r = (_INVALID, f"malformed request: {e}".encode())
-            except Exception as e:  # never kill the connection over one call
+            except Exception as e:
+                # a servicer boundary: a failed call becomes INTERNAL for its caller and
+                # is logged; the connection and the other calls in this read live on
                 log.exception("fast path call %d failed", method)
                 r = (_INTERNAL, str(e).encode())
             if isinstance(r, tuple):
                 out.append(HEAD.pack(len(r[1]), rid, r[0]) + r[1])
             else:
-                self.s._spawn(self._later(rid, r))
+                self.s.spawn(self._later(rid, r))
         if out and self.t is not None:
             self.t.write(out[0] if len(out) == 1 else b"".join(out))
         if oversized and self.t is not None:
             log.warning("fast path: oversized frame; closing")
             self.t.close()
 
-    async def _later(self, rid: int, coro) -> None:
+    async def _later(self, rid: int, coro: Coroutine[Any, Any, _Answer]) -> None:
         try:
             status, body = await coro
         except _Abort as e:
             status, body = e.code.value[0], e.details.encode()
         except Exception as e:
+            # as in data_received: the caller gets INTERNAL, the task never dies silently
             log.exception("fast path call failed")
             status, body = _INTERNAL, str(e).encode()
         if self.t is not None:
             self.t.write(HEAD.pack(len(body), rid, status) + body)  # dropped once closed
 
     # -- calls -----------------------------------------------------------------------
-    def call(self, method: int, body: bytes):
+    def call(self, method: int, body: bytes) -> _Answer | Coroutine[Any, Any, _Answer]:
         """(status, body) now, or a coroutine returning it."""
         s = self.s
         if method == wire.GET:
             keys, node, any_order = wire.unpack_get(body)
-            if err := _check(keys, "GetReplicas"):
+            if err := check_keys(keys, "GetReplicas"):
                 return _INVALID, err.encode()
-            if cand := s._needs_promotion(keys, any_order):
+            if cand := s.needs_promotion(keys, any_order):
                 return self._get_slow(keys, node, any_order, cand)
             return 0, self._get_resp(keys, node, any_order)
         if method == wire.EXISTS:
-            any_order = bool(body[0] & 1)
-            keys, _ = wire.unpack_keys(body, 1)
-            if err := _check(keys, "Exists"):
+            keys, any_order = wire.unpack_exists(body)
+            if err := check_keys(keys, "Exists"):
                 return _INVALID, err.encode()
             if any_order:
                 present = s.meta.present(keys)
                 n = next((i for i, p in enumerate(present) if not p), len(present))
-                return 0, wire._U32.pack(n) + bytes(present)
-            return 0, wire._U32.pack(len(s.meta.prefix(keys)))
+                return 0, wire.pack_exists_resp(n, present)
+            return 0, wire.pack_exists_resp(len(s.meta.prefix(keys)), [])
         if method == wire.PUT_LOCAL:
             node, region, keys, slots, rsize, rcount, rspare, release = wire.unpack_put_local(body)
-            if err := _check(keys, "PutLocal"):
+            if err := check_keys(keys, "PutLocal"):
                 return _INVALID, err.encode()
             if len(keys) != len(slots):
                 return _INVALID, b"PutLocal: one (offset, size) slot per key"
@@ -148,9 +186,9 @@ class FastPathProtocol:
             return 0, wire.pack_put_local_resp(status, reserved)
         if method == wire.REMOVE:
             keys, _ = wire.unpack_keys(body, 0)
-            if err := _check(keys, "Remove"):
+            if err := check_keys(keys, "Remove"):
                 return _INVALID, err.encode()
-            return 0, wire._U32.pack(s.meta.remove(keys))
+            return 0, wire.pack_count(s.meta.remove(keys))
         i = method - wire.PB_BASE
         if 0 <= i < len(wire.PB_METHODS):
             cls, name = _PB[wire.PB_METHODS[i]]
@@ -158,7 +196,7 @@ class FastPathProtocol:
         return grpc.StatusCode.UNIMPLEMENTED.value[0], f"unknown method {method}".encode()
 
     def _get_resp(self, keys: list[bytes], node: str, any_order: bool) -> bytes:
-        got, until = self.s._get_now(keys, node, any_order)
+        got, until = self.s.get_now(keys, node, any_order)
         items, i = [], 0
         for blk, rep in got:
             while keys[i] != blk.hash:
@@ -168,22 +206,20 @@ class FastPathProtocol:
             i += 1
         return wire.pack_get_resp(int(self.s.meta.lease_s * 1000), items)
 
-    async def _get_slow(self, keys, node, any_order, cand):
-        await self.s._promote(cand)
+    async def _get_slow(
+        self, keys: list[bytes], node: str, any_order: bool, cand: list[Block]
+    ) -> _Answer:
+        await self.s.promote(cand)
         return 0, self._get_resp(keys, node, any_order)
 
-    async def _put_local_slow(self, need: int, args):
+    async def _put_local_slow(self, need: int, args: tuple) -> _Answer:
         await self.s.run_eviction(need)
         status, reserved = self.s.put_local_plain(*args)
         return 0, wire.pack_put_local_resp(status, reserved)
 
-    async def _pb(self, fn, req):
+    async def _pb(self, fn, req: Message) -> _Answer:
         resp = await fn(req, _Context())
         return 0, resp.SerializeToString()
-
-
-def _check(keys, name: str) -> str | None:
-    return _check_hashes(keys, name)
 
 
 class _Shim:
@@ -256,7 +292,7 @@ class FastPathServer:
 
     SPIN_CAP_S = 0.002
 
-    def __init__(self, servicer, listener: socket.socket, poll_us: int) -> None:
+    def __init__(self, servicer: Backend, listener: socket.socket, poll_us: int) -> None:
         self.s = servicer
         self.loop = asyncio.get_running_loop()
         self.ls = listener
@@ -319,16 +355,17 @@ class FastPathServer:
 
     def _readable(self, fd: int) -> None:
         item = self.conns.get(fd)
-        if self._drain(fd) and self.ep is not None and item[1].moved < QUIET_BYTES:
-            if self.backoff.should_poll():
-                self._spin()
+        if item is None or not self._drain(fd) or self.ep is None:
+            return
+        if item[1].moved < QUIET_BYTES and self.backoff.should_poll():
+            self._spin(self.ep)
 
-    def _spin(self) -> None:
+    def _spin(self, ep: select.epoll) -> None:
         now = time.perf_counter()
         idle_until, cap = now + self.poll_s, now + self.SPIN_CAP_S
         served = False
         while now < cap:
-            ready = self.ep.poll(0)
+            ready = ep.poll(0)
             now = time.perf_counter()
             if any([self._drain(fd) for fd, _ in ready]):
                 idle_until, served = now + self.poll_s, True
@@ -368,7 +405,9 @@ class FastPathServer:
             self.ep.close()
 
 
-async def serve_fast_path(servicer, host: str, port: int = 0, poll_us: int = 200):
+async def serve_fast_path(
+    servicer: Backend, host: str, port: int = 0, poll_us: int = 200
+) -> tuple[FastPathServer, str]:
     """Starts the listener; returns (server, "host:port")."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     ls = socket.socket(family, socket.SOCK_STREAM)

@@ -74,7 +74,8 @@ class StoreMetadata(ReplicaPolicy):
     def evictions(self) -> int:
         return self.stats["evictions"]
 
-    def _emit(self, kind: str, blk: Block, rep: Replica) -> None:
+    def emit(self, kind: str, blk: Block, rep: Replica) -> None:
+        """Tells ``on_event`` that ``rep`` of ``blk`` was ``"stored"`` or ``"removed"``."""
         if self.on_event is not None:
             self.on_event(kind, blk, rep)
 
@@ -115,7 +116,7 @@ class StoreMetadata(ReplicaPolicy):
             if not mine:
                 continue
             for r in mine:
-                self._drop_replica(blk, r, release=False)
+                self.drop_replica(blk, r, release=False)
             if blk.hash not in self.blocks:
                 gone += 1
         return gone
@@ -164,7 +165,7 @@ class StoreMetadata(ReplicaPolicy):
                 continue
             rep = Replica(seg, off if tier == DRAM else 0, tier, BlockState.COMPLETE)
             blk.replicas.append(rep)
-            self._emit("stored", blk, rep)
+            self.emit("stored", blk, rep)
             ok += 1
         seg.rebuild(spans)
         return ok, bad
@@ -202,7 +203,7 @@ class StoreMetadata(ReplicaPolicy):
             if h in self.blocks:
                 skipped.append(h)
                 continue
-            seg_off = self._allocate(sz, prefer_node=writer)
+            seg_off = self.allocate(sz, prefer_node=writer)
             if seg_off is None:
                 break  # the store is full of leased/pending blocks: put what fits
             seg, off = seg_off
@@ -233,17 +234,17 @@ class StoreMetadata(ReplicaPolicy):
                     None,
                 )
             )
-            if rep is None:
+            if blk is None or rep is None:
                 failed.append(h)
                 continue
             if abort:
-                self._drop_replica(blk, rep)
+                self.drop_replica(blk, rep)
                 failed.append(h)
             else:
                 rep.state = BlockState.COMPLETE
                 blk.last_access = now
                 self.blocks.move_to_end(h)
-                self._emit("stored", blk, rep)
+                self.emit("stored", blk, rep)
                 done.append(h)
         return done, failed
 
@@ -314,7 +315,7 @@ class StoreMetadata(ReplicaPolicy):
             rep = Replica(seg, off, DRAM, BlockState.COMPLETE)
             blk.replicas.append(rep)
             self.blocks[h] = blk
-            self._emit("stored", blk, rep)
+            self.emit("stored", blk, rep)
             out.append(1)
         return out
 
@@ -327,7 +328,7 @@ class StoreMetadata(ReplicaPolicy):
             if r.state is BlockState.PENDING and r.kind == "put" and r.put_deadline < now
         ]
         for b, r in stale:
-            self._drop_replica(b, r)
+            self.drop_replica(b, r)
         self.stats["puts_reclaimed"] += len(stale)
         return len(stale)
 
@@ -362,7 +363,7 @@ class StoreMetadata(ReplicaPolicy):
         for h in hashes:
             blk = blocks.get(h)
             reps = blk.complete(DRAM) if blk is not None else ()
-            if not reps:
+            if blk is None or not reps:
                 if any_order:
                     continue
                 break
@@ -391,7 +392,7 @@ class StoreMetadata(ReplicaPolicy):
             blk = self.blocks.get(h)
             if blk is not None and blk.visible and not blk.in_flight:
                 for r in list(blk.replicas):
-                    self._drop_replica(blk, r)
+                    self.drop_replica(blk, r)
                 n += 1
         return n
 
@@ -410,13 +411,16 @@ class StoreMetadata(ReplicaPolicy):
         return n
 
     # -- replica bookkeeping -------------------------------------------------------------
-    def _drop_replica(self, blk: Block, rep: Replica, release: bool = True) -> None:
+    def drop_replica(self, blk: Block, rep: Replica, release: bool = True) -> None:
+        """Removes ``rep`` from ``blk`` (``release``: frees its DRAM slot, unless its
+        segment is going away anyway), publishes the removal of a complete replica, and
+        forgets the block with its last replica."""
         if rep not in blk.replicas:
             return
         blk.replicas.remove(rep)
         if rep.tier == DRAM and release:
             rep.segment.release(rep.offset, blk.size)
         if rep.state is BlockState.COMPLETE:
-            self._emit("removed", blk, rep)
+            self.emit("removed", blk, rep)
         if not blk.replicas and self.blocks.get(blk.hash) is blk:
             del self.blocks[blk.hash]

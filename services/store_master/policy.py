@@ -22,7 +22,7 @@ from kvmesh.services.store_master.model import DRAM, SSD, Block, BlockState, Pla
 class ReplicaPolicy:
     """Where replicas go and when they leave; mixed into ``StoreMetadata``, whose state
     (segments, blocks, stats, settings) and bookkeeping (``used``, ``capacity``,
-    ``_drop_replica``, ``_emit``) it uses."""
+    ``drop_replica``, ``emit``) it uses."""
 
     segments: dict[str, Segment]
     blocks: OrderedDict[bytes, Block]
@@ -42,9 +42,9 @@ class ReplicaPolicy:
         @property
         def capacity(self) -> int: ...
 
-        def _drop_replica(self, blk: Block, rep: Replica, release: bool = True) -> None: ...
+        def drop_replica(self, blk: Block, rep: Replica, release: bool = True) -> None: ...
 
-        def _emit(self, kind: str, blk: Block, rep: Replica) -> None: ...
+        def emit(self, kind: str, blk: Block, rep: Replica) -> None: ...
 
     # -- promotion and hot-block replication ---------------------------------------------
     def plan_promotions(self, blocks: Iterable[Block]) -> list[Plan]:
@@ -78,11 +78,11 @@ class ReplicaPolicy:
         if ok:
             rep.state = BlockState.COMPLETE
             self.stats["promotions" if rep.kind == "promote" else "replications"] += 1
-            self._emit("stored", blk, rep)
+            self.emit("stored", blk, rep)
         else:
-            self._drop_replica(blk, rep)
+            self.drop_replica(blk, rep)
             if rep.kind == "promote" and plan.source in blk.replicas:
-                self._drop_replica(blk, plan.source)  # missing or corrupt file: a miss
+                self.drop_replica(blk, plan.source)  # missing or corrupt file: a miss
 
     def plan_replications(self, blocks: Iterable[Block]) -> list[Plan]:
         """Hot blocks (decayed reads over ``hot_reads``) below ``max_replicas`` DRAM
@@ -127,7 +127,11 @@ class ReplicaPolicy:
         cap = self.capacity
         return bool(cap) and (self.used + extra) / cap > self.high
 
-    def _allocate(self, size: int, prefer_node: str = "") -> tuple[Segment, int] | None:
+    def allocate(self, size: int, prefer_node: str = "") -> tuple[Segment, int] | None:
+        """A DRAM slot of ``size`` bytes: (segment, offset) on ``prefer_node``'s segment
+        if it has room, else on the segment with the highest free ratio. Evicts down to
+        the low watermark first when the slot would cross the high one, and LRU blocks
+        for ``size`` more bytes when nothing fits; None when still nothing does."""
         if self.over_high(size):
             self.evict(target_used=int(self.low * self.capacity))
         for attempt in range(2):
@@ -172,7 +176,7 @@ class ReplicaPolicy:
                         plans.append(Plan(blk, rep))
                         has_ssd = True
                     else:
-                        self._drop_replica(blk, rep)
+                        self.drop_replica(blk, rep)
                         self.stats["evictions"] += 1
         return plans
 
@@ -183,7 +187,7 @@ class ReplicaPolicy:
             b = self.blocks.get(h)
             if b is not None:
                 for r in [r for r in b.replicas if r.segment is seg and r.tier == SSD]:
-                    self._drop_replica(b, r)
+                    self.drop_replica(b, r)
         self.stats["evictions"] += 1
         if self.blocks.get(blk.hash) is not blk or rep not in blk.replicas:
             return
@@ -192,8 +196,8 @@ class ReplicaPolicy:
             ssd = Replica(seg, 0, SSD, BlockState.COMPLETE)
             blk.replicas.append(ssd)
             self.stats["spills"] += 1
-            self._emit("stored", blk, ssd)
-        self._drop_replica(blk, rep)
+            self.emit("stored", blk, ssd)
+        self.drop_replica(blk, rep)
 
     def evict(self, target_used: int, only: Segment | None = None, now: float | None = None) -> int:
         """Synchronous eviction (no spilling): drops LRU DRAM replicas, unpinned first,
@@ -209,7 +213,7 @@ class ReplicaPolicy:
                     continue
                 for rep in blk.complete(DRAM):
                     if only is None or rep.segment is only:
-                        self._drop_replica(blk, rep)
+                        self.drop_replica(blk, rep)
                         n += 1
         self.stats["evictions"] += n
         return n

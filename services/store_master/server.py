@@ -39,7 +39,9 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -51,13 +53,12 @@ from kvmesh.services.common.config import ConfigError, load, option
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.service import Service, run, setup_logging
 from kvmesh.services.common.settings import ServiceConfig
+from kvmesh.services.store_master.fastpath import FastPathServer, serve_fast_path
 from kvmesh.services.store_master.metadata import DRAM, SSD, Block, Plan, Replica, StoreMetadata
+from kvmesh.services.store_master.validation import MAX_HASHES, check_keys
 
 log = logging.getLogger(__name__)
 
-MAX_HASHES = 65536
-MAX_KEY_LEN = 256
-HASH_LEN = 16  # KV block hashes; generic keys may be 1..MAX_KEY_LEN bytes
 EVENT_QUEUE = 65536
 
 
@@ -103,15 +104,6 @@ class StoreMasterConfig(ServiceConfig):
                 f"fast_poll_us: {self.fast_poll_us} must be between 0 and 5000 "
                 f"(the event loop spins that long at most)"
             )
-
-
-def _check_hashes(hashes, context_name: str) -> str | None:
-    if len(hashes) > MAX_HASHES:
-        return f"{context_name}: at most {MAX_HASHES} keys per call, got {len(hashes)}"
-    for h in hashes:
-        if not 1 <= len(h) <= MAX_KEY_LEN:
-            return f"{context_name}: every key must be 1..{MAX_KEY_LEN} bytes, got {len(h)}"
-    return None
 
 
 def _placement(b: Block, r: Replica | None = None) -> pb.Placement:
@@ -203,7 +195,8 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         for ch in self._channels.values():
             await ch.close()
 
-    def _spawn(self, coro) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Runs ``coro`` as a task the servicer owns (cancelled by :meth:`close`)."""
         t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
@@ -305,7 +298,7 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         return pb.ReportBlocksResponse(accepted=ok, rejected=bad)
 
     async def PutStart(self, req, context):
-        if err := _check_hashes(req.hashes, "PutStart"):
+        if err := check_keys(req.hashes, "PutStart"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         sizes = list(req.sizes)
         if sizes and len(sizes) != len(req.hashes):
@@ -323,20 +316,20 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         )
 
     async def PutEnd(self, req, context):
-        if err := _check_hashes(req.hashes, "PutEnd"):
+        if err := check_keys(req.hashes, "PutEnd"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         done, failed = self.meta.put_end_detail(list(req.hashes), req.abort)
         return pb.PutEndResponse(committed=len(done), failed=[] if req.abort else failed)
 
     async def GetReplicas(self, req, context):
-        if err := _check_hashes(req.hashes, "GetReplicas"):
+        if err := check_keys(req.hashes, "GetReplicas"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         m = self.meta
         hashes = list(req.hashes)
         # blocks present only on SSD are promoted into DRAM before the answer
-        if cand := self._needs_promotion(hashes, req.any_order):
-            await self._promote(cand)
-        got, until = self._get_now(hashes, req.node_id, req.any_order)
+        if cand := self.needs_promotion(hashes, req.any_order):
+            await self.promote(cand)
+        got, until = self.get_now(hashes, req.node_id, req.any_order)
         expires_ms = int((time.time() + (until - m.clock())) * 1000)
         return pb.GetReplicasResponse(
             replicas=[_placement(b, r) for b, r in got],
@@ -344,8 +337,8 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
             lease_ms=int(m.lease_s * 1000),
         )
 
-    # -- the hot calls' synchronous cores (shared by gRPC and the raw-TCP path) -----------
-    def _needs_promotion(self, hashes: list[bytes], any_order: bool) -> list[Block]:
+    # -- the hot calls' cores, shared by gRPC and the raw-TCP path (its ``Backend``) ------
+    def needs_promotion(self, hashes: list[bytes], any_order: bool) -> list[Block]:
         """The candidate blocks when one of them is only on SSD (promote first), else []."""
         m = self.meta
         if any_order:
@@ -354,16 +347,21 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
             cand = m.prefix(hashes, (DRAM, SSD))
         return cand if any(not b.complete(DRAM) for b in cand) else []
 
-    async def _promote(self, cand: list[Block]) -> None:
+    async def promote(self, cand: list[Block]) -> None:
+        """Copies the SSD-only blocks among ``cand`` back into DRAM (on their own node)."""
         if plans := self.meta.plan_promotions(cand):
             await self._copy(plans, "promote")
 
-    def _get_now(self, hashes: list[bytes], node_id: str, any_order: bool):
+    def get_now(
+        self, hashes: list[bytes], node_id: str, any_order: bool
+    ) -> tuple[list[tuple[Block, Replica]], float]:
+        """GetReplicas on what is in DRAM now: ([(block, replica to read)], lease end on
+        the metadata clock); starts replicating blocks that turned hot."""
         m = self.meta
         got, until = m.get_replicas(hashes, node_id, any_order)
         if m.max_replicas > 1 and got:
             if plans := m.plan_replications(b for b, _ in got):
-                self._spawn(self._copy(plans, "replicate"))
+                self.spawn(self._copy(plans, "replicate"))
         return got, until
 
     def _put_local_now(self, req) -> pb.PutLocalResponse:
@@ -394,7 +392,7 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
 
     @staticmethod
     def _put_local_error(req) -> str | None:
-        if err := _check_hashes(req.hashes, "PutLocal"):
+        if err := check_keys(req.hashes, "PutLocal"):
             return err
         if not len(req.hashes) == len(req.offsets) == len(req.sizes):
             return "PutLocal: offsets and sizes must have one entry per key"
@@ -419,7 +417,7 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         )
 
     async def Exists(self, req, context):
-        if err := _check_hashes(req.hashes, "Exists"):
+        if err := check_keys(req.hashes, "Exists"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         hashes = list(req.hashes)
         if req.any_order:
@@ -429,17 +427,17 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         return pb.ExistsResponse(prefix_blocks=len(self.meta.prefix(hashes)))
 
     async def Remove(self, req, context):
-        if err := _check_hashes(req.hashes, "Remove"):
+        if err := check_keys(req.hashes, "Remove"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         return pb.RemoveResponse(removed=self.meta.remove(list(req.hashes)))
 
     async def Pin(self, req, context):
-        if err := _check_hashes(req.hashes, "Pin"):
+        if err := check_keys(req.hashes, "Pin"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         return pb.PinResponse(pinned=self.meta.pin(list(req.hashes), True))
 
     async def Unpin(self, req, context):
-        if err := _check_hashes(req.hashes, "Unpin"):
+        if err := check_keys(req.hashes, "Unpin"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         return pb.PinResponse(pinned=self.meta.pin(list(req.hashes), False))
 
@@ -497,6 +495,7 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
 
 class StoreMaster(Service):
     role = "store-master"
+    cfg: StoreMasterConfig
 
     def __init__(self, cfg: StoreMasterConfig) -> None:
         super().__init__(cfg)
@@ -512,14 +511,12 @@ class StoreMaster(Service):
         self.servicer = StoreMasterServicer(self.meta)
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self._reaper: asyncio.Task | None = None
-        self._fast = None  # the raw-TCP control path's FastPathServer, when it listens
+        self._fast: FastPathServer | None = None  # the raw-TCP control path, when it listens
 
     async def setup(self) -> None:
         pbg.add_StoreMasterServicer_to_server(self.servicer, self.server)
         # before the gRPC port opens, so every StoreHello already advertises it
         if self.cfg.fast_path and not channels.current().enabled:
-            from kvmesh.services.store_master.fastpath import serve_fast_path
-
             self._fast, self.servicer.fast_address = await serve_fast_path(
                 self.servicer, self.cfg.host, self.cfg.fast_port, self.cfg.fast_poll_us
             )
@@ -550,6 +547,8 @@ class StoreMaster(Service):
                 if self.meta.over_high():
                     await self.servicer.run_eviction()
             except Exception:
+                # the maintenance loop must never die (puts would never be reclaimed nor
+                # DRAM kept under the watermark): log the bug and go on with the next tick
                 log.exception("store maintenance failed")
 
     async def teardown(self) -> None:

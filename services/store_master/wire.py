@@ -20,6 +20,8 @@ Strings: u8 length + UTF-8.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
+from typing import Protocol
 
 HEAD = struct.Struct("<IIB")
 HEAD_SIZE = HEAD.size
@@ -34,7 +36,7 @@ def split_frames(buf: bytearray, data: bytes) -> tuple[list[tuple[int, int, byte
         buf += data
         data = bytes(buf)
         buf.clear()
-    frames = []
+    frames: list[tuple[int, int, bytes]] = []
     pos, end = 0, len(data)
     while end - pos >= HEAD_SIZE:
         n, rid, code = HEAD.unpack_from(data, pos)
@@ -113,9 +115,16 @@ def unpack_get(buf) -> tuple[list[bytes], str, bool]:
     return keys, node, bool(buf[0] & 1)
 
 
-def pack_get_resp(lease_ms: int, got: list[tuple[int, object, int, int]]) -> bytes:
-    """``got``: (key index, segment, offset, size); segments have data_address,
-    region_id and node_id."""
+class SegmentInfo(Protocol):
+    """What a GET answer tells of the segment holding a replica."""
+
+    data_address: str
+    region_id: int
+    node_id: str
+
+
+def pack_get_resp(lease_ms: int, got: Sequence[tuple[int, SegmentInfo, int, int]]) -> bytes:
+    """``got``: (key index, segment, offset, size)."""
     segs: dict[int, int] = {}
     seg_parts: list[bytes] = []
     reps: list[bytes] = []
@@ -155,6 +164,31 @@ def unpack_get_resp(buf) -> tuple[int, list[tuple[int, str, int, str, int, int]]
 # -- EXISTS: flags(u8: 1 any_order) | keys  ->  u32 prefix | n bytes present (0/1)
 def pack_exists(keys: list[bytes], any_order: bool) -> bytes:
     return _U8.pack(1 if any_order else 0) + pack_keys(keys)
+
+
+def unpack_exists(buf) -> tuple[list[bytes], bool]:
+    """-> (keys, any_order)."""
+    keys, _ = unpack_keys(buf, 1)
+    return keys, bool(buf[0] & 1)
+
+
+def pack_exists_resp(prefix: int, present: list[bool]) -> bytes:
+    """``present``: one flag per key (any_order), or empty (prefix only)."""
+    return _U32.pack(prefix) + bytes(present)
+
+
+def unpack_exists_resp(buf) -> tuple[int, list[bool]]:
+    """-> (prefix, present per key; empty when the call asked for the prefix only)."""
+    return _U32.unpack_from(buf, 0)[0], [bool(b) for b in buf[4:]]
+
+
+# -- REMOVE: keys  ->  u32 removed
+def pack_count(n: int) -> bytes:
+    return _U32.pack(n)
+
+
+def unpack_count(buf) -> int:
+    return _U32.unpack_from(buf, 0)[0]
 
 
 # -- PUT_LOCAL: node_id | u32 region | keys | (u64 offset, u64 size) per key

@@ -1,0 +1,22 @@
+"""Limits on the store-master's calls and the key check every path applies (gRPC in
+:mod:`kvmesh.services.store_master.server`, raw TCP in
+:mod:`kvmesh.services.store_master.fastpath`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_HASHES = 65536  # keys (and reserved slots) per call
+MAX_KEY_LEN = 256
+HASH_LEN = 16  # KV block hashes; generic keys may be 1..MAX_KEY_LEN bytes
+
+
+def check_keys(keys: Sequence[bytes], call: str) -> str | None:
+    """The error text for a key list ``call`` must refuse (too many keys, a key empty or
+    longer than ``MAX_KEY_LEN``), or None when it is acceptable."""
+    if len(keys) > MAX_HASHES:
+        return f"{call}: at most {MAX_HASHES} keys per call, got {len(keys)}"
+    for k in keys:
+        if not 1 <= len(k) <= MAX_KEY_LEN:
+            return f"{call}: every key must be 1..{MAX_KEY_LEN} bytes, got {len(k)}"
+    return None
