@@ -37,7 +37,7 @@ import grpc
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
-from kvmesh.rdma import Slice, TransferEngine
+from kvmesh.rdma import Slice, TransferEngine, TransferError
 from kvmesh.services.common.channels import make_channel
 
 log = logging.getLogger(__name__)
@@ -284,6 +284,8 @@ class SegmentHost:
             except grpc.aio.AioRpcError as e:
                 log.warning("store-master %s: %s; retrying", addr, e.code())
             except Exception:
+                # this loop must outlive any one failure (else the segment silently stops
+                # being lent to that master): log the bug and mount again after backoff
                 log.exception("store-master %s: segment loop failed; retrying", addr)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
@@ -380,6 +382,6 @@ class StoreSegmentServicer(pbg.StoreSegmentServicer):
             try:
                 await h.te.read(peer, [s for _, s in items])
                 copied.extend(k for k, _ in items)
-            except Exception as e:
+            except (TransferError, OSError) as e:
                 log.warning("replicating from %s failed: %s", peer, e)
         return pb.ReplicateResponse(copied=copied)
