@@ -271,8 +271,8 @@ def tune_malloc() -> str:
 def bench(
     segment: str, quick: bool, topology: str, mooncake: bool, rounds: int, poll_us: int = 200
 ) -> tuple[dict, dict | str]:
+    from kvmesh.loadtest.store_cluster import StoreCluster
     from kvmesh.services.common.config import parse_size
-    from kvmesh.services.store.local import StoreCluster
 
     mc: Mooncake | None = None
     why: str | None = "skipped"

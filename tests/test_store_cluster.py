@@ -16,12 +16,12 @@ import zlib
 import grpc
 import pytest
 
+from kvmesh.loadtest.store_cluster import StoreCluster
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import TransferEngine
 from kvmesh.services.common.settings import DEV_SECRET
 from kvmesh.services.store.client import StoreClient
-from kvmesh.services.store.local import StoreCluster
 
 
 def value(key: bytes, n: int) -> bytes:
@@ -99,16 +99,35 @@ def test_watch_blocks_events(store):
     async def body(cl: StoreClient):
         async with grpc.aio.insecure_channel(store.master) as ch:
             stream = pbg.StoreMasterStub(ch).WatchBlocks(pb.WatchBlocksRequest())
-            await asyncio.sleep(0.2)
+            events: asyncio.Queue = asyncio.Queue()
+
+            async def pump():
+                async for ev in stream:
+                    events.put_nowait(ev)
+
+            reader = asyncio.create_task(pump())
+
+            async def next_event(key: bytes, timeout: float):
+                async with asyncio.timeout(timeout):
+                    while bytes((ev := await events.get()).hash) != key:
+                        pass
+                    return ev
+
+            # the stream is subscribed once it carries the event of a put made after it
+            deadline = time.monotonic() + 10
+            while True:
+                probe = os.urandom(16)
+                assert await cl.put(probe, b"p" * 64)
+                try:
+                    await next_event(probe, 0.5)
+                    break
+                except TimeoutError:
+                    assert time.monotonic() < deadline, "WatchBlocks never subscribed"
             k = os.urandom(16)
             assert await cl.put(k, b"e" * 4096)
             assert await cl.remove(k) == 1
-            seen = []
-            async for ev in stream:
-                if bytes(ev.hash) == k:
-                    seen.append(ev)
-                if len(seen) == 2:
-                    break
+            seen = [await next_event(k, 10), await next_event(k, 10)]
+            reader.cancel()
             stream.cancel()
         assert [e.type for e in seen] == ["stored", "removed"]
         assert seen[0].seq < seen[1].seq and seen[0].tier == "dram"
@@ -143,8 +162,9 @@ def test_store_master_restart_nodes_rereport(store):
     assert all(with_client(store.master, lambda cl: cl.batch_put(keys, vals)))
     n_before = store.stats().blocks
     # nodes learn what they hold from the event stream: a block committed in the last
-    # milliseconds before a master crash may be lost (a cache miss, nothing worse)
-    time.sleep(0.5)
+    # milliseconds before a master crash may be lost (a cache miss, nothing worse), so
+    # crash it once every node has indexed what it holds
+    store.wait_indexed(15)
     store.kill("store-master-0", signal.SIGKILL)
 
     async def during(cl: StoreClient):  # the master is down: a miss, never an error

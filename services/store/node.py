@@ -9,12 +9,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prometheus_client import Gauge
+
 from kvmesh.rdma import TransferEngine
+from kvmesh.services.common import metrics
 from kvmesh.services.common.config import ConfigError, load, option, parse_size
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.service import Service, run, setup_logging
 from kvmesh.services.common.settings import DEV_SECRET, ServiceConfig
 from kvmesh.services.store.segment import SegmentHost
+
+# read at scrape time, like the other node-level state (see kvmesh.services.common.metrics)
+INDEXED_BLOCKS = Gauge(
+    "kvmesh_store_node_indexed_blocks",
+    "DRAM blocks in a store-node's index: what it re-reports when a store-master (re)starts",
+    ["node"],
+    registry=metrics.REGISTRY,
+)
 
 
 @dataclass
@@ -58,6 +69,7 @@ class StoreNode(Service):
             parse_size(cfg.ssd_bytes) if cfg.ssd_dir else 0,
         )
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
+        INDEXED_BLOCKS.labels(self.node_id).set_function(lambda: len(self.host.index))
 
     async def setup(self) -> None:
         await self.te.start()
@@ -78,6 +90,7 @@ class StoreNode(Service):
         await self.membership.stop()
         await self.host.close()
         await self.te.close()
+        INDEXED_BLOCKS.remove(self.node_id)
 
 
 def main(argv: list[str] | None = None) -> None:
