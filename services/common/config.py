@@ -133,7 +133,12 @@ def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
     )
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
         help_text = (
             f"{f.metadata.get('help', '')} (default: {default!r}; env KVMESH_{f.name.upper()})"
         )

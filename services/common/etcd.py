@@ -201,10 +201,11 @@ class EtcdClient:
         if code in _RETRYABLE:
             if self._closed:
                 return EtcdClosed("etcd client is closed", code)
-            if len(self.endpoints) > 1 and channel is not None and channel is self._channel:
+            current = self._channel
+            if len(self.endpoints) > 1 and channel is current and current is not None:
                 self._idx = (self._idx + 1) % len(self.endpoints)
                 self._channel, self._token = None, None
-                task = asyncio.get_running_loop().create_task(channel.close())
+                task = asyncio.get_running_loop().create_task(current.close())
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
             return EtcdUnavailable(msg, code)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvmesh.services.engine.config import ModelConfig
+    from _typeshed import DataclassInstance
 
 HASH_BYTES = 16
 
@@ -42,14 +42,15 @@ def preset_weights_digest(preset: str, seed: int) -> bytes:
 
 
 def model_fingerprint(
-    config: ModelConfig,
+    config: DataclassInstance,
     weights_digest: bytes,
     dtype: str,
     tokenizer_name: str,
     block_size: int,
     kv_layout_version: int = 1,
 ) -> str:
-    """Hex fingerprint of everything that must match for two nodes to share KV blocks."""
+    """Hex fingerprint of everything that must match for two nodes to share KV blocks
+    (``config``: the model's config dataclass, e.g. the engine's ``ModelConfig``)."""
     payload = {
         "config": dataclasses.asdict(config),
         "weights": bytes(weights_digest).hex(),

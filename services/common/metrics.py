@@ -233,7 +233,9 @@ class _StateCollector:
                     tier_blocks,
                     tier_capacity,
                 )
-            except Exception as e:  # a half-started service must not break the scrape
+            # AttributeError: a half-started service lacks some state yet; RuntimeError: a
+            # dict the event loop resizes while this (scrape) thread iterates it
+            except (AttributeError, RuntimeError) as e:
                 log.debug("metrics of %s skipped: %s", getattr(s, "node_id", s), e)
         return [
             queue,

@@ -51,7 +51,7 @@ def _write_cert(cert, path: str) -> None:
 def _sans(names: Iterable[str]):
     from cryptography import x509
 
-    out = []
+    out: list[x509.GeneralName] = []
     for n in dict.fromkeys(names):
         try:
             out.append(x509.IPAddress(ipaddress.ip_address(n)))

@@ -56,11 +56,12 @@ class Registration:
         await self._register()
         self._task = asyncio.create_task(self._keepalive_loop(), name=f"etcd-keepalive:{self.key}")
 
-    async def _register(self) -> None:
+    async def _register(self) -> int:
         lease_id = await self.client.lease_grant(self.ttl)
         await self.client.put(self.key, self.value, lease=lease_id)
         self.lease_id, self._registered = lease_id, True
         log.info("registered %s (lease %x)", self.key, lease_id)
+        return lease_id
 
     async def update(self, value: bytes) -> None:
         """Replace the value, keeping the current lease (also used on re-registration)."""
@@ -74,17 +75,16 @@ class Registration:
         while True:
             stream = None
             try:
-                if self.lease_id is None:
-                    await self._register()
+                lease_id = self.lease_id
+                if lease_id is None:
+                    lease_id = await self._register()
                 stream = await self.client.lease_keepalive_stream()
                 while True:
-                    ttl = await stream.keepalive(self.lease_id)
+                    ttl = await stream.keepalive(lease_id)
                     if ttl <= 0:
-                        log.warning(
-                            "lease %x of %s expired; re-registering", self.lease_id, self.key
-                        )
+                        log.warning("lease %x of %s expired; re-registering", lease_id, self.key)
                         self.lease_id, self._registered = None, False
-                        await self._register()
+                        lease_id = await self._register()
                         continue
                     self._registered = True
                     backoff = 0.1
@@ -103,11 +103,7 @@ class Registration:
     async def stop(self) -> None:
         """Stop keeping the lease alive and revoke it (tolerates etcd being down)."""
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await _cancel(self._task, f"keepalive of {self.key}")
             self._task = None
         if self.lease_id is not None:
             try:
@@ -116,6 +112,17 @@ class Registration:
                 log.warning("could not revoke lease of %s (it will expire): %s", self.key, e)
             self.lease_id = None
         self._registered = False
+
+
+async def _cancel(task: asyncio.Task, what: str) -> None:
+    """Cancels ``task`` and waits for it; a failure it had ended with is logged."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    except Exception:  # broad on purpose: stopping must finish; the task's failure is a bug
+        log.exception("%s had failed", what)
 
 
 Listener = Callable[[str, str, "bytes | None"], None]
@@ -147,11 +154,7 @@ class Membership:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await _cancel(self._task, f"membership watch of {self.prefix}")
             self._task = None
 
     async def wait_for(self, predicate: Callable[[dict[str, bytes]], bool], timeout: float) -> bool:
@@ -178,7 +181,7 @@ class Membership:
         for cb in list(self._listeners):
             try:
                 cb(event, key, value)
-            except Exception:
+            except Exception:  # broad on purpose: one listener's bug must not stop the view
                 log.exception("membership listener failed on %s %s", event, key)
 
     def _apply(self, ev: WatchEvent) -> None:

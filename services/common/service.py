@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from kvmesh.services.common import channels, metrics, telemetry
-from kvmesh.services.common.etcd import EtcdClient, etcd_credentials
+from kvmesh.services.common.etcd import EtcdClient, EtcdError, etcd_credentials
 from kvmesh.services.common.health import Health
 from kvmesh.services.common.registry import Registration, node_key
 from kvmesh.services.common.settings import ServiceConfig
@@ -71,6 +71,7 @@ class Service:
             credentials=etcd_credentials(cfg.etcd_ca, cfg.etcd_cert, cfg.etcd_key),
         )
         self.grpc_address = ""
+        self.http_address = ""  # set by a service that also serves HTTP (the conductor's API)
         self.registration: Registration | None = None
         self._stop = asyncio.Event()
         self._shutting_down = False
@@ -92,7 +93,7 @@ class Service:
         info = {"id": self.node_id, "role": self.role, "grpc": self.grpc_address}
         if self.metrics_address:
             info["metrics"] = self.metrics_address
-        if getattr(self, "http_address", ""):
+        if self.http_address:
             info["http"] = self.http_address
         return info
 
@@ -156,20 +157,24 @@ class Service:
             return
         self._shutting_down = True
         log.info("%s %s shutting down", self.role, self.node_id)
+        # The shutdown sequence must run to its end whatever one step raises: each broad
+        # catch below logs the step's failure with its traceback and goes on.
         try:
             await self.health.set_serving(False)
-        except Exception as e:
-            log.warning("setting health NOT_SERVING failed: %s", e)
+        except Exception:
+            log.exception("setting health NOT_SERVING failed")
         if self.registration is not None:
             try:
                 await asyncio.wait_for(self.registration.stop(), 3)
-            except Exception as e:  # etcd may be gone; the lease then expires by itself
+            except (TimeoutError, EtcdError) as e:  # etcd is gone: the lease expires itself
                 log.warning("deregistering failed (%s); the lease will expire", e)
         await asyncio.sleep(self.cfg.grace_s)
         try:
             await asyncio.wait_for(self.drain(), 30)
-        except Exception as e:
-            log.warning("drain did not finish cleanly: %s", e)
+        except TimeoutError:
+            log.warning("drain did not finish in 30 s")
+        except Exception:  # a subclass's drain() may raise anything
+            log.exception("drain did not finish cleanly")
         await self.health.shutdown()
         await self.server.stop(grace=2)
         await self.teardown()

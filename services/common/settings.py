@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.services.common.config import ConfigError, option, parse_memory, parse_size
 
 DEV_SECRET = "kvmesh-dev-secret"
+
+# Checks of a NodeConfig's model and dtype that need the engine, which this base layer may
+# not import: the model layer (kvmesh.services.model_node) adds them with add_model_check.
+ModelCheck = Callable[["NodeConfig"], None]
+_model_checks: list[ModelCheck] = []
+
+
+def add_model_check(check: ModelCheck) -> None:
+    """Makes ``NodeConfig.validate`` run ``check(cfg)`` (it raises ConfigError); once."""
+    if check not in _model_checks:
+        _model_checks.append(check)
 
 
 @dataclass
@@ -142,17 +154,8 @@ class NodeConfig(ServiceConfig):
 
     def validate(self) -> None:
         super().validate()
-        from kvmesh.services.engine.config import PRESETS, resolve_dtype
-
-        if self.model not in PRESETS and not os.path.isdir(self.model):
-            raise ConfigError(
-                f"model: {self.model!r} is neither a preset ({', '.join(PRESETS)}) "
-                f"nor a model directory"
-            )
-        try:
-            resolve_dtype(self.dtype)
-        except ValueError as e:
-            raise ConfigError(f"dtype: {e}") from None
+        for check in _model_checks:
+            check(self)
         if not 1 <= self.block_size <= 4096:
             raise ConfigError(f"block_size: {self.block_size} must be between 1 and 4096")
         if parse_memory(self.kv_memory) <= 0:

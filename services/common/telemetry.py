@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvmesh.services.common import otel_metrics
@@ -62,7 +63,7 @@ def tracer() -> trace.Tracer:
 # ------------------------------------------------------------------ exporters
 
 
-class JsonLinesSpanExporter:
+class JsonLinesSpanExporter(SpanExporter):
     """Appends each finished span as one JSON line (one ``write`` per span, O_APPEND)."""
 
     def __init__(self, path: str) -> None:
@@ -71,9 +72,7 @@ class JsonLinesSpanExporter:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
 
-    def export(self, spans: Sequence[Any]):
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
         lines = "".join(json.dumps(span_to_dict(s), default=str) + "\n" for s in spans)
         with self._lock:
             if self._fd >= 0:
@@ -207,7 +206,7 @@ def set_attributes(attributes: dict[str, Any]) -> None:
 
 
 def _clean(attrs: dict[str, Any] | None) -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in (attrs or {}).items():
         if isinstance(v, (str, bool, int, float)):
             out[k] = v
