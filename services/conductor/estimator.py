@@ -28,7 +28,7 @@ class _Regression:
         self._pending = 0
         self.observations = 0
 
-    def _features(self, *args: float) -> tuple[float, ...]:
+    def _features(self, x: float, y: float, /) -> tuple[float, ...]:
         raise NotImplementedError
 
     def _predict(self, f: tuple[float, ...]) -> float:

@@ -49,15 +49,15 @@ class NodeFeeds:
         raw = n.raw
         bs, profile = int(raw["block_size"]), raw.get("profile", {})
         if n.role == "prefill":
-            st = PrefillNodeState(n.node_id, bs, int(raw["block_nbytes"]), int(raw["layer_nbytes"]))
-            st.model.warm_start(profile.get("prefill", []))
-            self.sched.prefill[n.node_id] = st
+            p = PrefillNodeState(n.node_id, bs, int(raw["block_nbytes"]), int(raw["layer_nbytes"]))
+            p.model.warm_start(profile.get("prefill", []))
+            self.sched.prefill[n.node_id] = p
         else:
             kv = int(raw.get("kv_blocks", 0))
-            st = DecodeNodeState(n.node_id, bs, kv, kv)
-            st.model.warm_start(profile.get("decode", []))
-            st.prefill_model.warm_start(profile.get("prefill", []))
-            self.sched.decode[n.node_id] = st
+            d = DecodeNodeState(n.node_id, bs, kv, kv)
+            d.model.warm_start(profile.get("decode", []))
+            d.prefill_model.warm_start(profile.get("prefill", []))
+            self.sched.decode[n.node_id] = d
         self.fingerprint_of[n.node_id] = n.fingerprint
         old = self._tasks.pop(n.node_id, None)
         if old:
@@ -99,21 +99,24 @@ class NodeFeeds:
                 idx.removed(n.node_id, ev.removed)
         load = ev.load
         bws = [bw / 1000.0 for bw in load.bandwidth_bytes_per_s.values() if bw > 0]
+        st: PrefillNodeState | DecodeNodeState
         if n.role == "prefill":
-            st = self.sched.prefill.get(n.node_id)
-            if st is None:
+            p = self.sched.prefill.get(n.node_id)
+            if p is None:
                 return
             for s in load.prefill_samples:
-                st.model.observe(s.new_tokens, s.cached_tokens, s.ms)
+                p.model.observe(s.new_tokens, s.cached_tokens, s.ms)
+            st = p
         else:
-            st = self.sched.decode.get(n.node_id)
-            if st is None:
+            d = self.sched.decode.get(n.node_id)
+            if d is None:
                 return
             for s in load.prefill_samples:
-                st.prefill_model.observe(s.new_tokens, s.cached_tokens, s.ms)
+                d.prefill_model.observe(s.new_tokens, s.cached_tokens, s.ms)
             for s in load.decode_samples:
-                st.model.observe(s.batch, s.kv_tokens, s.ms)
-            st.report(load.kv_blocks_free, load.kv_blocks_total)
+                d.model.observe(s.batch, s.kv_tokens, s.ms)
+            d.report(load.kv_blocks_free, load.kv_blocks_total)
+            st = d
         if bws:
             st.bandwidth = statistics.median(bws)
 

@@ -92,8 +92,8 @@ class CacheIndex:
             alive = set(holders) if alive is None else alive & holders
             if not alive:
                 break
-            for n in alive:
-                per_node[n] = i + 1
+            for node in alive:
+                per_node[node] = i + 1
         store, ssd = self._store, self._ssd
         n = dram = 0
         for h in hashes:

@@ -35,14 +35,17 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvmesh.services.conductor.estimator import DecodeModel, ErrorTracker, PrefillModel
-from kvmesh.services.conductor.index import CacheIndex
+from kvmesh.services.conductor.index import CacheIndex, Lookup
 
 POLICIES = ("random", "load", "cache", "cache-load", "kvmesh")
 DISAGG, COLOCATED, DIRECT = "disaggregated", "colocated", "decode-direct"
+# admit only when the estimate is within this share of the SLO (room for estimate error);
+# the one default of both PolicyConfig.slo_margin and the conductor's --slo-margin
+SLO_MARGIN = 0.85
 
 
 @dataclass
@@ -84,6 +87,26 @@ class Decision:
     reason: str = ""  # when rejected: ttft, tbt, kv, no-nodes
     message: str = ""
     retry_after_ms: float = 0.0
+
+    def booked(self) -> tuple[Candidate, str]:
+        """The estimate and the decode node of an accepted decision (ValueError if it
+        was rejected)."""
+        if (
+            not self.accepted
+            or self.estimate is None
+            or self.decode_node is None
+            or (self.route == DISAGG and self.prefill_node is None)
+        ):
+            raise ValueError(f"the request was not accepted ({self.reason or 'no route'})")
+        return self.estimate, self.decode_node
+
+
+@dataclass
+class _Misses:
+    """Why the candidates tried so far were turned down, for the rejection."""
+
+    reason: str = ""  # the first of ttft and kv, overridden by tbt
+    least_tbt: float | None = None  # the lowest predicted TBT over the SLO
 
 
 @dataclass
@@ -172,7 +195,7 @@ class PolicyConfig:
     expected_output_share: float = 1.0  # expected output tokens / max_tokens (learned)
     candidates: int = 2  # uncached prefill nodes considered, least queued first
     disagg_overhead_ms: float = 2.0  # extra RPC hops of the disaggregated route
-    slo_margin: float = 1.0  # admit only if the estimate <= margin x SLO
+    slo_margin: float = SLO_MARGIN  # admit only if the estimate <= margin x SLO
     ssd_bytes_per_ms: float = 5e5  # promoting a spilled block (0.5 GB/s) before the fetch
 
 
@@ -197,7 +220,9 @@ class Scheduler:
         self.ttft_error = ErrorTracker()
         # per route: TTFT the models do not explain (RPC hops), learned from actual TTFTs
         self.overhead_ms = {DISAGG: self.cfg.disagg_overhead_ms, COLOCATED: 0.0, DIRECT: 0.0}
-        self._residuals = {route: deque(maxlen=64) for route in self.overhead_ms}
+        self._residuals: dict[str, deque[float]] = {
+            route: deque(maxlen=64) for route in self.overhead_ms
+        }
         self._output_share = self.cfg.expected_output_share
 
     # -- estimates ---------------------------------------------------------------------
@@ -265,68 +290,22 @@ class Scheduler:
 
     # -- the decision ------------------------------------------------------------------
     def decide(self, r: Request, store_prefix: int | None = None) -> Decision:
-        """``store_prefix`` overrides the index's store view (when the conductor had to
-        ask the store-master because no store event stream is live)."""
+        """The route for ``r``, or its early rejection, in steps: the cache index's view
+        of the prefix, the candidate routes with their TTFT estimates, then admission (the
+        first candidate within the TTFT SLO with a decode node within the TBT SLO).
+        ``store_prefix`` overrides the index's store view (when the conductor had to ask
+        the store-master because no store event stream is live)."""
         if not self.prefill and not self.decode:
             return Decision(False, reason="no-nodes", message="no prefill or decode node is live")
-        pol = self.cfg.policy
         now = self.clock()
         n = r.n_tokens
         any_node = next(iter(self.prefill.values()), None) or next(iter(self.decode.values()))
         bs = any_node.block_size
-        usable = min(len(r.hashes), (n - 1) // bs)
-        need_blocks = -(-(n + r.max_tokens) // bs)
-        look = self.index.lookup(r.hashes[:usable]) if pol != "random" and pol != "load" else None
-        per_node = look.per_node if look else {}
-        override = store_prefix is not None
-        if look and override:
-            look.store_prefix = store_prefix
-
-        # prefill candidates
-        cands: list[Candidate] = []
-        nodes = list(self.prefill.values())
-        if nodes:
-            if pol == "random":
-                pick = [self.rng.choice(nodes)]
-            elif pol == "load":
-                pick = [min(nodes, key=lambda p: p.queue_ms)]
-            else:
-                prefill = self.prefill
-                pick = [prefill[nid] for nid in per_node if nid in prefill]
-                queued = [(p.queue_ms, p.node_id) for p in nodes if p.node_id not in per_node]
-                pick += [prefill[nid] for _, nid in heapq.nsmallest(self.cfg.candidates, queued)]
-            use_store = pol == "kvmesh"
-            store_prefix = look.store_prefix if look else 0
-            dram_prefix = look.store_dram_prefix if look and not override else None
-            cands = [
-                self._prefill_candidate(
-                    p,
-                    n,
-                    usable,
-                    per_node.get(p.node_id, 0),
-                    store_prefix,
-                    use_store,
-                    now,
-                    dram_prefix,
-                )
-                for p in pick
-            ]
-            if pol == "cache":
-                best_local = max(c.cached_blocks for c in cands)
-                cands = [
-                    min(
-                        (c for c in cands if c.cached_blocks == best_local),
-                        key=lambda c: c.queue_ms,
-                    )
-                ]
-        # colocated / decode-direct candidates (kvmesh only)
-        if pol == "kvmesh":
-            for d in self.decode.values():
-                local = per_node.get(d.node_id, 0)
-                if n < self.cfg.colocate_below_tokens or not self.prefill:
-                    cands.append(self._colocated_candidate(d, n, usable, local, COLOCATED))
-                elif usable and local >= self.cfg.direct_share * usable:
-                    cands.append(self._colocated_candidate(d, n, usable, local, DIRECT))
+        usable = min(len(r.hashes), (n - 1) // bs)  # the last token is always computed
+        look = self._lookup(r.hashes[:usable], store_prefix)
+        cands = self._prefill_candidates(n, usable, look, store_prefix is not None, now)
+        if self.cfg.policy == "kvmesh":
+            cands += self._decode_node_candidates(n, usable, look.per_node if look else {})
         if not cands or not self.decode:
             return Decision(
                 False,
@@ -337,47 +316,136 @@ class Scheduler:
         # the fast paths skip the transfer tax (a short prompt; a prefix the decode node
         # already holds): they are tried first, the others only if they break an SLO
         cands.sort(key=lambda c: (c.route == DISAGG, c.ttft_ms))
+        return self._admit(r, cands, -(-(n + r.max_tokens) // bs), now)
 
-        predict = pol == "kvmesh"
-        decodes = list(self.decode.values())
+    def _lookup(self, hashes: list[bytes], store_prefix: int | None) -> Lookup | None:
+        """The index's longest prefixes of ``hashes`` (None for the policies blind to
+        caches); ``store_prefix``, when given, replaces the store's."""
+        if self.cfg.policy in ("random", "load"):
+            return None
+        look = self.index.lookup(hashes)
+        if store_prefix is not None:
+            look.store_prefix = store_prefix
+        return look
+
+    def _prefill_nodes(self, per_node: dict[str, int]) -> list[PrefillNodeState]:
+        """The prefill nodes worth an estimate: one, by the policy's rule, for ``random``
+        and ``load``; else those holding part of the prefix and the ``cfg.candidates``
+        least queued others."""
+        nodes = list(self.prefill.values())
+        if self.cfg.policy == "random":
+            return [self.rng.choice(nodes)]
+        if self.cfg.policy == "load":
+            return [min(nodes, key=lambda p: p.queue_ms)]
+        prefill = self.prefill
+        pick = [prefill[nid] for nid in per_node if nid in prefill]
+        queued = [(p.queue_ms, p.node_id) for p in nodes if p.node_id not in per_node]
+        return pick + [prefill[nid] for _, nid in heapq.nsmallest(self.cfg.candidates, queued)]
+
+    def _prefill_candidates(
+        self, n: int, usable: int, look: Lookup | None, store_given: bool, now: float
+    ) -> list[Candidate]:
+        """The disaggregated route's estimate on each prefill node worth one; the
+        ``cache`` policy keeps only the least queued of those holding the longest prefix."""
+        if not self.prefill:
+            return []
+        per_node = look.per_node if look else {}
+        use_store = self.cfg.policy == "kvmesh"
+        store_prefix = look.store_prefix if look else 0
+        dram_prefix = look.store_dram_prefix if look and not store_given else None
+        cands = [
+            self._prefill_candidate(
+                p, n, usable, per_node.get(p.node_id, 0), store_prefix, use_store, now, dram_prefix
+            )
+            for p in self._prefill_nodes(per_node)
+        ]
+        if self.cfg.policy == "cache":
+            best_local = max(c.cached_blocks for c in cands)
+            cands = [
+                min(
+                    (c for c in cands if c.cached_blocks == best_local),
+                    key=lambda c: c.queue_ms,
+                )
+            ]
+        return cands
+
+    def _decode_node_candidates(
+        self, n: int, usable: int, per_node: dict[str, int]
+    ) -> list[Candidate]:
+        """kvmesh's fast paths, on each decode node: ``colocated`` for a short prompt (or
+        when no prefill node is live), ``decode-direct`` when it holds most of the prefix."""
+        out = []
+        for d in self.decode.values():
+            local = per_node.get(d.node_id, 0)
+            if n < self.cfg.colocate_below_tokens or not self.prefill:
+                out.append(self._colocated_candidate(d, n, usable, local, COLOCATED))
+            elif usable and local >= self.cfg.direct_share * usable:
+                out.append(self._colocated_candidate(d, n, usable, local, DIRECT))
+        return out
+
+    def _admit(self, r: Request, cands: list[Candidate], need_blocks: int, now: float) -> Decision:
+        """The first of ``cands`` (in order) within the TTFT SLO that has a decode node
+        within the TBT SLO and with ``need_blocks`` of KV room; else the rejection."""
         ttft_limit = r.ttft_slo_ms * self.cfg.slo_margin
-        tbt_limit = r.tbt_slo_ms * self.cfg.slo_margin
-        worst = ""
-        best_seen: tuple[Candidate, float] | None = None
+        misses = _Misses()
         for c in cands:
             if c.ttft_ms > ttft_limit:
-                worst = worst or "ttft"
+                misses.reason = misses.reason or "ttft"
                 if c.route != DISAGG:
                     continue
-                break
-            at = now + c.ttft_ms
-            options = [self.decode[c.node]] if c.route != DISAGG else decodes
-            if pol == "random" and c.route == DISAGG:
-                options = [self.rng.choice(decodes)]
-            best_tbt, best_d = float("inf"), None
-            for d in options:  # the TBT each decode node would give, at prefill end
-                if d.kv_blocks_free - d.reserved_blocks < need_blocks:
-                    worst = worst or "kv"
-                    continue
-                ends = d.ends
-                now_batch = len(ends)
-                batch = now_batch - (bisect.bisect_right(ends, at) if predict else 0)
-                # KV attended at that moment: the requests still running then (their
-                # share of today's KV), plus this one
-                kv = d.kv_tokens * batch / now_batch if now_batch else 0
-                a_, b_, k_ = d.model.coef
-                tbt = a_ + b_ * (batch + 1) + k_ * (kv + n)
-                if tbt > tbt_limit:
-                    worst = "tbt"
-                    if best_seen is None or tbt < best_seen[1]:
-                        best_seen = (c, tbt)
-                elif tbt < best_tbt:
-                    best_tbt, best_d = tbt, d
-            if best_d is not None:
+                break  # the disaggregated ones come last, by TTFT: the rest miss too
+            chosen = self._decode_choice(r, c, need_blocks, now, misses)
+            if chosen is not None:
+                d, tbt = chosen
                 prefill_node = c.node if c.route == DISAGG else None
-                return Decision(True, c.route, prefill_node, best_d.node_id, c, best_tbt, cands)
+                return Decision(True, c.route, prefill_node, d.node_id, c, tbt, cands)
+        return self._rejection(r, cands, misses)
+
+    def _decode_choice(
+        self, r: Request, c: Candidate, need_blocks: int, now: float, misses: _Misses
+    ) -> tuple[DecodeNodeState, float] | None:
+        """The decode node for candidate ``c`` and its predicted TBT: of those with KV room
+        (``c``'s own node on the fast paths; one at random for ``random``), the lowest TBT
+        within the SLO at the moment the prefill would end. None if none qualifies (why is
+        added to ``misses``)."""
+        options: Iterable[DecodeNodeState]
+        if c.route != DISAGG:
+            options = (self.decode[c.node],)
+        elif self.cfg.policy == "random":
+            options = (self.rng.choice(list(self.decode.values())),)
+        else:
+            options = self.decode.values()
+        predict = self.cfg.policy == "kvmesh"
+        at = now + c.ttft_ms
+        n = r.n_tokens
+        tbt_limit = r.tbt_slo_ms * self.cfg.slo_margin
+        best_tbt, best_d = float("inf"), None
+        for d in options:
+            if d.kv_blocks_free - d.reserved_blocks < need_blocks:
+                misses.reason = misses.reason or "kv"
+                continue
+            # the batch at prefill end (kvmesh; the others judge by today's), attending
+            # over the KV of the requests still running then (their share of today's KV)
+            # plus this one's
+            ends = d.ends
+            now_batch = len(ends)
+            batch = now_batch - (bisect.bisect_right(ends, at) if predict else 0)
+            kv = d.kv_tokens * batch / now_batch if now_batch else 0
+            a_, b_, k_ = d.model.coef
+            tbt = a_ + b_ * (batch + 1) + k_ * (kv + n)
+            if tbt > tbt_limit:
+                misses.reason = "tbt"
+                if misses.least_tbt is None or tbt < misses.least_tbt:
+                    misses.least_tbt = tbt
+            elif tbt < best_tbt:
+                best_tbt, best_d = tbt, d
+        return None if best_d is None else (best_d, best_tbt)
+
+    def _rejection(self, r: Request, cands: list[Candidate], misses: _Misses) -> Decision:
+        """The early rejection: the reason, a message with the numbers behind it, and
+        when to retry."""
         best = min(cands, key=lambda c: c.ttft_ms)
-        reason = worst or "ttft"
+        reason = misses.reason or "ttft"
         if reason == "ttft":
             msg = (
                 f"estimated TTFT {best.ttft_ms:.1f} ms (queue {best.queue_ms:.1f} + prefill "
@@ -387,14 +455,14 @@ class Scheduler:
             )
             retry = max(best.ttft_ms - r.ttft_slo_ms * self.cfg.slo_margin, best.queue_ms, 50.0)
         elif reason == "tbt":
-            tbt = best_seen[1] if best_seen else float("nan")
+            tbt = misses.least_tbt if misses.least_tbt is not None else float("nan")
             msg = (
                 f"predicted time between tokens {tbt:.1f} ms on the least-loaded decode node "
                 f"exceeds the TBT SLO of {r.tbt_slo_ms:.1f} ms"
             )
             retry = 500.0
         else:
-            msg = f"no decode node has KV room for {n + r.max_tokens} tokens"
+            msg = f"no decode node has KV room for {r.n_tokens + r.max_tokens} tokens"
             retry = 500.0
         return Decision(
             False,
@@ -410,12 +478,12 @@ class Scheduler:
         """Books an accepted decision: queue time on the prefill node, the request's
         predicted decode interval and KV on the decode node."""
         now = self.clock()
-        c = d.estimate
-        if d.route == DISAGG:
+        c, decode_node = d.booked()
+        if d.route == DISAGG and d.prefill_node is not None:
             self.prefill[d.prefill_node].enqueue(r.request_id, c.prefill_ms + c.fetch_ms, now)
         else:
-            self.decode[d.decode_node].local_queue_ms += c.prefill_ms
-        dn = self.decode[d.decode_node]
+            self.decode[decode_node].local_queue_ms += c.prefill_ms
+        dn = self.decode[decode_node]
         expected = max(1.0, r.max_tokens * self._output_share)
         end = now + c.ttft_ms + expected * max(d.tbt_ms, 1e-3)
         dn.admit(
@@ -438,16 +506,16 @@ class Scheduler:
         (when the caller has no better source, e.g. node reports) and from the TTFT seen:
         the part of it no model explains (RPC hops, event loops) becomes the route's
         learned overhead."""
-        c = d.estimate
+        c, decode_node = d.booked()
         now = self.clock()
         if d.route == DISAGG:
-            p = self.prefill.get(d.prefill_node)
+            p = self.prefill.get(d.prefill_node) if d.prefill_node is not None else None
             if p is not None:
                 p.dequeue(r.request_id, now)
                 if ms is not None:
                     p.model.observe(new, cached, ms)
         else:
-            dn = self.decode.get(d.decode_node)
+            dn = self.decode.get(decode_node)
             if dn is not None:
                 dn.local_queue_ms = max(0.0, dn.local_queue_ms - c.prefill_ms)
                 if ms is not None:
