@@ -4,13 +4,18 @@ cluster: the tokens equal the gRPC path's, streaming and not; errors map to HTTP
 from __future__ import annotations
 
 import json
+import logging
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 
+from kvmesh.services.conductor import http_api
+from kvmesh.services.conductor.cluster import NodeInfo
 from kvmesh.services.conductor.http_api import (
     DEFAULT_CHAT_TEMPLATE,
+    HttpApi,
     _StopCutter,
     load_checkpoint_template,
     render_chat,
@@ -202,3 +207,38 @@ def test_checkpoint_chat_template(tmp_path):
     assert Template(DEFAULT_CHAT_TEMPLATE).render(
         messages=msgs, add_generation_prompt=True
     ) == render_default(msgs)
+
+
+def test_missing_jinja2_is_an_error_once_when_a_model_ships_a_template(
+    tmp_path, monkeypatch, caplog
+):
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    )
+    nodes = [
+        NodeInfo("d0", "decode", "", {"model": "templated", "model_path": str(tmp_path)}),
+        NodeInfo("d1", "decode", "", {"model": "plain"}),
+    ]
+    view = SimpleNamespace(
+        nodes=lambda role=None: nodes, models=lambda: {"templated": ["a"], "plain": ["b"]}
+    )
+    conductor = SimpleNamespace(view=view)
+    msgs = [{"role": "user", "content": "hi"}]
+
+    monkeypatch.setattr(http_api, "HAVE_JINJA2", False)
+    api = HttpApi(conductor, "127.0.0.1", 0)
+    with caplog.at_level(logging.WARNING, logger=http_api.__name__):
+        api.on_member("join", "/c/nodes/decode/d0", b"{}")
+        api.on_member("join", "/c/nodes/decode/d1", b"{}")  # said once per model
+        errors = [r.getMessage() for r in caplog.records]
+        assert len(errors) == 1 and caplog.records[0].levelno == logging.ERROR
+        assert "'templated'" in errors[0] and "jinja2" in errors[0]
+        # requests quietly get the default template
+        caplog.clear()
+        assert render_chat(msgs, load_checkpoint_template(str(tmp_path))) == render_default(msgs)
+        assert not caplog.records
+
+    monkeypatch.setattr(http_api, "HAVE_JINJA2", True)
+    with caplog.at_level(logging.WARNING, logger=http_api.__name__):
+        HttpApi(conductor, "127.0.0.1", 0).on_member("join", "/c/nodes/decode/d0", b"{}")
+    assert not caplog.records

@@ -13,12 +13,14 @@ from kvmesh.services.conductor.policy import (
     COLOCATED,
     DIRECT,
     DISAGG,
+    SLO_MARGIN,
     DecodeNodeState,
     PolicyConfig,
     PrefillNodeState,
     Request,
     Scheduler,
 )
+from kvmesh.services.conductor.server import ConductorConfig
 
 BS = 16
 
@@ -95,6 +97,21 @@ def test_ttft_slo_rejects_with_estimate_and_retry_hint():
     assert not d.accepted and d.reason == "ttft"
     assert "estimated TTFT 27.0 ms" in d.message and "TTFT SLO of 10.0 ms" in d.message
     assert d.retry_after_ms >= 50
+
+
+def test_slo_margin_has_one_default():
+    """The conductor's --slo-margin and the scheduler's own default are the same value:
+    a scheduler built from the default service config equals a default one."""
+    assert ConductorConfig().policy_config() == PolicyConfig()
+    assert PolicyConfig().slo_margin == ConductorConfig().slo_margin == SLO_MARGIN < 1
+
+
+@pytest.mark.parametrize("margin, accepted", [(1.0, True), (0.85, False)])
+def test_slo_margin_leaves_room_for_estimate_error(margin, accepted):
+    s = make()
+    s.cfg.slo_margin = margin
+    d = s.decide(req(160, ttft=30.0))  # estimate 27.0 ms: within 30, not within 0.85 x 30
+    assert d.accepted is accepted and d.reason == ("" if accepted else "ttft")
 
 
 def test_predicted_decode_load_admits_what_plain_rejection_refuses():

@@ -27,8 +27,9 @@ an ``error`` event. With conductor ``--api-keys`` every /v1 endpoint wants
 key's tenant salts the request's prefix hashes (see ``kvmesh.services.common.auth``).
 
 Chat template: the checkpoint's ``chat_template`` from ``tokenizer_config.json`` (found
-through the nodes' ``model_path``) rendered with jinja2 when both exist; otherwise the
-default template for the byte tokenizer::
+through the nodes' ``model_path``) rendered with jinja2 (a dependency: should it be
+missing, an error is logged when such a model joins, and its chats get the default
+template); otherwise the default template for the byte tokenizer::
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 
@@ -51,7 +52,17 @@ from aiohttp import web
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.common import telemetry
+from kvmesh.services.common.auth import Unauthenticated, current_principal
+from kvmesh.services.conductor.frontend import ConductorApi, Rejected, client_id
 from kvmesh.services.conductor.observe import observed
+
+try:
+    import jinja2
+    import jinja2.sandbox
+
+    HAVE_JINJA2 = True
+except ImportError:  # a declared dependency; HttpApi.on_member says so loudly when it matters
+    HAVE_JINJA2 = False
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +108,7 @@ class ApiError(Exception):
         return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
-def from_rejected(e: Any) -> ApiError:
+def from_rejected(e: Rejected) -> ApiError:
     """Maps a conductor ``Rejected`` (gRPC code + message + trailing metadata) to HTTP."""
     md = dict(e.metadata or ())
     if e.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -197,18 +208,16 @@ def load_checkpoint_template(model_path: str) -> dict[str, Any] | None:
 
 
 def render_chat(messages: list[dict[str, str]], checkpoint: dict[str, Any] | None) -> str:
-    if checkpoint is None:
-        return render_default(messages)
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        log.warning("jinja2 is not installed: using the default chat template")
+    """The prompt for ``messages``: the checkpoint's template (from
+    ``load_checkpoint_template``) rendered in a jinja2 sandbox, else the default template.
+    Without jinja2 the default one is used (``HttpApi.on_member`` logged an error)."""
+    if checkpoint is None or not HAVE_JINJA2:
         return render_default(messages)
 
     def raise_exception(msg: str):
         raise ApiError(400, f"chat template: {msg}", param="messages")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(checkpoint["template"]).render(
@@ -219,7 +228,16 @@ def render_chat(messages: list[dict[str, str]], checkpoint: dict[str, Any] | Non
         )
     except ApiError:
         raise
-    except Exception as e:
+    # the template is the checkpoint's code run on the client's messages: its own errors,
+    # and those of the Python operations it may apply to them, are the client's 400
+    except (
+        jinja2.TemplateError,
+        TypeError,
+        ValueError,
+        LookupError,
+        AttributeError,
+        ArithmeticError,
+    ) as e:
         raise ApiError(
             400, f"the model's chat template failed on these messages: {e}", param="messages"
         ) from None
@@ -229,12 +247,15 @@ def render_chat(messages: list[dict[str, str]], checkpoint: dict[str, Any] | Non
 
 
 class HttpApi:
-    def __init__(self, conductor: Any, host: str, port: int) -> None:
+    """The HTTP server (module docstring) over the conductor ``conductor``."""
+
+    def __init__(self, conductor: ConductorApi, host: str, port: int) -> None:
         self.c = conductor
         self.host, self.port = host, port
         self.address = ""
         self._runner: web.AppRunner | None = None
         self._templates: dict[str, dict | None] = {}
+        self._templates_checked: set[str] = set()
 
     async def start(self) -> str:
         app = web.Application(client_max_size=16 << 20)
@@ -242,17 +263,17 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        runner = self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
         try:
             await site.start()
         except OSError as e:
-            await self._runner.cleanup()
+            await runner.cleanup()
             raise RuntimeError(
                 f"cannot bind the HTTP API on {self.host}:{self.port}: {e}"
             ) from None
-        port = site._server.sockets[0].getsockname()[1]
+        port = runner.addresses[0][1]
         self.address = f"{self.host}:{port}"
         log.info("OpenAI-compatible HTTP API on http://%s/v1", self.address)
         return self.address
@@ -272,10 +293,8 @@ class HttpApi:
     def _authenticate(self, request: web.Request) -> None:
         """Checks the bearer API key (conductor ``--api-keys``) and sets the request's
         tenant; raises ApiError 401. Open when no key is configured."""
-        from kvmesh.services.common.auth import Unauthenticated, current_principal
-
-        keys = getattr(self.c, "api_keys", None)
-        if keys is None or not keys.enabled:
+        keys = self.c.api_keys
+        if not keys.enabled:
             return
         try:
             current_principal.set(keys.authenticate(request.headers.get("Authorization")))
@@ -334,15 +353,35 @@ class HttpApi:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
+    def _model_path(self, model: str) -> str:
+        for n in self.c.view.nodes():
+            if n.model == model and n.raw.get("model_path"):
+                return n.raw["model_path"]
+        return ""
+
     def _chat_template(self, model: str) -> dict | None:
         if model not in self._templates:
-            path = ""
-            for n in self.c.view.nodes():
-                if n.model == model and n.raw.get("model_path"):
-                    path = n.raw["model_path"]
-                    break
-            self._templates[model] = load_checkpoint_template(path)
+            self._templates[model] = load_checkpoint_template(self._model_path(model))
         return self._templates[model]
+
+    def on_member(self, event: str, key: str, value: bytes | None) -> None:
+        """Membership listener: without jinja2, logs an error once for each model that
+        joins shipping a chat template (its chat requests get the default template)."""
+        if HAVE_JINJA2 or event == "leave":
+            return
+        for model in self.c.view.models():
+            if model in self._templates_checked:
+                continue
+            self._templates_checked.add(model)
+            path = self._model_path(model)
+            if load_checkpoint_template(path) is not None:
+                log.error(
+                    "model %r ships a chat template (%s/tokenizer_config.json) but the "
+                    "jinja2 package is not installed: its chat requests get kvmesh's default "
+                    "template instead; install jinja2",
+                    model,
+                    path,
+                )
 
     def _build(self, body: dict, chat: bool) -> tuple[pb.GenerateRequest, dict]:
         def num(name: str, default, kind=float, lo=None, hi=None):
@@ -448,9 +487,6 @@ class HttpApi:
     async def _run(
         self, request: web.Request, req: pb.GenerateRequest, opts: dict, chat: bool
     ) -> web.StreamResponse:
-        from kvmesh.services.common.auth import current_principal
-        from kvmesh.services.conductor.server import Rejected, client_id
-
         client_id.set(
             current_principal.get().tenant if self.c.api_keys.enabled else (request.remote or "")
         )
@@ -490,8 +526,6 @@ class HttpApi:
         }
 
     async def _collect(self, agen, first, cutter, rid, created, model, chat) -> web.Response:
-        from kvmesh.services.conductor.server import Rejected
-
         text, ids, reason, usage = "", [], "", None
         resp = first
         try:
@@ -535,8 +569,6 @@ class HttpApi:
     async def _stream(
         self, request, agen, first, cutter, rid, created, model, chat, include_usage
     ) -> web.StreamResponse:
-        from kvmesh.services.conductor.server import Rejected
-
         out = web.StreamResponse(
             status=200,
             headers={

@@ -6,13 +6,15 @@ routes, estimate error, token usage, and the request span's attributes."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
 
+from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.common import metrics as m
 from kvmesh.services.common import telemetry
+from kvmesh.services.conductor.frontend import ConductorApi, Rejected
 
 
 def rejection_reason(code: grpc.StatusCode, metadata) -> str:
@@ -57,16 +59,16 @@ def admission_attributes(r: Any, d: Any) -> dict[str, Any]:
     }
 
 
-async def observed(conductor: Any, req) -> AsyncIterator:
+async def observed(
+    conductor: ConductorApi, req: pb.GenerateRequest
+) -> AsyncGenerator[pb.GenerateResponse, None]:
     """``conductor.generate(req)`` with its metrics recorded on the way through."""
-    from kvmesh.services.conductor.server import Rejected
-
     stats: m.RequestStats = conductor.request_stats
     cfg = conductor.cfg
     ttft_slo = cfg.ttft_slo_ms if req.slo.ttft_ms <= 0 else min(req.slo.ttft_ms, cfg.ttft_slo_ms)
     tbt_slo = cfg.tbt_slo_ms if req.slo.tbt_ms <= 0 else min(req.slo.tbt_ms, cfg.tbt_slo_ms)
     t0 = time.perf_counter()
-    last = None
+    last = t0
     ttft = None
     gaps: list[float] = []
     finish = "cancelled"
@@ -141,11 +143,9 @@ async def observed(conductor: Any, req) -> AsyncIterator:
             stats.slo_met += int(ok_ttft and ok_tbt)
 
 
-def fill_status(conductor: Any, out) -> None:
+def fill_status(conductor: ConductorApi, out: pb.ClusterStatusResponse) -> None:
     """Adds the request summary and the nodes' metrics/HTTP addresses to a
     ``ClusterStatusResponse``."""
-    from kvmesh.protos import kvmesh_pb2 as pb
-
     s = conductor.request_stats.summary()
     out.requests_accepted = s["requests_accepted"]
     out.requests_rejected = s["requests_rejected"]

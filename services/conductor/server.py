@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
 import logging
 import time
 import uuid
@@ -52,12 +51,14 @@ from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.common.tokenizer import load_tokenizer
 from kvmesh.services.conductor.cluster import ClusterView, NodeInfo
 from kvmesh.services.conductor.feeds import NodeFeeds
+from kvmesh.services.conductor.frontend import Rejected, client_id
 from kvmesh.services.conductor.http_api import HttpApi
 from kvmesh.services.conductor.model_metrics import ModelErrorCollector
 from kvmesh.services.conductor.observe import admission_attributes, fill_status, observed
 from kvmesh.services.conductor.policy import (
     DISAGG,
     POLICIES,
+    SLO_MARGIN,
     Decision,
     PolicyConfig,
     Request,
@@ -82,7 +83,7 @@ class ConductorConfig(ServiceConfig):
         0.9, "decode-direct when the decode node holds this share of the prefix"
     )
     slo_margin: float = option(
-        0.85,
+        SLO_MARGIN,
         "admit only when the estimate is within this share of the SLO (room for estimate error)",
     )
     report_interval_ms: float = option(200.0, "period of the nodes' load reports")
@@ -124,17 +125,15 @@ class ConductorConfig(ServiceConfig):
         if self.colocate_below_tokens < 0 or not 0 < self.direct_share <= 1:
             raise ConfigError("colocate_below_tokens must be >= 0 and direct_share in (0, 1]")
 
-
-# who is calling, for the per-client stream limit: the API key's tenant, or the peer address
-client_id: contextvars.ContextVar[str] = contextvars.ContextVar("kvmesh_client", default="")
-
-
-class Rejected(Exception):
-    def __init__(
-        self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()
-    ) -> None:
-        super().__init__(message)
-        self.code, self.message, self.metadata = code, message, metadata
+    def policy_config(self) -> PolicyConfig:
+        """The scheduler's configuration: this service's routing options, the rest at
+        their defaults."""
+        return PolicyConfig(
+            policy=self.policy,
+            colocate_below_tokens=self.colocate_below_tokens,
+            direct_share=self.direct_share,
+            slo_margin=self.slo_margin,
+        )
 
 
 class ConductorServicer(pbg.ConductorServicer):
@@ -161,7 +160,10 @@ class ConductorServicer(pbg.ConductorServicer):
 
 
 class Conductor(Service):
+    """The conductor service; implements ``frontend.ConductorApi`` for its front ends."""
+
     role = "conductor"
+    api_keys: ApiKeys  # set by server_interceptors, during Service.__init__
 
     def server_interceptors(self) -> list:
         self.api_keys = ApiKeys.from_config(self.cfg.api_keys, self.cfg.api_keys_file)
@@ -175,14 +177,7 @@ class Conductor(Service):
         self.cfg: ConductorConfig = cfg
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self.view = ClusterView(self.membership)
-        self.sched = Scheduler(
-            PolicyConfig(
-                policy=cfg.policy,
-                colocate_below_tokens=cfg.colocate_below_tokens,
-                direct_share=cfg.direct_share,
-                slo_margin=cfg.slo_margin,
-            )
-        )
+        self.sched = Scheduler(cfg.policy_config())
         self.feeds = NodeFeeds(self.view, self.sched, cfg.report_interval_ms)
         self._tokenizers: dict[str, object] = {}
         self.request_stats = RequestStats()
@@ -197,6 +192,7 @@ class Conductor(Service):
         if self.cfg.http_port >= 0:
             self.http = HttpApi(self, self.cfg.host, self.cfg.http_port)
             self.http_address = await self.http.start()
+            self.membership.add_listener(self.http.on_member)
         self.membership.add_listener(self.feeds.on_member)
         self._model_metrics = ModelErrorCollector(self.sched)
         METRICS_REGISTRY.register(self._model_metrics)
@@ -373,7 +369,7 @@ class Conductor(Service):
                 if d.reason == "no-nodes"
                 else grpc.StatusCode.RESOURCE_EXHAUSTED
             )
-            meta = (
+            meta: tuple[tuple[str, str], ...] = (
                 ("retry-after-ms", f"{d.retry_after_ms:.0f}"),
                 ("kvmesh-reject-reason", d.reason),
             )
@@ -381,12 +377,13 @@ class Conductor(Service):
                 meta += (("kvmesh-estimated-ttft-ms", f"{d.estimate.ttft_ms:.1f}"),)
             raise Rejected(code, d.message, meta)
         self.sched.commit(r, d)
+        estimate, decode_node = d.booked()
         record = {
             "request_id": rid,
             "route": d.route,
             "prefill": d.prefill_node,
-            "decode": d.decode_node,
-            "estimated_ttft_ms": d.estimate.ttft_ms,
+            "decode": decode_node,
+            "estimated_ttft_ms": estimate.ttft_ms,
             "candidates": [(c.route, c.node, round(c.ttft_ms, 2)) for c in d.candidates],
         }
         self.decisions.append(record)
@@ -410,13 +407,14 @@ class Conductor(Service):
         info: dict,
     ):
         rid = r.request_id
-        dnode = self._node("decode", d.decode_node)
+        estimate, decode_node = d.booked()
+        dnode = self._node("decode", decode_node)
         target = await self._reserve(dnode, rid, len(tokens), req.max_tokens)
         tok = self.tokenizer(info)
         decoder = TextStream(tok, tuple(req.sampling.stop))
         eos_ids = frozenset(info.get("eos_ids") or [tok.eos_id])
         usage = pb.Usage(prompt_tokens=len(tokens))
-        route = pb.Route(decode_node=dnode.node_id, estimated_ttft_ms=d.estimate.ttft_ms)
+        route = pb.Route(decode_node=dnode.node_id, estimated_ttft_ms=estimate.ttft_ms)
         dreq = pb.DecodeRequest(
             request_id=rid,
             max_tokens=req.max_tokens,
@@ -427,7 +425,7 @@ class Conductor(Service):
         if d.route == DISAGG:
             try:
                 presp, pnode = await self._prefill(r, d, tokens, target, req)
-            except BaseException:
+            except BaseException:  # cancellation included: free the KV reserved, re-raise
                 await self._release(dnode, rid)
                 raise
             route.prefill_node = pnode.node_id
@@ -565,9 +563,10 @@ class Conductor(Service):
     async def _prefill(self, r: Request, d: Decision, tokens, target, req):
         """Prefill on the chosen node; a node that fails is skipped for the next
         disaggregated candidate (at most three tries)."""
-        order = [d.prefill_node] + [
-            c.node for c in d.candidates if c.route == DISAGG and c.node != d.prefill_node
-        ]
+        first = d.prefill_node
+        if first is None:
+            raise ValueError("only a disaggregated decision has a prefill node")
+        order = [first] + [c.node for c in d.candidates if c.route == DISAGG and c.node != first]
         last = ""
         for node_id in order[:3]:
             try:
