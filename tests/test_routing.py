@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -18,7 +19,7 @@ from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common.tokenizer import ByteTokenizer
 from kvmesh.services.engine.model import LlamaModel
 from kvmesh.services.launcher import LocalCluster
-from tests.cluster_util import generate, node
+from tests.cluster_util import generate, node, status
 
 # no store segments: a prefix lives only in the pool of the node that computed it
 NODE_ARGS = [
@@ -51,6 +52,28 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
+def index_blocks(cluster: LocalCluster) -> dict[str, float]:
+    """The blocks the conductor's cache index knows each node holds (from its metrics)."""
+    conductor = next(n for n in status(cluster.conductor).nodes if n.role == "conductor")
+    url = f"http://{conductor.metrics_address}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvmesh_conductor_index_blocks{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('node="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
+def wait_indexed(cluster: LocalCluster, node_id: str, blocks: float, timeout: float = 10.0):
+    """Waits until the conductor's cache index knows ``node_id`` holds ``blocks`` blocks
+    (its cache events arrive on the node's report stream)."""
+    deadline = time.monotonic() + timeout
+    while (held := index_blocks(cluster).get(node_id, 0)) < blocks:
+        assert time.monotonic() < deadline, f"the conductor knows {held} blocks of {node_id}"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def reference():
     model = LlamaModel.from_preset("tiny", seed=0)
@@ -58,10 +81,12 @@ def reference():
 
 
 def test_repeated_prefix_goes_to_the_node_holding_it(cluster, reference):
+    before = index_blocks(cluster)
     a = generate(cluster.conductor, SHARED + "A" * 200, max_tokens=2)
     holder = a.route.prefill_node
     assert holder
-    time.sleep(0.5)  # the holder's cache events reach the conductor
+    # the holder's cache events reach the conductor
+    wait_indexed(cluster, holder, before.get(holder, 0) + len(TOK.encode(SHARED)) // 16)
     for tail in ("B" * 200, "C" * 200):
         got = generate(cluster.conductor, SHARED + tail, max_tokens=6)
         assert got.route.prefill_node == holder
@@ -81,6 +106,7 @@ def test_short_prompt_takes_the_colocated_route(cluster, reference):
 
 def test_next_turn_goes_decode_direct(cluster, reference):
     turn1 = TOK.encode("Z" + SHARED[::-1])
+    before = index_blocks(cluster).get("decode-0", 0)
     first = generate(
         cluster.conductor,
         token_ids=turn1,
@@ -89,7 +115,7 @@ def test_next_turn_goes_decode_direct(cluster, reference):
         sampling=pb.SamplingParams(ignore_eos=True),
     )
     assert first.tokens == reference(turn1, 24)[:24]
-    time.sleep(0.5)
+    wait_indexed(cluster, "decode-0", before + len(turn1) // 16)  # its cache events
     turn2 = turn1 + first.tokens + TOK.encode(" and then?", add_bos=False)
     got = generate(cluster.conductor, token_ids=turn2, max_tokens=8)
     assert got.route.prefill_node == "" and got.route.decode_node == "decode-0"

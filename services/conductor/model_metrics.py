@@ -1,6 +1,7 @@
 """Prometheus view of the conductor's time models: each node's prefill/decode model
 prediction error (|predicted - observed| / observed, median and p90 over its recent
-observations) and each route's learned overhead."""
+observations) and each route's learned overhead; and of its cache index: the blocks it
+knows each node holds."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 
 from prometheus_client.core import GaugeMetricFamily
 
+from kvmesh.services.conductor.estimator import DecodeModel, PrefillModel
 from kvmesh.services.conductor.policy import Scheduler
 
 
@@ -32,7 +34,14 @@ class ModelErrorCollector:
         overhead = GaugeMetricFamily(
             "kvmesh_route_overhead_seconds", "learned TTFT overhead of each route", labels=["route"]
         )
-        models = [(n, "prefill", p.model) for n, p in self.sched.prefill.items()]
+        index = GaugeMetricFamily(
+            "kvmesh_conductor_index_blocks",
+            "KV blocks the conductor's cache index knows a node holds in its own pool",
+            labels=["node"],
+        )
+        models: list[tuple[str, str, PrefillModel | DecodeModel]] = [
+            (n, "prefill", p.model) for n, p in self.sched.prefill.items()
+        ]
         for n, d in self.sched.decode.items():
             models += [(n, "decode_step", d.model), (n, "colocated_prefill", d.prefill_model)]
         for node, kind, m in models:
@@ -42,4 +51,6 @@ class ModelErrorCollector:
             obs.add_metric([node, kind], m.observations)
         for route, ms in self.sched.overhead_ms.items():
             overhead.add_metric([route], ms / 1000)
-        return [err, obs, overhead]
+        for node in (*self.sched.prefill, *self.sched.decode):
+            index.add_metric([node], self.sched.index.holds(node))
+        return [err, obs, overhead, index]
