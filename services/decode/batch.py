@@ -253,7 +253,9 @@ class BatchScheduler:
                 self.on_step(
                     len(batch), sum(positions) + len(batch), (time.perf_counter() - tc) * 1000
                 )
-        except Exception as e:  # a bug, not a client's mistake: fail these requests
+        except Exception as e:
+            # the batch loop must outlive a failed step (a bug, not a client's mistake):
+            # logged with its traceback, it fails only the requests of this step
             log.exception("decode step failed")
             for r in batch:
                 r.out.put_nowait(e)
