@@ -1,4 +1,5 @@
-"""Network cut and heal for :mod:`kvmesh.loadtest.faults`: one prefill node runs in its own network
+"""Network cut and heal for :mod:`kvmesh.loadtest.faults` (on its harness,
+:mod:`kvmesh.loadtest.fault_harness`): one prefill node runs in its own network
 namespace joined to the host's by a veth pair; everything else (etcd, store-master, the
 decode nodes and one more prefill node) binds the host-side veth address, the conductor
 stays on loopback. Mid-load the veth goes down (the namespaced node loses etcd, the
@@ -19,7 +20,7 @@ import sys
 import time
 import urllib.request
 
-from kvmesh.loadtest.faults import (
+from kvmesh.loadtest.fault_harness import (
     DISAGG_ONLY,
     NODE_ARGS,
     TTL,

@@ -18,9 +18,15 @@ import time
 import grpc
 
 from kvmesh.protos import kvmesh_pb2 as pb
-from kvmesh.protos import kvmesh_pb2_grpc as pbg
-from kvmesh.services.common.auth import api_key_from_env, bearer_metadata
-from kvmesh.services.common.channels import TlsFiles, configure, make_channel
+from kvmesh.services.client import (
+    cluster_status,
+    format_endpoints,
+    format_status,
+    stream_completion,
+)
+from kvmesh.services.common.auth import api_key_from_env
+from kvmesh.services.common.channels import TlsFiles, configure
+from kvmesh.services.launcher import add_up_arguments, up
 
 DEFAULT_CONDUCTOR = "127.0.0.1:50051"
 
@@ -46,90 +52,9 @@ async def _generate(args: argparse.Namespace) -> int:
         slo=pb.SLO(ttft_ms=args.ttft_slo_ms),
         cache_salt=args.cache_salt,
     )
-    async with make_channel(args.conductor) as ch:
-        try:
-            last = None
-            async for r in pbg.ConductorStub(ch).Generate(
-                req, timeout=args.timeout, metadata=bearer_metadata(args.api_key)
-            ):
-                sys.stdout.write(r.text)
-                sys.stdout.flush()
-                last = r
-            sys.stdout.write("\n")
-            if last is not None and args.verbose:
-                u = last.usage
-                print(
-                    f"[{last.finish_reason}] prompt={u.prompt_tokens} completion="
-                    f"{u.completion_tokens} cached={u.cached_tokens} computed={u.computed_tokens}",
-                    file=sys.stderr,
-                )
-        except grpc.aio.AioRpcError as e:
-            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    return 0
-
-
-async def cluster_status(
-    conductor: str, timeout: float = 5, *, api_key: str = "", tls: TlsFiles | None = None
-) -> pb.ClusterStatusResponse:
-    async with make_channel(conductor, tls) as ch:
-        return await pbg.ConductorStub(ch).ClusterStatus(
-            pb.ClusterStatusRequest(), timeout=timeout, metadata=bearer_metadata(api_key)
-        )
-
-
-def format_status(s: pb.ClusterStatusResponse) -> str:
-    seen = s.requests_accepted + s.requests_rejected
-    rate = f"{100 * s.requests_accepted / seen:.1f}%" if seen else "-"
-    reasons = ", ".join(f"{k}={v}" for k, v in sorted(s.rejected_by_reason.items()))
-    rows = [
-        f"cluster {s.cluster}: {len(s.nodes)} node(s); store {s.store_blocks} block(s), "
-        f"{s.store_bytes_used / 2**20:.1f}/{s.store_bytes_total / 2**20:.1f} MiB"
-        + (
-            f" ({100 * s.store_bytes_used / s.store_bytes_total:.0f}% used)"
-            if s.store_bytes_total
-            else ""
-        ),
-        f"requests: {s.requests_accepted} accepted, {s.requests_rejected} rejected"
-        + (f" ({reasons})" if reasons else "")
-        + f"; acceptance {rate}; SLO attained "
-        + (f"{100 * s.slo_attainment:.1f}%" if s.requests_accepted else "-"),
-        f"latency (last {s.window_s or 300}s): TTFT p50/p90/p99 {s.ttft_p50_ms:.1f}/"
-        f"{s.ttft_p90_ms:.1f}/{s.ttft_p99_ms:.1f} ms; TBT p50/p90/p99 {s.tbt_p50_ms:.1f}/"
-        f"{s.tbt_p90_ms:.1f}/{s.tbt_p99_ms:.1f} ms",
-    ]
-    if s.top_routes:
-        rows.append(
-            "top routes: "
-            + ", ".join(
-                f"{r.prefill_node or '(on decode)'} -> {r.decode_node}: {r.requests}"
-                for r in s.top_routes
-            )
-        )
-    rows += [
-        f"{'ROLE':<13} {'NODE':<28} {'GRPC':<22} {'KV FREE/TOTAL':>14} {'QUEUE':>6} "
-        f"{'RUN':>4} {'COMPUTED':>9} {'CACHED':>8} {'FETCHED':>8} {'DECODED':>8}"
-    ]
-    for n in sorted(s.nodes, key=lambda n: (n.role, n.node_id)):
-        kv = f"{n.kv_blocks_free}/{n.kv_blocks_total}" if n.kv_blocks_total else "-"
-        state = "" if n.reachable else " (unreachable)"
-        rows.append(
-            f"{n.role:<13} {n.node_id[:28]:<28} {n.grpc_address:<22} {kv:>14} "
-            f"{n.queue_depth:>6} {n.running:>4} {n.computed_tokens_total:>9} "
-            f"{n.cached_tokens_total:>8} {n.fetched_tokens_total:>8} "
-            f"{n.generated_tokens_total:>8}{state}"
-        )
-    return "\n".join(rows)
-
-
-def format_endpoints(s: pb.ClusterStatusResponse) -> str:
-    rows = [
-        f"{n.role:<13} {n.node_id[:28]:<28} metrics http://{n.metrics_address}/metrics"
-        + (f"  api http://{n.http_address}/v1" if n.http_address else "")
-        for n in sorted(s.nodes, key=lambda n: (n.role, n.node_id))
-        if n.metrics_address
-    ]
-    return "\n".join(rows)
+    return await stream_completion(
+        args.conductor, req, timeout=args.timeout, api_key=args.api_key, verbose=args.verbose
+    )
 
 
 async def _status(args: argparse.Namespace) -> int:
@@ -206,8 +131,6 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     for role in roles:
         sub.add_parser(role, help=f"run one {role} service (see kvmesh {role} --help)")
-    from kvmesh.services.launcher import add_up_arguments
-
     add_up_arguments(sub.add_parser("up", help="run a whole cluster on this machine"))
     g = sub.add_parser("generate", help="stream a completion from a running cluster")
     g.add_argument("prompt")
@@ -252,8 +175,6 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             parser.error(str(e))
     if args.cmd == "up":
-        from kvmesh.services.launcher import up
-
         sys.exit(up(args))
     if args.cmd == "generate":
         sys.exit(asyncio.run(_generate(args)))

@@ -16,6 +16,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.services.client import cluster_status, format_status, stream_completion
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -246,8 +249,6 @@ class LocalCluster:
         return self
 
     def status(self, timeout: float = 2):
-        from kvmesh.services.cli import cluster_status
-
         return asyncio.run(
             cluster_status(self.conductor, timeout, api_key=self.api_key, tls=self.client_tls())
         )
@@ -429,29 +430,24 @@ def up(args: argparse.Namespace) -> int:
             f"etcd at {cluster.etcd_endpoint}",
             flush=True,
         )
-        from kvmesh.services.cli import format_status
-
         print(format_status(cluster.status()), flush=True)
         if args.demo is not None:
-            from kvmesh.services.cli import main as cli_main
-
             print(f"\n>>> {args.demo}", flush=True)
-            try:
-                cli_main(
-                    [
-                        "generate",
-                        args.demo,
-                        "--conductor",
-                        cluster.conductor,
-                        *client.split(),
-                        "--max-tokens",
-                        str(args.max_tokens),
-                        "-v",
-                    ]
+            req = pb.GenerateRequest(  # what `kvmesh generate` sends by default
+                prompt=args.demo,
+                max_tokens=args.max_tokens,
+                sampling=pb.SamplingParams(temperature=0.0, seed=0),
+                slo=pb.SLO(ttft_ms=0.0),
+            )
+            return asyncio.run(
+                stream_completion(
+                    cluster.conductor,
+                    req,
+                    api_key=cluster.api_key,
+                    tls=cluster.client_tls(),
+                    verbose=True,
                 )
-            except SystemExit as e:
-                return int(e.code or 0)
-            return 0
+            )
         http = next((n.http_address for n in cluster.status().nodes if n.http_address), "")
         if http:
             print(

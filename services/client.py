@@ -1,0 +1,115 @@
+"""Talking to a running cluster's conductor: stream a completion, read and format the
+cluster's status. Shared by the ``kvmesh`` command line and ``kvmesh up``."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+import grpc
+
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common.auth import bearer_metadata
+from kvmesh.services.common.channels import TlsFiles, make_channel
+
+
+async def stream_completion(
+    conductor: str,
+    req: pb.GenerateRequest,
+    *,
+    timeout: float = 300.0,
+    api_key: str = "",
+    tls: TlsFiles | None = None,
+    verbose: bool = False,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Writes the completion of ``req`` to ``out`` as it streams (its usage to ``err``
+    with ``verbose``); returns the exit status: 0, or 1 on a gRPC error (printed)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    async with make_channel(conductor, tls) as ch:
+        try:
+            last = None
+            async for r in pbg.ConductorStub(ch).Generate(
+                req, timeout=timeout, metadata=bearer_metadata(api_key)
+            ):
+                out.write(r.text)
+                out.flush()
+                last = r
+            out.write("\n")
+            if last is not None and verbose:
+                u = last.usage
+                print(
+                    f"[{last.finish_reason}] prompt={u.prompt_tokens} completion="
+                    f"{u.completion_tokens} cached={u.cached_tokens} computed={u.computed_tokens}",
+                    file=err,
+                )
+        except grpc.aio.AioRpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=err)
+            return 1
+    return 0
+
+
+async def cluster_status(
+    conductor: str, timeout: float = 5, *, api_key: str = "", tls: TlsFiles | None = None
+) -> pb.ClusterStatusResponse:
+    async with make_channel(conductor, tls) as ch:
+        return await pbg.ConductorStub(ch).ClusterStatus(
+            pb.ClusterStatusRequest(), timeout=timeout, metadata=bearer_metadata(api_key)
+        )
+
+
+def format_status(s: pb.ClusterStatusResponse) -> str:
+    seen = s.requests_accepted + s.requests_rejected
+    rate = f"{100 * s.requests_accepted / seen:.1f}%" if seen else "-"
+    reasons = ", ".join(f"{k}={v}" for k, v in sorted(s.rejected_by_reason.items()))
+    rows = [
+        f"cluster {s.cluster}: {len(s.nodes)} node(s); store {s.store_blocks} block(s), "
+        f"{s.store_bytes_used / 2**20:.1f}/{s.store_bytes_total / 2**20:.1f} MiB"
+        + (
+            f" ({100 * s.store_bytes_used / s.store_bytes_total:.0f}% used)"
+            if s.store_bytes_total
+            else ""
+        ),
+        f"requests: {s.requests_accepted} accepted, {s.requests_rejected} rejected"
+        + (f" ({reasons})" if reasons else "")
+        + f"; acceptance {rate}; SLO attained "
+        + (f"{100 * s.slo_attainment:.1f}%" if s.requests_accepted else "-"),
+        f"latency (last {s.window_s or 300}s): TTFT p50/p90/p99 {s.ttft_p50_ms:.1f}/"
+        f"{s.ttft_p90_ms:.1f}/{s.ttft_p99_ms:.1f} ms; TBT p50/p90/p99 {s.tbt_p50_ms:.1f}/"
+        f"{s.tbt_p90_ms:.1f}/{s.tbt_p99_ms:.1f} ms",
+    ]
+    if s.top_routes:
+        rows.append(
+            "top routes: "
+            + ", ".join(
+                f"{r.prefill_node or '(on decode)'} -> {r.decode_node}: {r.requests}"
+                for r in s.top_routes
+            )
+        )
+    rows += [
+        f"{'ROLE':<13} {'NODE':<28} {'GRPC':<22} {'KV FREE/TOTAL':>14} {'QUEUE':>6} "
+        f"{'RUN':>4} {'COMPUTED':>9} {'CACHED':>8} {'FETCHED':>8} {'DECODED':>8}"
+    ]
+    for n in sorted(s.nodes, key=lambda n: (n.role, n.node_id)):
+        kv = f"{n.kv_blocks_free}/{n.kv_blocks_total}" if n.kv_blocks_total else "-"
+        state = "" if n.reachable else " (unreachable)"
+        rows.append(
+            f"{n.role:<13} {n.node_id[:28]:<28} {n.grpc_address:<22} {kv:>14} "
+            f"{n.queue_depth:>6} {n.running:>4} {n.computed_tokens_total:>9} "
+            f"{n.cached_tokens_total:>8} {n.fetched_tokens_total:>8} "
+            f"{n.generated_tokens_total:>8}{state}"
+        )
+    return "\n".join(rows)
+
+
+def format_endpoints(s: pb.ClusterStatusResponse) -> str:
+    rows = [
+        f"{n.role:<13} {n.node_id[:28]:<28} metrics http://{n.metrics_address}/metrics"
+        + (f"  api http://{n.http_address}/v1" if n.http_address else "")
+        for n in sorted(s.nodes, key=lambda n: (n.role, n.node_id))
+        if n.metrics_address
+    ]
+    return "\n".join(rows)
