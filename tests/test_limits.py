@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import grpc
 import pytest
 
 from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.launcher import LocalCluster
-from tests.cluster_util import NODE_ARGS, generate
+from tests.cluster_util import NODE_ARGS, Result, generate
 
 LIMITS = [
     "--max-tokens-limit",
@@ -25,6 +25,36 @@ LIMITS = [
     "0.2",
 ]
 LONG = dict(max_tokens=300, sampling=pb.SamplingParams(ignore_eos=True))
+
+
+class Stream(threading.Thread):
+    """One Generate streamed in a thread; ``running`` is set once its first token has
+    arrived (the conductor holds the stream open then), or once the call has ended."""
+
+    def __init__(self, conductor: str, prompt: str, **kw) -> None:
+        super().__init__(daemon=True)
+        self.conductor, self.req = conductor, pb.GenerateRequest(prompt=prompt, **kw)
+        self.running = threading.Event()
+        self.result = Result()
+        self.error: grpc.RpcError | None = None
+
+    def run(self) -> None:
+        try:
+            with grpc.insecure_channel(self.conductor) as ch:
+                for r in pbg.ConductorStub(ch).Generate(self.req, timeout=60):
+                    self.result.tokens.extend(r.token_ids)
+                    if r.token_ids:
+                        self.running.set()
+                    if r.finish_reason:
+                        self.result.finish_reason = r.finish_reason
+        except grpc.RpcError as e:
+            self.error = e
+        finally:
+            self.running.set()
+
+    def wait_running(self, timeout: float = 30) -> None:
+        assert self.running.wait(timeout), f"no token within {timeout}s"
+        assert self.error is None, self.error.details()
 
 
 @pytest.fixture
@@ -45,49 +75,33 @@ def test_request_bounds_and_stream_limit(cluster):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert fragment in e.value.details()
 
-    results, errors = [], []
-
-    def long_stream(i: int) -> None:
-        try:
-            results.append(generate(cluster.conductor, f"stream {i}", **LONG))
-        except grpc.RpcError as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=long_stream, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    time.sleep(0.3)
+    streams = [Stream(cluster.conductor, f"stream {i}", **LONG) for i in range(2)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        s.wait_running()
     with pytest.raises(grpc.RpcError) as e:  # a third stream of the same client
         generate(cluster.conductor, "one too many", **LONG)
-    for t in threads:
-        t.join(60)
+    for s in streams:
+        s.join(60)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "streams open (limit 2)" in e.value.details()
-    assert not errors and [len(r.tokens) for r in results] == [300, 300]
+    assert [s.error for s in streams] == [None, None]
+    assert [len(s.result.tokens) for s in streams] == [300, 300]
     assert generate(cluster.conductor, "after them", max_tokens=3).tokens  # slots freed
 
 
 def test_sigterm_drains_in_flight_streams(cluster):
     """The stream outlasts the gRPC server's own stop grace (2 s): only the drain keeps it."""
-    got, errors = [], []
-
-    def stream() -> None:
-        try:
-            got.append(
-                generate(
-                    cluster.conductor,
-                    "draining",
-                    max_tokens=2000,
-                    sampling=pb.SamplingParams(ignore_eos=True),
-                )
-            )
-        except grpc.RpcError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=stream)
-    t.start()
-    time.sleep(0.3)  # the stream is running
+    s = Stream(
+        cluster.conductor,
+        "draining",
+        max_tokens=2000,
+        sampling=pb.SamplingParams(ignore_eos=True),
+    )
+    s.start()
+    s.wait_running()
     cluster.stop_process("conductor-0", signal.SIGTERM)
-    t.join(60)
-    assert not errors, errors[0].details()
-    assert len(got[0].tokens) == 2000 and got[0].finish_reason == "length"
+    s.join(60)
+    assert s.error is None, s.error.details()
+    assert len(s.result.tokens) == 2000 and s.result.finish_reason == "length"

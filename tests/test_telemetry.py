@@ -299,11 +299,27 @@ def test_status_cli_once_and_json(traced):
         stdout=subprocess.PIPE,
         text=True,
     )
-    time.sleep(3)
     import signal
+    import threading
 
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in w.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30  # until it has printed two frames (or died)
+    while sum("kvmesh status" in line for line in lines) < 2 and w.poll() is None:
+        if time.monotonic() > deadline:
+            w.kill()
+            pytest.fail("no two frames in 30 s: " + "".join(lines)[:500])
+        time.sleep(0.05)
     w.send_signal(signal.SIGINT)
-    text, _ = w.communicate(timeout=10)
+    w.wait(timeout=10)
+    reader.join(10)
+    text = "".join(lines)
     assert w.returncode == 0
     assert text.count("kvmesh status") >= 2, text[:500]
 
