@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Any
 
 from .tcp import TcpTransport
 from .transport import Transport
@@ -36,7 +37,10 @@ def rdma_unavailable_reason(refresh: bool = False) -> str | None:
 
             try:
                 devs = probe_devices()
-            except Exception as e:  # noqa: BLE001 - any failure means "no RDMA"
+            except (RuntimeError, ImportError) as e:  # pyverbs missing, unloadable or failing
+                _probe_result = (False, str(e) or repr(e))
+            except Exception as e:  # a broken optional install must not break "auto": log it
+                log.exception("RDMA probe failed unexpectedly")
                 _probe_result = (False, str(e) or repr(e))
             else:
                 _probe_result = (
@@ -68,7 +72,9 @@ def make_transport(
         kind = os.environ.get("KVMESH_TRANSPORT", "auto") or "auto"
     if kind not in KINDS:
         raise ValueError(f"unknown transport kind {kind!r}; expected one of {KINDS}")
-    tcp_kw = dict(conns_per_peer=conns_per_peer, checksum=checksum, connect_timeout=connect_timeout)
+    tcp_kw: dict[str, Any] = dict(
+        conns_per_peer=conns_per_peer, checksum=checksum, connect_timeout=connect_timeout
+    )
     if kind == "tcp":
         return TcpTransport(secret, host, port, poll_us=poll_us, **tcp_kw)
     why = None

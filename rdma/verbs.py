@@ -45,16 +45,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any, cast
 
 from .tcp import TcpTransport
-from .transport import Op, RegionTable, TransferError, Transport, WorkRequest
+from .transport import Op, RegionTable, RemoteAccessError, TransferError, Transport, WorkRequest
 from .verbs_layer import (
+    LocalRegion,
+    Peer,
+    Pending,
+    Piece,
     PyverbsLayer,
     VerbsLayer,
-    _LocalRegion,
-    _Peer,
-    _Pending,
-    _Piece,
     memory_numa_node,
 )
 
@@ -68,6 +69,16 @@ _NEXT_STATE = {"RESET": "INIT", "INIT": "RTR", "RTR": "RTS"}
 
 def _addr_of(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class _Reply:
+    """The answer awaited by one control request (:meth:`VerbsTransport._request`)."""
+
+    __slots__ = ("done", "msg")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.msg: dict[str, Any] | None = None
 
 
 class _Nic:
@@ -165,6 +176,8 @@ class VerbsTransport(Transport):
             secret, host, port, conns_per_peer=conns_per_peer, connect_timeout=connect_timeout
         )
         self.layer = layer if layer is not None else PyverbsLayer()
+        # what a failed verbs operation (QP state machine included) or control exchange raises
+        self._fails: tuple[type[Exception], ...] = (TransferError, RuntimeError, *self.layer.errors)
         self.device_names = devices
         self.port_num = port_num
         self.gid_index = (
@@ -183,13 +196,13 @@ class VerbsTransport(Transport):
         self._on_notify: Callable[[bytes], None] | None = None
         self._lock = threading.Lock()  # peers, served QPs, replies
         self._mr_lock = threading.Lock()  # local region registrations
-        self._plock = threading.Lock()  # _Pending counters
-        self._local: list[_LocalRegion] = []  # sorted by start
-        self._local_by_rid: dict[int, _LocalRegion] = {}
-        self._peers: dict[str, _Peer] = {}
+        self._plock = threading.Lock()  # Pending counters
+        self._local: list[LocalRegion] = []  # sorted by start
+        self._local_by_rid: dict[int, LocalRegion] = {}
+        self._peers: dict[str, Peer] = {}
         self._served: dict[str, list[_QP]] = {}
-        self._replies: dict[str, list] = {}  # nonce -> [Event, message]
-        self._inflight: dict[int, _Piece] = {}
+        self._replies: dict[str, _Reply] = {}  # by nonce
+        self._inflight: dict[int, Piece] = {}
         self._ids = itertools.count(1)
         self._wake = threading.Event()
         self._poller: threading.Thread | None = None
@@ -244,8 +257,8 @@ class VerbsTransport(Transport):
             peers, self._peers = list(self._peers.values()), {}
             served = [q for qs in self._served.values() for q in qs]
             self._served.clear()
-            for ev in self._replies.values():
-                ev[0].set()
+            for slot in self._replies.values():
+                slot.done.set()
         err = TransferError("transfer engine closed")
         for p in peers:
             with p.lock:
@@ -294,8 +307,8 @@ class VerbsTransport(Transport):
         with self._lock:
             p = self._peers.get(peer)
             new = p is None
-            if new:
-                p = self._peers[peer] = _Peer(peer)
+            if p is None:
+                p = self._peers[peer] = Peer(peer)
         with p.lock:
             if not p.ready:
                 p.waiting.extend(data)
@@ -307,7 +320,7 @@ class VerbsTransport(Transport):
         if data:
             self._post(p, data)
 
-    def _connect(self, p: _Peer) -> None:
+    def _connect(self, p: Peer) -> None:
         try:
             p.qps = [_QP(self, nic, p.address) for nic in self._nics]
             for qp in p.qps:
@@ -319,12 +332,17 @@ class VerbsTransport(Transport):
                 raise TransferError("malformed RDMA handshake reply")
             for qp, remote in zip(p.qps, reply["nics"]):
                 qp.connect(remote)
-            p.mrs = self._parse_mrs(reply["mrs"])
+            p.mrs = self._parse_mrs(reply.get("mrs"))
             self._counters["rdma_handshakes"] += 1
-        except Exception as e:  # noqa: BLE001
+        except self._fails as e:  # unreachable, TCP-only or closing peer; a verbs failure
             msg = f"RDMA connection to {p.address} failed: {e}"
             log.warning("%s", msg)
             self._drop_peer(p, msg)
+            return
+        except Exception as e:  # the thread's top: a bug (or a malformed reply) must still
+            # drop the peer, or everything submitted to it would wait forever
+            log.exception("RDMA connection to %s crashed", p.address)
+            self._drop_peer(p, f"RDMA connection to {p.address} failed: {e!r}")
             return
         with p.lock:
             p.ready = True
@@ -332,7 +350,7 @@ class VerbsTransport(Transport):
         if waiting:
             self._post(p, waiting)
 
-    def _drop_peer(self, p: _Peer, msg: str) -> None:
+    def _drop_peer(self, p: Peer, msg: str) -> None:
         """Forget ``p`` (the next submit reconnects) and fail what waits on it."""
         with self._lock:
             if self._peers.get(p.address) is p:
@@ -344,7 +362,7 @@ class VerbsTransport(Transport):
         for r in waiting:
             r.complete(TransferError(msg))
 
-    def _post(self, p: _Peer, reqs: list[WorkRequest], refreshed: bool = False) -> None:
+    def _post(self, p: Peer, reqs: list[WorkRequest], refreshed: bool = False) -> None:
         unknown: list[WorkRequest] = []
         touched: set[_QP] = set()
         piece_bytes = self.piece_bytes
@@ -373,21 +391,21 @@ class VerbsTransport(Transport):
             if r.length == 0:
                 r.complete(None)
                 continue
-            laddr = _addr_of(r.local)
+            laddr = _addr_of(cast(memoryview, r.local))  # WRITE/READ: a region view
             reg = self._local_region(laddr, r.length)
             if reg is None:
                 r.complete(TransferError("local memory is not in a registered region"))
                 continue
             qps = self._preferred_qps(p, reg)
             n = -(-r.length // piece_bytes)
-            pend = _Pending(r, n)
+            pend = Pending(r, n)
             start = p.rr
             p.rr += n
             for k in range(n):
                 qp = qps[(start + k) % len(qps)]
                 off = k * piece_bytes
                 ln = min(piece_bytes, r.length - off)
-                piece = _Piece(
+                piece = Piece(
                     pend,
                     qp,
                     r.op.name,
@@ -405,17 +423,17 @@ class VerbsTransport(Transport):
         if unknown:
             threading.Thread(target=self._refresh_and_post, args=(p, unknown), daemon=True).start()
 
-    def _refresh_and_post(self, p: _Peer, reqs: list[WorkRequest]) -> None:
+    def _refresh_and_post(self, p: Peer, reqs: list[WorkRequest]) -> None:
         try:
             reply = self._request(p.address, {"t": "mrs?", "from": self.address})
-            p.mrs = self._parse_mrs(reply["mrs"])
-        except Exception as e:  # noqa: BLE001
+            p.mrs = self._parse_mrs(reply.get("mrs"))
+        except TransferError as e:  # no answer, an error answer or a malformed table
             for r in reqs:
                 r.complete(TransferError(f"cannot fetch regions of {p.address}: {e}"))
             return
         self._post(p, reqs, refreshed=True)
 
-    def _preferred_qps(self, p: _Peer, reg: _LocalRegion) -> list[_QP]:
+    def _preferred_qps(self, p: Peer, reg: LocalRegion) -> list[_QP]:
         if reg.numa >= 0:
             near = [q for q in p.qps if q.nic.numa == reg.numa]
             if near:
@@ -424,7 +442,7 @@ class VerbsTransport(Transport):
 
     def _pump(self, qp: _QP) -> None:
         """Post backlog pieces while the QP and its NIC's CQ have room."""
-        failed: list[tuple[_Piece, Exception]] = []
+        failed: list[tuple[Piece, Exception]] = []
         with qp.lock:
             nic = qp.nic
             while qp.backlog and qp.outstanding < self.qp_depth and nic.outstanding < self.cq_depth:
@@ -447,7 +465,7 @@ class VerbsTransport(Transport):
                         piece.raddr,
                         piece.rkey,
                     )
-                except Exception as e:  # noqa: BLE001
+                except self.layer.errors as e:
                     self._inflight.pop(wr_id, None)
                     failed.append((piece, TransferError(f"post_send failed: {e}")))
                     continue
@@ -459,7 +477,7 @@ class VerbsTransport(Transport):
         for piece, err in failed:
             self._piece_done(piece, err)
 
-    def _piece_done(self, piece: _Piece, error: Exception | None) -> None:
+    def _piece_done(self, piece: Piece, error: Exception | None) -> None:
         pend = piece.pending
         with self._plock:
             if error is not None and pend.error is None:
@@ -477,7 +495,7 @@ class VerbsTransport(Transport):
             for nic in self._nics:
                 try:
                     comps = self.layer.poll_cq(nic.cq, 64)
-                except Exception:  # noqa: BLE001
+                except Exception:  # the poller must never die: every transfer waits on it
                     log.exception("poll_cq failed on %s", nic.name)
                     comps = []
                 got += len(comps)
@@ -533,25 +551,25 @@ class VerbsTransport(Transport):
                 try:
                     size = regions.size(rid)
                     view = regions.view(rid, 0, size)
-                except Exception:  # noqa: BLE001 - unregistered meanwhile
+                except (KeyError, RemoteAccessError):  # unregistered meanwhile
                     continue
                 if size == 0:
                     continue
                 addr = _addr_of(view)
                 mrs = [self.layer.reg_mr(nic.pd, addr, size) for nic in self._nics]
                 self._counters["mr_registrations"] += len(mrs)
-                reg = _LocalRegion(rid, addr, addr + size, mrs, memory_numa_node(addr))
+                reg = LocalRegion(rid, addr, addr + size, mrs, memory_numa_node(addr))
                 self._local_by_rid[rid] = reg
                 bisect.insort(self._local, reg, key=lambda x: x.start)
 
-    def _find_local(self, addr: int, length: int) -> _LocalRegion | None:
+    def _find_local(self, addr: int, length: int) -> LocalRegion | None:
         local = self._local
         i = bisect.bisect_right(local, addr, key=lambda x: x.start) - 1
         if i >= 0 and local[i].start <= addr and addr + length <= local[i].end:
             return local[i]
         return None
 
-    def _local_region(self, addr: int, length: int) -> _LocalRegion | None:
+    def _local_region(self, addr: int, length: int) -> LocalRegion | None:
         reg = self._find_local(addr, length)
         if reg is None:
             self._sync_local()
@@ -567,8 +585,12 @@ class VerbsTransport(Transport):
             }
 
     @staticmethod
-    def _parse_mrs(raw: dict) -> dict[int, tuple[int, int, list[int]]]:
-        return {int(k): (int(v[0]), int(v[1]), [int(x) for x in v[2]]) for k, v in raw.items()}
+    def _parse_mrs(raw: Any) -> dict[int, tuple[int, int, list[int]]]:
+        """A peer's region table from its control message; TransferError if malformed."""
+        try:
+            return {int(k): (int(v[0]), int(v[1]), [int(x) for x in v[2]]) for k, v in raw.items()}
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+            raise TransferError(f"malformed RDMA region table: {e!r}") from e
 
     # -- control channel ---------------------------------------------------------
     def _send_ctl(self, peer: str, msg: dict) -> None:
@@ -577,28 +599,28 @@ class VerbsTransport(Transport):
         def sent(err: Exception | None) -> None:
             if err is not None:
                 log.debug("control message to %s failed: %s", peer, err)
-                ev = self._replies.get(msg.get("n", ""))
-                if ev is not None and msg["t"] in ("hello", "mrs?"):
-                    ev[1] = {"err": str(err)}
-                    ev[0].set()
+                slot = self._replies.get(msg.get("n", ""))
+                if slot is not None and msg["t"] in ("hello", "mrs?"):
+                    slot.msg = {"err": str(err)}
+                    slot.done.set()
 
         self.tcp.submit(peer, [WorkRequest(Op.NOTIFY, payload, 0, 0, len(payload), sent)])
 
     def _request(self, peer: str, msg: dict) -> dict:
         nonce = os.urandom(12).hex()
-        slot = [threading.Event(), None]
+        slot = _Reply()
         with self._lock:
             self._replies[nonce] = slot
         try:
             self._send_ctl(peer, dict(msg, n=nonce))
-            if not slot[0].wait(self.connect_timeout) or slot[1] is None:
+            reply = slot.msg if slot.done.wait(self.connect_timeout) else None
+            if reply is None:
                 raise TransferError(
                     f"no RDMA control reply from {peer} (peer closed, unreachable, or TCP-only?)"
                 )
         finally:
             with self._lock:
                 self._replies.pop(nonce, None)
-        reply = slot[1]
         if reply.get("err"):
             raise TransferError(reply["err"])
         return reply
@@ -614,13 +636,14 @@ class VerbsTransport(Transport):
             if kind in ("welcome", "mrs"):
                 slot = self._replies.get(msg.get("n", ""))
                 if slot is not None:
-                    slot[1] = msg
-                    slot[0].set()
+                    slot.msg = msg
+                    slot.done.set()
             elif kind == "hello":
                 self._on_hello(msg)
             elif kind == "mrs?":
                 self._send_ctl(msg["from"], {"t": "mrs", "n": msg["n"], "mrs": self._mr_table()})
-        except Exception:  # noqa: BLE001 - never kill the TCP server thread
+        except Exception:  # runs on a TCP server thread: a bad control message must not
+            # drop the connection that carries the peer's notifies
             log.exception("bad RDMA control message")
 
     def _on_hello(self, msg: dict) -> None:
@@ -636,7 +659,7 @@ class VerbsTransport(Transport):
                 qp.connect(remote)
             reply["nics"] = [q.info() for q in qps]
             reply["mrs"] = self._mr_table()
-        except Exception as e:  # noqa: BLE001
+        except self._fails + (KeyError, TypeError) as e:  # KeyError, TypeError: a malformed hello
             reply = {"t": "welcome", "n": msg["n"], "err": f"peer {self.address}: {e}"}
             for qp in qps:
                 self.layer.destroy(qp.handle)

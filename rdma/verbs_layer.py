@@ -66,8 +66,12 @@ class VerbsLayer:
     """What :class:`~rdma.verbs.VerbsTransport` needs from libibverbs.
 
     Handles returned by the layer are opaque to the transport except for
-    ``mr.lkey``/``mr.rkey`` and ``qp.qp_num``.
+    ``mr.lkey``/``mr.rkey`` and ``qp.qp_num``.  ``errors`` names the exception types
+    its operations raise when the verbs library fails (the transport catches those,
+    nothing broader).
     """
+
+    errors: tuple[type[Exception], ...] = (RuntimeError,)
 
     def list_devices(self) -> list[DeviceInfo]:
         raise NotImplementedError
@@ -117,8 +121,9 @@ class VerbsLayer:
 
 
 # -- pyverbs ---------------------------------------------------------------------
-def import_pyverbs():
-    """Import pyverbs, looking in Debian's dist-packages too."""
+def import_pyverbs() -> Any:
+    """Import pyverbs, looking in Debian's dist-packages too.  Raises RuntimeError
+    when it is not installed (ImportError when it is but cannot load)."""
     try:
         import pyverbs  # noqa: F401
     except ImportError:
@@ -148,19 +153,28 @@ def _sysfs_numa(name: str) -> int:
 
 
 def probe_devices() -> list[DeviceInfo]:
-    """RDMA devices visible to libibverbs; raises when pyverbs is missing,
-    returns [] when there is none."""
-    return PyverbsLayer().list_devices()
+    """RDMA devices visible to libibverbs; returns [] when there is none.  Raises
+    RuntimeError when pyverbs is missing or cannot list the devices (ImportError when
+    it is installed but cannot load)."""
+    layer = PyverbsLayer()
+    try:
+        return layer.list_devices()
+    except layer.errors as e:
+        raise RuntimeError(str(e) or repr(e)) from e
 
 
 class PyverbsLayer(VerbsLayer):
+    """:class:`VerbsLayer` over pyverbs; its operations raise ``PyverbsError``."""
+
     ACCESS = None  # filled lazily
 
     def __init__(self) -> None:
         import_pyverbs()
         import pyverbs.enums as e
+        from pyverbs.pyverbs_error import PyverbsError
 
         self.e = e
+        self.errors = (PyverbsError,)
 
     def list_devices(self) -> list[DeviceInfo]:
         from pyverbs.device import get_device_list
@@ -187,7 +201,7 @@ class PyverbsLayer(VerbsLayer):
         attr = ctx.query_port(port)
         try:
             gid = str(ctx.query_gid(port, gid_index))
-        except Exception:  # noqa: BLE001 - IB ports may have no GID table entry
+        except self.errors:  # IB ports may have no GID table entry
             gid = ":".join(["0000"] * 8)
         return PortInfo(attr.lid, gid, attr.state == self.e.IBV_PORT_ACTIVE, attr.active_mtu)
 
@@ -333,8 +347,8 @@ def memory_numa_node(addr: int) -> int:
     return status[0] if rc == 0 and status[0] >= 0 else -1
 
 
-# -- bookkeeping records of rdma.verbs.VerbsTransport (kept here for its size) ----
-class _Pending:
+# -- bookkeeping records of kvmesh.rdma.verbs.VerbsTransport (kept here for its size) --
+class Pending:
     """A work request cut into ``left`` pieces still outstanding."""
 
     __slots__ = ("wr", "left", "error")
@@ -343,7 +357,9 @@ class _Pending:
         self.wr, self.left, self.error = wr, left, None
 
 
-class _Piece:
+class Piece:
+    """One piece of a :class:`Pending` request, posted on one QP."""
+
     __slots__ = ("pending", "qp", "op", "laddr", "length", "lkey", "raddr", "rkey")
 
     def __init__(self, *args) -> None:
@@ -359,14 +375,16 @@ class _Piece:
         ) = args
 
 
-class _LocalRegion:
+class LocalRegion:
+    """One engine region as registered on every NIC (``mrs``, by NIC index)."""
+
     __slots__ = ("rid", "start", "end", "mrs", "numa")
 
     def __init__(self, *args) -> None:
         self.rid, self.start, self.end, self.mrs, self.numa = args
 
 
-class _Peer:
+class Peer:
     """Client-side state for one peer address: its QPs and region table."""
 
     def __init__(self, address: str) -> None:
@@ -375,6 +393,6 @@ class _Peer:
         self.ready = False
         self.failed: str | None = None
         self.waiting: list[WorkRequest] = []
-        self.qps: list = []  # kvmesh.rdma.verbs._QP, one per NIC
+        self.qps: list[Any] = []  # kvmesh.rdma.verbs._QP, one per NIC
         self.mrs: dict[int, tuple[int, int, list[int]]] = {}
         self.rr = 0

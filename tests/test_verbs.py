@@ -20,6 +20,7 @@ import pytest
 
 import kvmesh.rdma.factory as factory
 import kvmesh.rdma.verbs as verbs
+import kvmesh.rdma.verbs_layer as verbs_layer
 from kvmesh.rdma import Slice, TcpTransport, TransferEngine, TransferError, make_transport
 from kvmesh.rdma.verbs import VerbsTransport
 from kvmesh.rdma.verbs_layer import Completion, DeviceInfo, PortInfo, VerbsLayer, memory_numa_node
@@ -393,6 +394,67 @@ def test_factory_builds_verbs_with_layer_and_checksum_forces_tcp():
         SECRET, transport="rdma", transport_options={"layer": FakeVerbs(FakeFabric(), [("d", 0)])}
     )
     assert e.transport_kind == "rdma"
+
+
+def test_probe_failure_means_no_rdma_and_an_unexpected_one_is_logged(caplog, monkeypatch):
+    monkeypatch.setattr(factory, "_probe_result", None)  # restored afterwards
+
+    def missing():
+        raise RuntimeError("pyverbs is not installed (test)")
+
+    def broken():
+        raise AttributeError("module 'pyverbs' has no attribute 'device' (test)")
+
+    monkeypatch.setattr(verbs_layer, "probe_devices", missing)
+    with caplog.at_level(logging.ERROR, logger="kvmesh.rdma.factory"):
+        assert factory.rdma_unavailable_reason(refresh=True) == "pyverbs is not installed (test)"
+        assert not caplog.records
+        monkeypatch.setattr(verbs_layer, "probe_devices", broken)
+        assert "no attribute" in (factory.rdma_unavailable_reason(refresh=True) or "")
+    assert [r.getMessage() for r in caplog.records] == ["RDMA probe failed unexpectedly"]
+
+
+def test_malformed_peer_region_table_is_a_transfer_error():
+    assert VerbsTransport._parse_mrs({"3": [10, 20, [7, "8"]]}) == {3: (10, 20, [7, 8])}
+    for raw in (None, {"3": [10]}, {"x": [1, 2, [3]]}, {"3": 5}):
+        with pytest.raises(TransferError, match="malformed RDMA region table"):
+            VerbsTransport._parse_mrs(raw)
+
+
+async def test_post_send_failure_fails_the_transfer():
+    class RefusingVerbs(FakeVerbs):
+        def post_send(self, *args):
+            raise RuntimeError("post refused (test)")
+
+    fabric = FakeFabric()
+    a = TransferEngine(
+        SECRET, transport=VerbsTransport(SECRET, layer=RefusingVerbs(fabric, [("a0", 0)]))
+    )
+    b = _engine(fabric, [("b0", 0)])
+    async with a, b:
+        rs = a.register(np.ones(4096, dtype=np.uint8))
+        rd = b.register(np.zeros(4096, dtype=np.uint8))
+        with pytest.raises(TransferError, match="post_send failed: post refused"):
+            await asyncio.wait_for(a.write(b.address, [Slice(rs, 0, rd, 0, 4096)]), 10)
+
+
+async def test_connect_bug_fails_waiting_transfers_instead_of_hanging(caplog):
+    class BuggyVerbs(FakeVerbs):
+        def create_qp(self, pd, cq, max_send_wr):
+            raise ZeroDivisionError("a bug (test)")
+
+    fabric = FakeFabric()
+    a = TransferEngine(
+        SECRET, transport=VerbsTransport(SECRET, layer=BuggyVerbs(fabric, [("a0", 0)]))
+    )
+    b = _engine(fabric, [("b0", 0)])
+    async with a, b:
+        rs = a.register(np.ones(4096, dtype=np.uint8))
+        rd = b.register(np.zeros(4096, dtype=np.uint8))
+        with caplog.at_level(logging.ERROR, logger="kvmesh.rdma.verbs"):
+            with pytest.raises(TransferError, match="ZeroDivisionError"):
+                await asyncio.wait_for(a.write(b.address, [Slice(rs, 0, rd, 0, 4096)]), 10)
+    assert any("crashed" in r.getMessage() for r in caplog.records)
 
 
 def test_probe_reason_here():
