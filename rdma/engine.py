@@ -183,7 +183,8 @@ class Transfer:
         for cb in callbacks:
             try:
                 cb(self)
-            except Exception:  # pragma: no cover - defensive
+            except Exception:  # pragma: no cover - runs on a transport thread: one failing
+                # callback must not stop the others nor the transfer's resolution
                 log.exception("transfer callback failed")
         if self._loop_tid is not None and threading.get_ident() == self._loop_tid:
             self._resolve()  # already on the loop: no self-pipe wakeup needed
@@ -351,6 +352,13 @@ class TransferEngine:
 
     def region_size(self, region_id: int) -> int:
         return self._regions.size(region_id)
+
+    def region_view(self, region_id: int, offset: int, length: int) -> memoryview:
+        """A bounds-checked, zero-copy view of ``length`` bytes at ``offset`` in one of
+        this engine's registered regions (to copy locally without a transfer).  Raises
+        :class:`~kvmesh.rdma.transport.RemoteAccessError` for an unknown region or an
+        access out of its bounds."""
+        return self._regions.view(region_id, offset, length)
 
     # -- data path ----------------------------------------------------------
     def write(self, peer: str, slices: list[Slice]) -> Transfer:
@@ -544,7 +552,7 @@ class TransferEngine:
         for fn in list(self._handlers):
             try:
                 fn(payload)
-            except Exception:
+            except Exception:  # application code: one failing handler must not stop the others
                 log.exception("notify handler failed")
 
     # -- test hooks -----------------------------------------------------------

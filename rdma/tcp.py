@@ -13,7 +13,7 @@ Latency path: a single small WRITE/READ (up to ``FAST_MAX_BYTES``) submitted
 on the event-loop thread goes over a per-peer *fast lane* instead: one more
 authenticated connection that the event loop drives itself (non-blocking
 ``sendmsg``, reply parsed in an ``add_reader`` callback), so the request costs
-no thread handoff at all; see :class:`kvmesh.rdma.tcp_lane._FastLane`.
+no thread handoff at all; see :class:`kvmesh.rdma.tcp_lane.FastLane`.
 
 Busy polling (``poll_us``, default 200): a server thread waiting for the next
 request (or a WRITE payload) spins on non-blocking receives that long before it
@@ -35,20 +35,23 @@ Modules: this one holds :class:`TcpTransport` (lifecycle, client-side submit,
 stats); :mod:`kvmesh.rdma.tcp_channel` the client channels (sender/receiver threads,
 retries); :mod:`kvmesh.rdma.tcp_lane` the fast lane; :mod:`kvmesh.rdma.tcp_server` the accept
 loop and per-connection request serving; :mod:`kvmesh.rdma.tcp_proto` the framing
-constants.  Each tunable is defined in the module that reads it and re-exported
-here: to change one at run time (tests), patch it in the module that defines it.
+constants and :class:`~kvmesh.rdma.tcp_proto.TcpEndpoint`, the part of the transport the
+other modules see (none of them imports this one).  Each tunable is defined in the
+module that reads it and re-exported here: to change one at run time (tests), patch it
+in the module that defines it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from collections.abc import Callable
 
 # Each tunable lives in the module that reads it; they and the framing constants
 # are re-exported here, where they were defined before the split.
-from .tcp_channel import MAX_ATTEMPTS, MAX_BATCH_BYTES, MAX_BATCH_REQS, _Channel  # noqa: F401
-from .tcp_lane import FAST_MAX_INFLIGHT, FAST_RETRY_S, _FastLane  # noqa: F401
+from .tcp_channel import MAX_ATTEMPTS, MAX_BATCH_BYTES, MAX_BATCH_REQS, Channel  # noqa: F401
+from .tcp_lane import FAST_MAX_INFLIGHT, FAST_RETRY_S, FastLane  # noqa: F401
 from .tcp_proto import (  # noqa: F401
     F_CRC,
     MAX_NOTIFY_BYTES,
@@ -64,6 +67,7 @@ from .tcp_server import (  # noqa: F401
     MAX_PENDING_REPLY_BYTES,
     POLL_MAX_BYTES,
     SCRATCH_BYTES,
+    ServerState,
     accept_loop,
 )
 from .transport import Op, RegionTable, TransferError, Transport, WorkRequest
@@ -80,6 +84,9 @@ class TcpTransport(Transport):
     ``corrupt_next`` is a test-only fault-injection hook: when set, the next
     payload this transport sends (WRITE data as a client, READ data as a
     server) has one byte flipped *after* its crc32 was computed.
+
+    It satisfies :class:`~kvmesh.rdma.tcp_proto.TcpEndpoint`, which is how its channels,
+    fast lanes and server threads see it.
     """
 
     def __init__(
@@ -114,26 +121,17 @@ class TcpTransport(Transport):
         self.counters = Counters()
         self.closed = False
         self._lock = threading.Lock()
-        self._channels: dict[str, list[_Channel]] = {}
-        self._rr = 0
-        self._listener: socket.socket | None = None
+        self._channels: dict[str, list[Channel]] = {}
+        self._server: ServerState | None = None  # set by start()
         self._accept_thread: threading.Thread | None = None
-        self._server_socks: set[socket.socket] = set()
-        self._server_threads: set[threading.Thread] = set()
-        self._regions: RegionTable | None = None
-        self._on_notify: Callable[[bytes], None] | None = None
-        self._loop = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_tid: int | None = None
-        self._lanes: dict[str, _FastLane] = {}  # loop thread only
+        self._lanes: dict[str, FastLane] = {}  # loop thread only
         self.fast_requests = 0
         self.address = ""
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self, regions: RegionTable, on_notify: Callable[[bytes], None]) -> str:
-        import asyncio
-
-        self._regions = regions
-        self._on_notify = on_notify
         self._loop = asyncio.get_running_loop()
         self._loop_tid = threading.get_ident()
         family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
@@ -145,36 +143,38 @@ class TcpTransport(Transport):
         ls.settimeout(
             1.0
         )  # lets the accept loop notice close() even if shutdown() does not wake it
-        self._listener = ls
+        self._server = server = ServerState(ls, regions, on_notify)
         self.port = ls.getsockname()[1]
         self.address = f"{self.host}:{self.port}"
         self._accept_thread = threading.Thread(
-            target=accept_loop, args=(self,), daemon=True, name=f"kvmesh-accept-{self.port}"
+            target=accept_loop,
+            args=(self, server),
+            daemon=True,
+            name=f"kvmesh-accept-{self.port}",
         )
         self._accept_thread.start()
         return self.address
 
     async def close(self) -> None:
-        import asyncio
-
         if self.closed:
             return
         self.closed = True
-        if self._listener is not None:
+        server = self._server
+        if server is not None:
             try:
-                self._listener.shutdown(socket.SHUT_RDWR)
+                server.listener.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         with self._lock:
             channels = [c for cs in self._channels.values() for c in cs]
             self._channels.clear()
-            socks = list(self._server_socks)
+        socks, server_threads = server.shut() if server is not None else ([], [])
         for c in channels:
             c.close()
         lanes = list(self._lanes.values())
         self._lanes.clear()
         for lane in lanes:
-            if threading.get_ident() == self._loop_tid:
+            if threading.get_ident() == self._loop_tid or self._loop is None:
                 lane.close()
             else:  # lanes belong to the loop thread
                 try:
@@ -186,7 +186,7 @@ class TcpTransport(Transport):
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        threads = [c.thread for c in channels] + list(self._server_threads)
+        threads = [c.thread for c in channels] + server_threads
         if self._accept_thread is not None:
             threads.append(self._accept_thread)
 
@@ -195,11 +195,11 @@ class TcpTransport(Transport):
                 t.join(timeout=5)
 
         await asyncio.to_thread(join_all)
-        if self._listener is not None:
-            self._listener.close()
+        if server is not None:
+            server.listener.close()
 
     # -- client side ----------------------------------------------------------
-    def _channels_for(self, peer: str) -> list[_Channel]:
+    def _channels_for(self, peer: str) -> list[Channel]:
         chans = self._channels.get(peer)
         if chans is None:
             with self._lock:
@@ -208,7 +208,7 @@ class TcpTransport(Transport):
                 chans = self._channels.get(peer)
                 if chans is None:
                     split_address(peer)  # validate early
-                    chans = [_Channel(self, peer, i) for i in range(self.conns_per_peer)]
+                    chans = [Channel(self, peer, i) for i in range(self.conns_per_peer)]
                     self._channels[peer] = chans
         return chans
 
@@ -223,16 +223,18 @@ class TcpTransport(Transport):
             return
         if len(requests) == 1:
             r = requests[0]
+            loop = self._loop
             if (
                 r.length <= FAST_MAX_BYTES
                 and r.op is not Op.NOTIFY
                 and threading.get_ident() == self._loop_tid
+                and loop is not None
                 and not self.corrupt_next
                 and not self.closed
             ):
                 lane = self._lanes.get(peer)
                 if lane is None:
-                    lane = self._lanes[peer] = _FastLane(self, peer, chans[0], self._loop)
+                    lane = self._lanes[peer] = FastLane(self, peer, chans[0], loop)
                 if lane.usable():
                     self.fast_requests += 1  # loop thread only: no lock needed
                     lane.submit(r)

@@ -1,13 +1,15 @@
 """Client channels of the TCP transport (:class:`kvmesh.rdma.tcp.TcpTransport`).
 
-Per peer the transport keeps ``conns_per_peer`` :class:`_Channel` s.  Each has a
+Per peer the transport keeps ``conns_per_peer`` :class:`Channel` s.  Each has a
 sender thread that pipelines queued requests, coalescing small ones into one
 ``sendmsg``, over one authenticated socket at a time (:class:`_Conn`); per live socket
 a receiver thread matches replies to requests by id and ``recv_into`` s READ data
 straight into local memory.  A request lost with its socket is retried on a fresh
 connection, up to ``MAX_ATTEMPTS`` attempts in all (a NOTIFY that was already sent is
-not: its delivery is unknown).  :func:`_open_socket` is also used by the fast lane
-(:mod:`kvmesh.rdma.tcp_lane`), whose lost requests fall back to these channels.
+not: its delivery is unknown).  :func:`open_socket` is also used by the fast lane
+(:mod:`kvmesh.rdma.tcp_lane`), whose lost requests fall back to these channels
+(:meth:`Channel.on_conn_failed`).  The transport is seen through
+:class:`~kvmesh.rdma.tcp_proto.TcpEndpoint`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import logging
 import socket
 import threading
 import zlib
-from typing import TYPE_CHECKING
+from typing import cast
 
-from .tcp_proto import F_CRC, ST_CHECKSUM, ST_OK
+from .tcp_proto import F_CRC, ST_CHECKSUM, ST_OK, TcpEndpoint
 from .transport import Op, TransferError, WorkRequest
 from .wire import (
     REP,
@@ -33,9 +35,6 @@ from .wire import (
     split_address,
 )
 
-if TYPE_CHECKING:
-    from .tcp import TcpTransport
-
 log = logging.getLogger("kvmesh.rdma.tcp")  # the transport's logger, as before the split
 
 MAX_ATTEMPTS = 2  # one retry on a fresh connection
@@ -43,8 +42,10 @@ MAX_BATCH_REQS = 128  # requests coalesced into one sendmsg
 MAX_BATCH_BYTES = 8 << 20
 
 
-def _open_socket(tr: TcpTransport, peer: str) -> socket.socket:
-    """Connect to ``peer`` and authenticate; returns a blocking socket."""
+def open_socket(tr: TcpEndpoint, peer: str) -> socket.socket:
+    """Connect to ``peer`` and authenticate; returns a blocking socket.  Raises
+    ``OSError`` (unreachable, timed out), :class:`~kvmesh.rdma.wire.AuthError` or
+    ``ValueError`` (a malformed address)."""
     host, port = split_address(peer)
     family, stype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, stype, proto)
@@ -64,7 +65,7 @@ def _open_socket(tr: TcpTransport, peer: str) -> socket.socket:
 class _Conn:
     """One authenticated client socket of a channel, with its receiver thread."""
 
-    def __init__(self, channel: _Channel, sock: socket.socket) -> None:
+    def __init__(self, channel: Channel, sock: socket.socket) -> None:
         self.channel = channel
         self.sock = sock
         self.lock = threading.Lock()
@@ -78,21 +79,22 @@ class _Conn:
 
     def send_batch(self, batch: list[WorkRequest]) -> None:
         tr = self.channel.transport
-        iovs: list = []
+        iovs: list[bytes | bytearray | memoryview] = []
         ids: list[int] = []
         for r in batch:
             rid = next(self.ids)
             ids.append(rid)
             flags = crc = 0
-            payload = None
+            payload: bytes | bytearray | memoryview | None = None
             if r.op is Op.WRITE or r.op is Op.NOTIFY:
                 payload = r.local
                 if tr.checksum:
                     flags, crc = F_CRC, zlib.crc32(payload)
                 if tr.corrupt_next and r.op is Op.WRITE and r.length:
                     tr.corrupt_next = False
-                    payload = bytearray(payload)
-                    payload[0] ^= 0xFF  # test hook: damage after the crc
+                    damaged = bytearray(payload)
+                    damaged[0] ^= 0xFF  # test hook: damage after the crc
+                    payload = damaged
             elif tr.checksum:
                 flags = F_CRC  # ask the server to checksum READ data
             iovs.append(REQ.pack(r.op, flags, 0, crc, r.region, rid, r.offset, r.length))
@@ -126,7 +128,8 @@ class _Conn:
                     if r.op is Op.READ:
                         if length != r.length:
                             raise ConnectionError("READ reply has wrong length")
-                        reader.read_into(r.local)
+                        # a READ's ``local`` is the writable destination view
+                        reader.read_into(cast(memoryview, r.local))
                         if tr.checksum and zlib.crc32(r.local) != crc:
                             tr.counters.add("checksum_failures")
                             current = None
@@ -145,7 +148,10 @@ class _Conn:
                     if status == ST_CHECKSUM:
                         tr.counters.add("checksum_failures")
                     r.complete(TransferError(f"peer {self.channel.peer}: {msg}"))
-        except Exception as e:  # noqa: BLE001 - any failure kills this socket
+        except OSError as e:  # the socket failed or the peer broke the protocol
+            self.fail(e, extra=current)
+        except Exception as e:  # the thread's top: a bug must still fail over its requests
+            log.exception("receiver thread for %s crashed", self.channel.peer)
             self.fail(e, extra=current)
 
     def fail(self, exc: BaseException, extra: WorkRequest | None = None) -> None:
@@ -171,10 +177,15 @@ class _Conn:
         self.sock.close()
 
 
-class _Channel:
-    """One connection slot to a peer, served by a sender thread."""
+class Channel:
+    """One connection slot to a peer, served by a sender thread.
 
-    def __init__(self, transport: TcpTransport, peer: str, index: int) -> None:
+    The transport queues requests with :meth:`enqueue` (and reads ``queued_bytes`` to
+    balance its channels), closes it with :meth:`close` and joins ``thread``; the fast
+    lane hands it the requests its socket lost (:meth:`on_conn_failed`).
+    """
+
+    def __init__(self, transport: TcpEndpoint, peer: str, index: int) -> None:
         self.transport = transport
         self.peer = peer
         self.cv = threading.Condition()
@@ -189,6 +200,8 @@ class _Channel:
 
     # -- queue management (any thread) ------------------------------------
     def enqueue(self, reqs: list[WorkRequest], front: bool = False) -> None:
+        """Queues ``reqs`` for the sender thread (ahead of the rest with ``front``);
+        fails them at once if the channel is closed."""
         with self.cv:
             if self.closed:
                 closed = True
@@ -208,6 +221,8 @@ class _Channel:
         self.enqueue(reqs, front=True)
 
     def on_conn_failed(self, reqs: list[WorkRequest], exc: BaseException) -> None:
+        """``reqs`` were lost with a socket (``exc`` says why): each is requeued for
+        another attempt, or failed (closed, a NOTIFY already sent, or out of attempts)."""
         retry: list[WorkRequest] = []
         for r in reqs:
             r.attempts += 1
@@ -232,6 +247,7 @@ class _Channel:
             self.requeue(retry)
 
     def close(self) -> None:
+        """Stops the sender thread; what is still queued or in flight fails."""
         with self.cv:
             self.closed = True
             self.cv.notify()
@@ -260,7 +276,7 @@ class _Channel:
             return batch
 
     def _connect(self) -> _Conn:
-        return _Conn(self, _open_socket(self.transport, self.peer))
+        return _Conn(self, open_socket(self.transport, self.peer))
 
     def _fail_queued(self, exc: BaseException) -> None:
         with self.cv:
@@ -289,7 +305,7 @@ class _Channel:
                         self._fail_queued(ConnectionError(f"cannot connect to {self.peer}: {e}"))
                         continue
                 conn.send_batch(batch)
-        except Exception:  # pragma: no cover - defensive
+        except Exception:  # pragma: no cover - the thread's top: the finally fails the queue
             log.exception("sender thread for %s crashed", self.peer)
         finally:
             if self.conn is not None:

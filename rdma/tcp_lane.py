@@ -5,32 +5,34 @@ One more authenticated connection per peer, driven by the event loop itself
 (non-blocking ``sendmsg``, reply parsed in an ``add_reader`` callback, optional busy
 polling for the reply), so such a request costs no thread handoff.  The server side is
 the same as for the channels (:mod:`kvmesh.rdma.tcp_server`); requests lost with the lane's
-socket are retried on the peer's channels (:mod:`kvmesh.rdma.tcp_channel`).
+socket are retried on the peer's channels (:mod:`kvmesh.rdma.tcp_channel`).  The transport
+is seen through :class:`~kvmesh.rdma.tcp_proto.TcpEndpoint`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
+import logging
 import socket
 import threading
 import time
 import zlib
-from typing import TYPE_CHECKING
+from typing import cast
 
-from .tcp_channel import _Channel, _open_socket
-from .tcp_proto import F_CRC, MAX_NOTIFY_BYTES, POLL_BACKOFF, ST_CHECKSUM, ST_OK
+from .tcp_channel import Channel, open_socket
+from .tcp_proto import F_CRC, MAX_NOTIFY_BYTES, POLL_BACKOFF, ST_CHECKSUM, ST_OK, TcpEndpoint
 from .transport import Op, TransferError, WorkRequest
-from .wire import REP, REQ, PollBackoff
+from .wire import REP, REQ, AuthError, PollBackoff
 
-if TYPE_CHECKING:
-    from .tcp import TcpTransport
+log = logging.getLogger("kvmesh.rdma.tcp")  # the transport's logger, as before the split
 
 FAST_MAX_INFLIGHT = 2  # the lane takes a request while it has fewer than this in flight
 FAST_RETRY_S = 1.0  # after a failed fast-lane connect, use the channels this long
 
 
-class _FastLane:
+class FastLane:
     """Per-peer connection driven by the event loop itself, for small
     WRITE/READ requests issued *on* the loop thread (one slice per call,
     awaited one at a time: the latency-bound case).
@@ -45,7 +47,9 @@ class _FastLane:
     peer's channels under the usual ``MAX_ATTEMPTS`` policy.
     """
 
-    def __init__(self, transport: TcpTransport, peer: str, chan: _Channel, loop) -> None:
+    def __init__(
+        self, transport: TcpEndpoint, peer: str, chan: Channel, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.tr = transport
         self.peer = peer
         self.chan = chan  # retries go here
@@ -55,8 +59,8 @@ class _FastLane:
         self.connecting = False
         self.retry_at = 0.0
         self.ids = itertools.count(1)
-        self.inflight: collections.deque = collections.deque()  # (rid, req)
-        self.out: list = []  # unsent buffers (writer registered while non-empty)
+        self.inflight: collections.deque[tuple[int, WorkRequest]] = collections.deque()
+        self.out: list[bytes | memoryview] = []  # unsent (writer registered while non-empty)
         self.hdr = bytearray(REP.size)
         self.hmv = memoryview(self.hdr)
         self.hpos = 0
@@ -79,9 +83,10 @@ class _FastLane:
         return False
 
     def _connect(self) -> None:
+        sock: socket.socket | None
         try:
-            sock = _open_socket(self.tr, self.peer)
-        except Exception:  # noqa: BLE001 - the channels report real errors
+            sock = open_socket(self.tr, self.peer)
+        except (OSError, AuthError, ValueError):  # the channels report real errors
             sock = None
         try:
             self.loop.call_soon_threadsafe(self._install, sock)
@@ -122,13 +127,16 @@ class _FastLane:
             self.chan.on_conn_failed(reqs, exc)
 
     def close(self) -> None:
+        """Drops the socket and fails what is in flight (the transport is closing)."""
         for r in self._drop():
             r.complete(TransferError("transfer engine closed"))
 
     # -- requests (loop thread) ---------------------------------------------
     def submit(self, r: WorkRequest) -> None:
+        """Sends ``r`` (a WRITE or READ) now; call only when :meth:`usable`."""
         rid = next(self.ids)
         flags = crc = 0
+        bufs: list[bytes | memoryview]
         if r.op is Op.WRITE:
             if self.tr.checksum:
                 flags, crc = F_CRC, zlib.crc32(r.local)
@@ -159,9 +167,12 @@ class _FastLane:
         if self.sock is not None and not any(i == rid for i, _ in inflight):
             self.backoff.caught()  # answered (not a dropped socket or a partial send)
 
-    def _send(self, bufs: list) -> None:
+    def _send(self, bufs: list[bytes | memoryview]) -> None:
+        sock = self.sock
+        if sock is None:
+            return  # dropped meanwhile: its requests went to the channel
         try:
-            sent = self.sock.sendmsg(bufs)
+            sent = sock.sendmsg(bufs)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError as e:
@@ -188,6 +199,8 @@ class _FastLane:
 
     def _on_readable(self) -> None:
         sock = self.sock
+        if sock is None:
+            return  # dropped meanwhile (a late callback)
         try:
             while sock is self.sock:
                 body = self.body
@@ -218,11 +231,12 @@ class _FastLane:
                     if r.op is Op.READ:
                         if length != r.length:
                             raise ConnectionError("READ reply has wrong length")
+                        dst = cast(memoryview, r.local)  # a READ's writable destination
                         if length:
-                            self.body, self.bpos, self.berr, self.bcrc = r.local, 0, -1, crc
+                            self.body, self.bpos, self.berr, self.bcrc = dst, 0, -1, crc
                             continue
                         self.bcrc = crc
-                        self._finish_body(r.local)
+                        self._finish_body(dst)
                         continue
                     self.inflight.popleft()
                     r.complete(None)
@@ -236,7 +250,11 @@ class _FastLane:
                         self._finish_body(memoryview(b""))
         except (BlockingIOError, InterruptedError):
             return
-        except Exception as e:  # noqa: BLE001 - any failure kills this socket
+        except OSError as e:  # the socket failed or the peer broke the protocol
+            if sock is self.sock:
+                self.fail(e)
+        except Exception as e:  # a loop callback: a bug must still fail over the requests
+            log.exception("fast lane to %s crashed", self.peer)
             if sock is self.sock:
                 self.fail(e)
 

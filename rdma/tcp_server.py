@@ -11,8 +11,9 @@ up to ``POLL_MAX_BYTES``) the thread busy-polls the socket for up to the transpo
 few spinner slots is free (at most ``TcpTransport.spinners`` threads spin at once,
 however many connections there are) and its :class:`~rdma.wire.PollBackoff` agrees.
 
-These functions work on the transport's server-side state (listener, region table,
-live server sockets and threads, counters, the ``corrupt_next`` fault hook).
+These functions see the transport through :class:`~kvmesh.rdma.tcp_proto.TcpEndpoint`
+(settings, counters, the ``corrupt_next`` fault hook) and a :class:`ServerState` the
+transport owns (listener, region table, notify callback, live connections).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import socket
 import threading
 import zlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from .tcp_proto import (
     F_CRC,
@@ -31,8 +32,9 @@ from .tcp_proto import (
     ST_BAD_ACCESS,
     ST_CHECKSUM,
     ST_OK,
+    TcpEndpoint,
 )
-from .transport import Op, RemoteAccessError
+from .transport import Op, RegionTable, RemoteAccessError
 from .wire import (
     REP,
     REQ,
@@ -44,9 +46,6 @@ from .wire import (
     server_handshake,
 )
 
-if TYPE_CHECKING:
-    from .tcp import TcpTransport
-
 log = logging.getLogger("kvmesh.rdma.tcp")  # the transport's logger, as before the split
 
 MAX_PENDING_ACKS = 64  # server flushes replies at least this often...
@@ -55,10 +54,53 @@ SCRATCH_BYTES = 64 << 10  # sink for the payload of a rejected WRITE
 POLL_MAX_BYTES = 1 << 20  # WRITE payloads up to this size are busy-polled too
 
 
-def accept_loop(tr: TcpTransport) -> None:
+class ServerState:
+    """The server side's share of a transport, made when it starts serving: the
+    listening socket, the region table and notify callback that requests are served
+    against, and the live connections with their threads, which the transport shuts
+    down and joins when it closes (:meth:`shut`)."""
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        regions: RegionTable,
+        on_notify: Callable[[bytes], None],
+    ) -> None:
+        self.listener = listener
+        self.regions = regions
+        self.on_notify = on_notify
+        self._lock = threading.Lock()
+        self._socks: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._shut = False
+
+    def add(self, sock: socket.socket, thread: threading.Thread) -> bool:
+        """Tracks an accepted connection and its thread; False once :meth:`shut` ran
+        (the caller closes the socket instead of serving it)."""
+        with self._lock:
+            if self._shut:
+                return False
+            self._socks.add(sock)
+            self._threads.add(thread)
+            return True
+
+    def discard(self, sock: socket.socket, thread: threading.Thread) -> None:
+        """Forgets a connection whose thread is ending."""
+        with self._lock:
+            self._socks.discard(sock)
+            self._threads.discard(thread)
+
+    def shut(self) -> tuple[list[socket.socket], list[threading.Thread]]:
+        """Stops tracking new connections; returns the live sockets (to shut down) and
+        their threads (to join)."""
+        with self._lock:
+            self._shut = True
+            return list(self._socks), list(self._threads)
+
+
+def accept_loop(tr: TcpEndpoint, server: ServerState) -> None:
     """Accepts connections until the transport closes; one :func:`serve` thread each."""
-    ls = tr._listener
-    assert ls is not None
+    ls = server.listener
     while not tr.closed:
         try:
             sock, _ = ls.accept()
@@ -70,18 +112,15 @@ def accept_loop(tr: TcpTransport) -> None:
             continue
         sock.setblocking(True)
         t = threading.Thread(
-            target=serve, args=(tr, sock), daemon=True, name=f"kvmesh-srv-{tr.port}"
+            target=serve, args=(tr, server, sock), daemon=True, name=f"kvmesh-srv-{tr.port}"
         )
-        with tr._lock:
-            if tr.closed:
-                sock.close()
-                break
-            tr._server_socks.add(sock)
-            tr._server_threads.add(t)
+        if tr.closed or not server.add(sock, t):
+            sock.close()
+            break
         t.start()
 
 
-def serve(tr: TcpTransport, sock: socket.socket) -> None:
+def serve(tr: TcpEndpoint, server: ServerState, sock: socket.socket) -> None:
     """One accepted connection: handshake, then :func:`serve_requests` until it ends."""
     try:
         try:
@@ -91,135 +130,201 @@ def serve(tr: TcpTransport, sock: socket.socket) -> None:
         except (OSError, AuthError) as e:
             tr.counters.add("auth_rejected" if isinstance(e, AuthError) else "handshake_errors")
             return
-        serve_requests(tr, sock)
-    except (OSError, ConnectionError):
-        pass  # peer went away
-    except Exception:  # pragma: no cover - defensive
+        serve_requests(tr, server, sock)
+    except OSError:
+        pass  # peer went away (ConnectionError is an OSError)
+    except Exception:  # the thread's top: log a bug, then drop just this connection
         log.exception("server connection crashed")
     finally:
-        with tr._lock:
-            tr._server_socks.discard(sock)
-            tr._server_threads.discard(threading.current_thread())
+        server.discard(sock, threading.current_thread())
         sock.close()
 
 
-def serve_requests(tr: TcpTransport, sock: socket.socket) -> None:
-    """Serves an authenticated peer's requests until it goes away (raises then)."""
-    regions = tr._regions
-    assert regions is not None and tr._on_notify is not None
-    hdr = bytearray(REQ.size)
-    hmv = memoryview(hdr)
-    scratch = memoryview(bytearray(SCRATCH_BYTES))
-    acks: list = []  # coalesced replies (acks, errors, READ data views)
-    pending_out = 0  # READ bytes referenced by ``acks``
-    counters = tr.counters
-    poll_s = tr.poll_s
-    spinners = tr.spinners
-    backoff = PollBackoff(POLL_BACKOFF)  # waits for the next request
-    payload_backoff = PollBackoff(POLL_BACKOFF)  # waits for a WRITE payload
+def serve_requests(tr: TcpEndpoint, server: ServerState, sock: socket.socket) -> None:
+    """Serves an authenticated peer's requests until it goes away: returns when the
+    peer closes between requests, raises (``OSError``) otherwise."""
+    _Requests(tr, server, sock).run()
 
-    def error(rid: int, status: int, msg: str) -> None:
+
+class _Requests:
+    """One connection's request loop (:meth:`run`), in steps: wait for the next header
+    (:meth:`wait_header`, flushing coalesced acks first when the pipe is empty), then
+    :meth:`handle_write`, :meth:`handle_read` or :meth:`handle_notify`.
+
+    The hot path allocates nothing per request beyond the ack itself; what each step
+    needs is kept in slots, and the loop holds its own in locals.
+    """
+
+    __slots__ = (
+        "tr",
+        "sock",
+        "regions",
+        "on_notify",
+        "counters",
+        "poll_s",
+        "spinners",
+        "hdr",
+        "hmv",
+        "scratch",
+        "acks",
+        "pending_out",
+        "backoff",
+        "payload_backoff",
+    )
+
+    def __init__(self, tr: TcpEndpoint, server: ServerState, sock: socket.socket) -> None:
+        self.tr = tr
+        self.sock = sock
+        self.regions = server.regions
+        self.on_notify = server.on_notify
+        self.counters = tr.counters
+        self.poll_s = tr.poll_s
+        self.spinners = tr.spinners
+        self.hdr = bytearray(REQ.size)
+        self.hmv = memoryview(self.hdr)
+        self.scratch = memoryview(bytearray(SCRATCH_BYTES))
+        # coalesced replies (acks, errors, READ data views)
+        self.acks: list[bytes | bytearray | memoryview] = []
+        self.pending_out = 0  # READ bytes referenced by ``acks``
+        self.backoff = PollBackoff(POLL_BACKOFF)  # waits for the next request
+        self.payload_backoff = PollBackoff(POLL_BACKOFF)  # waits for a WRITE payload
+
+    def run(self) -> None:
+        """Reads and dispatches requests until the peer goes away."""
+        sock, hdr, hmv, acks = self.sock, self.hdr, self.hmv, self.acks
+        hsize, unpack = REQ.size, REQ.unpack_from
+        write, read, notify = Op.WRITE, Op.READ, Op.NOTIFY
+        while True:
+            # Header: try without blocking first; flush coalesced acks only
+            # when the pipe is empty (or too many are pending).
+            got = 0
+            if acks:
+                if len(acks) < MAX_PENDING_ACKS:
+                    try:
+                        got = sock.recv_into(hmv, hsize, socket.MSG_DONTWAIT)
+                        if got == 0:
+                            return
+                    except BlockingIOError:
+                        got = 0
+                if got < hsize:
+                    self.flush()
+            if got < hsize:
+                self.wait_header(got)
+            op, flags, _, crc, region, rid, offset, length = unpack(hdr)
+            if op == write:
+                self.handle_write(flags, crc, region, rid, offset, length)
+            elif op == read:
+                self.handle_read(flags, region, rid, offset, length)
+            elif op == notify:
+                self.handle_notify(flags, crc, rid, length)
+            else:
+                raise ConnectionError(f"bad opcode {op}")  # unrecoverable framing
+
+    def flush(self) -> None:
+        """Sends the coalesced replies."""
+        sendmsg_all(self.sock, self.acks)
+        self.acks.clear()
+        self.pending_out = 0
+
+    def reject(self, rid: int, status: int, msg: str) -> None:
+        """Queues an error reply for request ``rid``."""
         data = msg.encode()
-        acks.append(REP.pack(REPLY, status, 0, 0, rid, len(data)))
-        acks.append(data)
-        counters.add("requests_rejected")
+        self.acks.append(REP.pack(REPLY, status, 0, 0, rid, len(data)))
+        self.acks.append(data)
+        self.counters.add("requests_rejected")
 
-    while True:
-        # Header: try without blocking first; flush coalesced acks only
-        # when the pipe is empty (or too many are pending).
-        got = 0
-        if acks:
-            if len(acks) < MAX_PENDING_ACKS:
-                try:
-                    got = sock.recv_into(hmv, REQ.size, socket.MSG_DONTWAIT)
-                    if got == 0:
-                        return
-                except BlockingIOError:
-                    got = 0
-            if got < REQ.size:
-                sendmsg_all(sock, acks)
-                acks.clear()
-                pending_out = 0
-        if got < REQ.size:
-            if poll_s and backoff.should_poll() and spinners.acquire(blocking=False):
+    def wait_header(self, got: int) -> None:
+        """Receives the rest of the next request header (``got`` bytes are in):
+        busy-polls first if allowed, then blocks."""
+        hmv = self.hmv
+        poll_s = self.poll_s
+        if poll_s:
+            backoff, spinners = self.backoff, self.spinners
+            if backoff.should_poll() and spinners.acquire(blocking=False):
                 try:  # the slot is held while spinning only, never while blocked
-                    got += recv_spin(sock, hmv[got:], poll_s)
+                    got += recv_spin(self.sock, hmv[got:], poll_s)
                 finally:
                     spinners.release()
                 if got < REQ.size:  # the window ran out: this peer is not that quick
                     backoff.missed()
                 else:
                     backoff.caught()
-            if got < REQ.size:
-                recv_exact(sock, hmv[got:])
-        op, flags, _, crc, region, rid, offset, length = REQ.unpack_from(hdr)
+        if got < REQ.size:
+            recv_exact(self.sock, hmv[got:])
 
-        if op == Op.WRITE:
-            try:
-                dst = regions.view(region, offset, length)
-            except RemoteAccessError as e:
-                left = length
-                while left:
-                    left -= recv_exact(sock, scratch[: min(left, SCRATCH_BYTES)])
-                error(rid, ST_BAD_ACCESS, f"WRITE rejected: {e}")
-                continue
-            got = 0
-            if (
-                poll_s
-                and length <= POLL_MAX_BYTES
-                and payload_backoff.should_poll()
-                and spinners.acquire(blocking=False)
-            ):
+    def handle_write(
+        self, flags: int, crc: int, region: int, rid: int, offset: int, length: int
+    ) -> None:
+        """Receives a WRITE payload straight into the region and queues its ack (or
+        drains a rejected one and queues the error)."""
+        sock = self.sock
+        try:
+            dst = self.regions.view(region, offset, length)
+        except RemoteAccessError as e:
+            scratch = self.scratch
+            left = length
+            while left:
+                left -= recv_exact(sock, scratch[: min(left, SCRATCH_BYTES)])
+            self.reject(rid, ST_BAD_ACCESS, f"WRITE rejected: {e}")
+            return
+        got = 0
+        poll_s = self.poll_s
+        if poll_s and length <= POLL_MAX_BYTES:
+            backoff, spinners = self.payload_backoff, self.spinners
+            if backoff.should_poll() and spinners.acquire(blocking=False):
                 try:
                     got = recv_spin(sock, dst, poll_s)
                 finally:
                     spinners.release()
                 if got < length:  # a slow sender: its own back-off, not the headers'
-                    payload_backoff.missed()
+                    backoff.missed()
                 else:
-                    payload_backoff.caught()
-            if got < length:
-                recv_exact(sock, dst[got:] if got else dst)
-            if flags & F_CRC and zlib.crc32(dst) != crc:
-                error(
-                    rid,
-                    ST_CHECKSUM,
-                    f"checksum mismatch in WRITE of {length} bytes to region "
-                    f"{region} offset {offset}",
-                )
-                counters.add("checksum_failures")
-                continue
-            acks.append(REP.pack(REPLY, ST_OK, 0, 0, rid, 0))
-            counters.add("bytes_served_in", length)
-        elif op == Op.READ:
-            try:
-                src = regions.view(region, offset, length)
-            except RemoteAccessError as e:
-                error(rid, ST_BAD_ACCESS, f"READ rejected: {e}")
-                continue
-            rcrc = zlib.crc32(src) if flags & F_CRC else 0
-            data = src
-            if tr.corrupt_next and length:
-                tr.corrupt_next = False
-                data = bytearray(src)
-                data[0] ^= 0xFF
-            acks.append(REP.pack(REPLY, ST_OK, 0, rcrc, rid, length))
-            acks.append(data)  # zero-copy: the region view itself
-            pending_out += length
-            if pending_out >= MAX_PENDING_REPLY_BYTES:
-                sendmsg_all(sock, acks)
-                acks.clear()
-                pending_out = 0
-            counters.add("bytes_served_out", length)
-        elif op == Op.NOTIFY:
-            if length > MAX_NOTIFY_BYTES:
-                raise ConnectionError("notify payload too large")
-            buf = bytearray(length)
-            recv_exact(sock, memoryview(buf))
-            if flags & F_CRC and zlib.crc32(buf) != crc:
-                error(rid, ST_CHECKSUM, "checksum mismatch in NOTIFY payload")
-                continue
-            tr._on_notify(bytes(buf))
-            acks.append(REP.pack(REPLY, ST_OK, 0, 0, rid, 0))
-        else:
-            raise ConnectionError(f"bad opcode {op}")  # unrecoverable framing
+                    backoff.caught()
+        if got < length:
+            recv_exact(sock, dst[got:] if got else dst)
+        if flags & F_CRC and zlib.crc32(dst) != crc:
+            self.reject(
+                rid,
+                ST_CHECKSUM,
+                f"checksum mismatch in WRITE of {length} bytes to region {region} offset {offset}",
+            )
+            self.counters.add("checksum_failures")
+            return
+        self.acks.append(REP.pack(REPLY, ST_OK, 0, 0, rid, 0))
+        self.counters.add("bytes_served_in", length)
+
+    def handle_read(self, flags: int, region: int, rid: int, offset: int, length: int) -> None:
+        """Queues a READ's reply and its data, zero-copy from the region; flushes once
+        ``MAX_PENDING_REPLY_BYTES`` of data are queued."""
+        try:
+            src = self.regions.view(region, offset, length)
+        except RemoteAccessError as e:
+            self.reject(rid, ST_BAD_ACCESS, f"READ rejected: {e}")
+            return
+        rcrc = zlib.crc32(src) if flags & F_CRC else 0
+        data: memoryview | bytearray = src
+        tr = self.tr
+        if tr.corrupt_next and length:
+            tr.corrupt_next = False
+            damaged = bytearray(src)
+            damaged[0] ^= 0xFF
+            data = damaged
+        acks = self.acks
+        acks.append(REP.pack(REPLY, ST_OK, 0, rcrc, rid, length))
+        acks.append(data)  # zero-copy: the region view itself
+        self.pending_out += length
+        if self.pending_out >= MAX_PENDING_REPLY_BYTES:
+            self.flush()
+        self.counters.add("bytes_served_out", length)
+
+    def handle_notify(self, flags: int, crc: int, rid: int, length: int) -> None:
+        """Receives a NOTIFY payload, hands it to ``on_notify`` and queues its ack."""
+        if length > MAX_NOTIFY_BYTES:
+            raise ConnectionError("notify payload too large")
+        buf = bytearray(length)
+        recv_exact(self.sock, memoryview(buf))
+        if flags & F_CRC and zlib.crc32(buf) != crc:
+            self.reject(rid, ST_CHECKSUM, "checksum mismatch in NOTIFY payload")
+            return
+        self.on_notify(bytes(buf))
+        self.acks.append(REP.pack(REPLY, ST_OK, 0, 0, rid, 0))

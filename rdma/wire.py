@@ -201,10 +201,10 @@ def configure_socket(sock: socket.socket, buf_bytes: int) -> None:
         ("TCP_KEEPCNT", 3),
         ("TCP_USER_TIMEOUT", 20_000),
     ):
-        opt = getattr(socket, name, None)
-        if opt is not None:
+        tcp_opt = getattr(socket, name, None)  # not every platform has all four
+        if tcp_opt is not None:
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+                sock.setsockopt(socket.IPPROTO_TCP, tcp_opt, value)
             except OSError:
                 pass
 

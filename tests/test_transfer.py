@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvmesh.rdma import Slice, TransferEngine, TransferError, TransferStatus
+from kvmesh.rdma import RegionTable, Slice, TransferEngine, TransferError, TransferStatus
 from kvmesh.rdma.tcp import TcpTransport
 from kvmesh.rdma.wire import MAGIC, NONCE_BYTES, recv_exact, recv_spin
 
@@ -616,3 +616,100 @@ def test_poll_backoff_doubles_while_windows_run_out_and_resets_on_a_catch():
     b.caught()
     b.missed()
     assert not b.should_poll() and b.should_poll()  # back to skipping one
+
+
+# -- package structure ---------------------------------------------------------------
+RDMA = REPO / "rdma"
+
+
+def _rdma_import_graph() -> dict[str, set[str]]:
+    """kvmesh.rdma module -> the kvmesh modules it imports, wherever the import sits
+    (top level, inside functions, under ``if TYPE_CHECKING:``)."""
+    import ast
+
+    names = {
+        "kvmesh.rdma" if p.stem == "__init__" else f"kvmesh.rdma.{p.stem}": p
+        for p in RDMA.glob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name if path.stem == "__init__" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                    mod = f"{base}.{node.module}" if node.module else base
+                else:
+                    mod = node.module or ""
+                deps.add(mod)
+                deps.update(f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in names)
+        graph[name] = {d for d in deps if d == "kvmesh" or d.startswith("kvmesh.")}
+    return graph
+
+
+def test_split_tcp_modules_never_import_the_transport_module():
+    """tcp.py imports them, so none may import it back, not even under TYPE_CHECKING
+    (they see the transport as tcp_proto.TcpEndpoint).  The cycle check over every
+    kvmesh module, and the rule that rdma never imports services, are in test_layers."""
+    graph = _rdma_import_graph()
+    assert {"kvmesh.rdma.tcp_channel", "kvmesh.rdma.tcp_server"} <= graph["kvmesh.rdma.tcp"]
+    for mod in ("tcp_channel", "tcp_lane", "tcp_server", "tcp_proto"):
+        assert "kvmesh.rdma.tcp" not in graph[f"kvmesh.rdma.{mod}"], mod
+
+
+def test_rdma_modules_share_no_private_names():
+    """No module imports another's underscore names, and the split transport modules
+    touch underscore attributes of ``self`` only."""
+    import ast
+
+    for path in sorted(RDMA.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports {private} from .{node.module}"
+            if (
+                path.stem.startswith(("tcp", "verbs"))
+                and isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                owner = node.value.id if isinstance(node.value, ast.Name) else ast.unparse(node)
+                assert owner == "self", f"{path.name}:{node.lineno} reads {ast.unparse(node)}"
+
+
+async def test_region_view_is_a_bounds_checked_zero_copy_view():
+    from kvmesh.rdma.transport import RemoteAccessError
+
+    e = TransferEngine(SECRET, transport="tcp")
+    buf = bytearray(b"0123456789")
+    rid = e.register(buf)
+    view = e.region_view(rid, 2, 5)
+    assert bytes(view) == b"23456"
+    buf[2] = ord("x")
+    assert bytes(view[:1]) == b"x"  # no copy
+    with pytest.raises(RemoteAccessError, match="out of bounds"):
+        e.region_view(rid, 8, 5)
+    with pytest.raises(RemoteAccessError, match="unknown region"):
+        e.region_view(rid + 1, 0, 1)
+
+
+def test_server_state_refuses_connections_once_shut():
+    from kvmesh.rdma.tcp_server import ServerState
+
+    a, b = socket.socketpair()
+    try:
+        state = ServerState(a, RegionTable(), lambda payload: None)
+        t = threading.current_thread()
+        assert state.add(a, t)
+        assert state.shut() == ([a], [t])
+        assert not state.add(b, t)  # the accept loop closes it instead
+        assert state.shut() == ([a], [t])
+        state.discard(a, t)
+        assert state.shut() == ([], [])
+    finally:
+        a.close()
+        b.close()
