@@ -342,7 +342,7 @@ class StoreClient:
     def _region_view(self, region_id: int, offset: int, size: int) -> memoryview | None:
         """A view of one of this engine's registered regions (local copies)."""
         try:
-            return self.te._regions.view(region_id, offset, size)
+            return self.te.region_view(region_id, offset, size)
         except RemoteAccessError:  # an unknown region or out of its bounds
             return None
 
