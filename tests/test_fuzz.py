@@ -5,8 +5,9 @@ malformed, oversized, negative, non-UTF-8, wrong-type and truncated input.
 
 Properties: only clean status codes come back (gRPC: INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 UNAUTHENTICATED, plus OK/UNAVAILABLE/DEADLINE_EXCEEDED for requests that are valid; HTTP:
-no 5xx other than a 503 for "no node"); every process is alive afterwards; and no service
-log holds a line above WARNING or a stack trace caused by a client's mistake.
+no 5xx other than a 503 for "no node"); and after each test (``everyone_alive_and_logs_clean``)
+every process is alive, the cluster still serves, and nothing the services logged during
+the test is above WARNING or a stack trace.
 
 Cases per call are bounded (``EXAMPLES``) so the file runs in about a minute; raise
 ``KVMESH_FUZZ_EXAMPLES`` for a longer soak.
@@ -82,6 +83,49 @@ def channel(cluster):
     )
     yield ch
     ch.close()
+
+
+TRACE = re.compile(r"Traceback \(most recent call last\)")
+ABOVE_WARNING = re.compile(r" (ERROR|CRITICAL) ")
+
+
+@pytest.fixture(scope="module")
+def log_marks() -> dict[str, tuple[int, int]]:
+    """Per service log: (byte offset, line number) up to which it has been checked."""
+    return {}
+
+
+def _new_bad_lines(workdir: str, marks: dict[str, tuple[int, int]]) -> list[str]:
+    """Complete lines logged since the last check (the first check reads from the start,
+    so startup is covered too) that are above WARNING or start a stack trace."""
+    bad = []
+    for f in sorted(os.listdir(workdir)):
+        if not f.endswith(".log") or f == "etcd.log":
+            continue
+        offset, line_no = marks.get(f, (0, 0))
+        with open(os.path.join(workdir, f), "rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+        data = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+        for line in data.decode(errors="replace").split("\n")[:-1]:
+            line_no += 1
+            if TRACE.search(line) or ABOVE_WARNING.search(line):
+                bad.append(f"{f}:{line_no}: {line.rstrip()[:300]}")
+        marks[f] = (offset + len(data), line_no)
+    return bad
+
+
+@pytest.fixture(autouse=True)
+def everyone_alive_and_logs_clean(cluster, channel, log_marks):
+    """After every test: nobody died, the cluster still serves, and nothing above
+    WARNING or with a stack trace was logged meanwhile."""
+    yield
+    for name, p in cluster.procs.items():
+        assert p.poll() is None, f"{name} died with {p.returncode}"
+    req = pb.GenerateRequest(prompt="still alive after the fuzzing?", max_tokens=2)
+    assert _call(channel, GENERATE, req.SerializeToString(), timeout=60) == grpc.StatusCode.OK
+    bad = _new_bad_lines(cluster.workdir, log_marks)
+    assert not bad, "\n".join(bad[:40])
 
 
 def _raw(channel, method: str, stream: bool):
@@ -449,27 +493,3 @@ def test_fuzz_store_control_path(store_fast, method, body, declared, cut):
         n, rid, status = wire.HEAD.unpack(s.recv(wire.HEAD_SIZE, socket.MSG_WAITALL))
         assert (rid, status) == (9, 0)
         assert struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))[0] == 0
-
-
-# ------------------------------------------------------------------ afterwards
-
-TRACE = re.compile(r"Traceback \(most recent call last\)")
-ABOVE_WARNING = re.compile(r" (ERROR|CRITICAL) ")
-
-
-def test_zz_everyone_alive_and_logs_clean(cluster, channel):
-    """Runs last in this module (name order): nobody died, the cluster still serves,
-    and nothing above WARNING or with a stack trace was logged."""
-    for name, p in cluster.procs.items():
-        assert p.poll() is None, f"{name} died with {p.returncode}"
-    req = pb.GenerateRequest(prompt="still alive after the fuzzing?", max_tokens=2)
-    assert _call(channel, GENERATE, req.SerializeToString(), timeout=60) == grpc.StatusCode.OK
-    bad = []
-    for f in sorted(os.listdir(cluster.workdir)):
-        if not f.endswith(".log") or f == "etcd.log":
-            continue
-        with open(os.path.join(cluster.workdir, f), errors="replace") as fh:
-            for i, line in enumerate(fh):
-                if TRACE.search(line) or ABOVE_WARNING.search(line):
-                    bad.append(f"{f}:{i + 1}: {line.rstrip()[:300]}")
-    assert not bad, "\n".join(bad[:40])
