@@ -14,6 +14,9 @@ A request's life here (``Prefill`` RPC):
      complete; the first token is sampled and returned;
   6. background: the new full blocks enter the local prefix cache and are put into the
      store (``PutStart`` -> transfer-engine write -> ``PutEnd``), off the TTFT path.
+
+Without room in the pool for its blocks a request fails with RESOURCE_EXHAUSTED (the
+conductor tries another prefill node); every block it took is given back.
 """
 
 from __future__ import annotations
