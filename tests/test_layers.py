@@ -237,6 +237,10 @@ def test_layer_rule_catches_a_violation():
     assert bad == {"kvmesh.services.common.fake": ["kvmesh.services.engine.model", "torch"]}
 
 
+_STORE_MASTER_INSIDE = tuple(
+    f"kvmesh.services.store_master.{m}" for m in ("server", "metadata", "fastpath", "policy")
+)
+
 # What a service's entry module really loads (imports run, lazy ones included).
 LOADED = [
     ("kvmesh.services.conductor.server", ("torch", "safetensors", "kvmesh.services.engine")),
@@ -244,6 +248,25 @@ LOADED = [
     ("kvmesh.services.cli", ("torch", "kvmesh.services.engine")),
     ("kvmesh.services.common", ("torch",)),
     ("kvmesh.rdma", ("kvmesh.services", "torch")),
+    # the model nodes load the engine (torch), never another service's code
+    (
+        "kvmesh.services.prefill.server",
+        (
+            "kvmesh.services.conductor",
+            "kvmesh.services.store_master",
+            "kvmesh.services.decode",
+            "kvmesh.loadtest",
+        ),
+    ),
+    (
+        "kvmesh.services.decode.server",
+        (
+            "kvmesh.services.conductor",
+            "kvmesh.services.store_master",
+            "kvmesh.services.prefill",
+            "kvmesh.loadtest",
+        ),
+    ),
 ]
 
 
