@@ -248,12 +248,13 @@ LOADED = [
     ("kvmesh.services.cli", ("torch", "kvmesh.services.engine")),
     ("kvmesh.services.common", ("torch",)),
     ("kvmesh.rdma", ("kvmesh.services", "torch")),
-    # the model nodes load the engine (torch), never another service's code
+    # the model nodes load the engine (torch), never another service's code; the store
+    # client speaks the store-master's wire format (store_master.wire), nothing more of it
     (
         "kvmesh.services.prefill.server",
         (
             "kvmesh.services.conductor",
-            "kvmesh.services.store_master",
+            *_STORE_MASTER_INSIDE,
             "kvmesh.services.decode",
             "kvmesh.loadtest",
         ),
@@ -262,7 +263,7 @@ LOADED = [
         "kvmesh.services.decode.server",
         (
             "kvmesh.services.conductor",
-            "kvmesh.services.store_master",
+            *_STORE_MASTER_INSIDE,
             "kvmesh.services.prefill",
             "kvmesh.loadtest",
         ),
