@@ -26,6 +26,7 @@ from kvmesh.services.client import (
 )
 from kvmesh.services.common.auth import api_key_from_env
 from kvmesh.services.common.channels import TlsFiles, configure
+from kvmesh.services.common.config import ConfigError
 from kvmesh.services.launcher import add_up_arguments, up
 
 DEFAULT_CONDUCTOR = "127.0.0.1:50051"
@@ -123,7 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     roles = ("conductor", "store-master", "prefill", "decode")
     if argv and argv[0] in roles:
-        _service_main(argv[0])(argv[1:])
+        try:
+            _service_main(argv[0])(argv[1:])
+        except ConfigError as e:  # a bad option: its message, not a traceback
+            sys.exit(f"kvmesh {argv[0]}: error: {e}")
         return
     parser = argparse.ArgumentParser(
         prog="kvmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -8,6 +8,7 @@ this machine's), and the external tools are skipped where they are not installed
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -29,6 +30,8 @@ ENV_EXAMPLE = SYSTEMD / "kvmesh.env.example"
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 BINARY = "/usr/local/bin/kvmesh"
+# What an operator generates (`openssl rand -hex 32`) and sets: the deploy files ship none.
+OPERATOR_SECRET = "5f2b" * 16
 
 ROLES = {
     "conductor": ConductorConfig,
@@ -86,9 +89,10 @@ def parse_env_file(path: Path) -> dict[str, str]:
     return env
 
 
-def unit_environment(unit: dict) -> dict[str, str]:
+def unit_environment(unit: dict, secret: str | None = OPERATOR_SECRET) -> dict[str, str]:
     """What the service sees: Environment= first, then EnvironmentFile= (which overrides);
-    /etc/kvmesh/kvmesh.env is played by kvmesh.env.example, optional ('-') files are absent."""
+    /etc/kvmesh/kvmesh.env is played by kvmesh.env.example with the operator's ``secret``
+    filled in (None: the example as shipped), optional ('-') files are absent."""
     env: dict[str, str] = {}
     for assignment in values(unit, "Service", "Environment"):
         for word in shlex.split(assignment):
@@ -99,6 +103,8 @@ def unit_environment(unit: dict) -> dict[str, str]:
     for f in files:
         if f == "/etc/kvmesh/kvmesh.env":
             env.update(parse_env_file(ENV_EXAMPLE))
+            if secret is not None:
+                env["KVMESH_SECRET"] = secret
         else:
             assert f.startswith("-"), f"EnvironmentFile={f}: only kvmesh.env may be required"
     return env
@@ -138,11 +144,16 @@ def exec_argv(line: str, env: dict[str, str]) -> list[str]:
     return argv
 
 
-_COMPOSE_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$\$")
+_COMPOSE_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-?])([^}]*))?\}|\$\$")
+
+
+class ComposeVariableMissing(Exception):
+    """A ${VAR:?message} whose VAR is unset: docker-compose refuses with the message."""
 
 
 def compose_interpolate(value, host_env: dict[str, str]):
-    """docker-compose's ${VAR}, ${VAR:-default}, ${VAR-default} and $$ over a whole tree."""
+    """docker-compose's ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error} and $$ over
+    a whole tree."""
     if isinstance(value, dict):
         return {k: compose_interpolate(v, host_env) for k, v in value.items()}
     if isinstance(value, list):
@@ -153,17 +164,22 @@ def compose_interpolate(value, host_env: dict[str, str]):
     def sub(m: re.Match) -> str:
         if m.group(0) == "$$":
             return "$"
-        name, default = m.group(1), m.group(2)
+        name, kind, text = m.group(1), m.group(2), m.group(3)
         if host_env.get(name):
             return host_env[name]
-        assert default is not None, f"${{{name}}} has no default in docker-compose.yml"
-        return default
+        if kind == "?":
+            raise ComposeVariableMissing(f"{name}: {text}")
+        assert kind == "-", f"${{{name}}} has no default in docker-compose.yml"
+        return text
 
     return _COMPOSE_VAR.sub(sub, value)
 
 
-def compose_services() -> dict[str, dict]:
-    data = compose_interpolate(yaml.safe_load(COMPOSE.read_text()), host_env={})
+def compose_services(host_env: dict[str, str] | None = None) -> dict[str, dict]:
+    """The services of docker-compose.yml as compose sees them with ``host_env`` (default:
+    only the operator's KVMESH_SECRET set, which the file requires)."""
+    env = {"KVMESH_SECRET": OPERATOR_SECRET} if host_env is None else host_env
+    data = compose_interpolate(yaml.safe_load(COMPOSE.read_text()), host_env=env)
     return data["services"]
 
 
@@ -209,7 +225,7 @@ def test_unit_exec_start_parses_with_the_role_config(path: Path):
     assert cfg.port == int(flag(argv, "--port"))
     assert cfg.port != 0, "a unit must pin its gRPC port"
     if hasattr(cfg, "secret"):
-        assert cfg.secret == example["KVMESH_SECRET"]
+        assert cfg.secret == OPERATOR_SECRET
         assert "--secret" not in argv, "the secret must not be on the command line"
         assert cfg.data_port != 0, "a node unit must pin its data-plane port"
 
@@ -239,6 +255,33 @@ def test_unit_service_settings(path: Path):
     wants = " ".join(values(unit, "Unit", "Wants")).split()
     for dep in ("network-online.target", "etcd.service"):
         assert dep in after and dep in wants, f"{path.name}: After/Wants {dep}"
+
+
+@pytest.mark.parametrize("path", UNITS, ids=lambda p: p.name)
+def test_unit_nodes_refuse_to_start_without_a_secret(path: Path):
+    """kvmesh.env.example ships no working secret: until the operator sets one, a node
+    refuses to start, telling to set KVMESH_SECRET; so it does with a well-known one."""
+    unit = parse_unit(path)
+    argv = exec_argv(values(unit, "Service", "ExecStart")[0], unit_environment(unit))
+    role, cls = argv[1], ROLES[argv[1]]
+    for secret in (None, "change-me", "kvmesh-dev-secret"):
+        env = unit_environment(unit, secret)
+        if "secret" not in cls.__dataclass_fields__:  # conductor, store-master
+            load(cls, argv[2:], section=role, env=env)
+            continue
+        with pytest.raises(ConfigError, match="KVMESH_SECRET"):
+            load(cls, argv[2:], section=role, env=env)
+
+
+def test_compose_requires_a_secret():
+    """docker-compose.yml ships no working secret: compose refuses to start without one,
+    and a node given a well-known one refuses to start on its (non-loopback) address."""
+    with pytest.raises(ComposeVariableMissing, match="KVMESH_SECRET"):
+        compose_services(host_env={})
+    svc = compose_services(host_env={"KVMESH_SECRET": "change-me"})["decode"]
+    env = {k: str(v) for k, v in svc["environment"].items()}
+    with pytest.raises(ConfigError, match="KVMESH_SECRET"):
+        load(DecodeConfig, [str(a) for a in svc["command"][1:]], section="decode", env=env)
 
 
 def test_env_example_only_sets_known_names():
@@ -286,7 +329,7 @@ def test_compose_command_parses_with_the_role_config(name: str):
     assert cfg.host == name, f"{name}: must advertise its own service name as --host"
     assert cfg.port != 0
     if hasattr(cfg, "secret"):
-        assert env.get("KVMESH_SECRET") and cfg.secret == env["KVMESH_SECRET"]
+        assert cfg.secret == env["KVMESH_SECRET"] == OPERATOR_SECRET
     with pytest.raises(SystemExit):
         load(cls, argv + ["--no-such-flag", "1"], env=env)
 
@@ -320,6 +363,7 @@ def test_compose_file_is_valid_for_docker_compose(tmp_path: Path):
         text=True,
         timeout=60,
         cwd=ROOT,
+        env={**os.environ, "KVMESH_SECRET": OPERATOR_SECRET},
     )
     assert r.returncode == 0, r.stderr
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -9,7 +11,44 @@ from dataclasses import dataclass
 
 from kvmesh.services.common.config import ConfigError, option, parse_memory, parse_size
 
+log = logging.getLogger(__name__)
+
 DEV_SECRET = "kvmesh-dev-secret"
+# secrets anyone can read in this repository: the default and the deploy files' old one
+KNOWN_SECRETS = frozenset({DEV_SECRET, "change-me"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a port on this machine: a loopback address
+    (127.0.0.0/8, ::1) or ``localhost``. Any other name counts as reachable."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def check_data_plane_secret(secret: str, host: str) -> None:
+    """Refuses (ConfigError) a data-plane secret from :data:`KNOWN_SECRETS` on a node that
+    binds and advertises ``host`` off loopback: whoever reaches its data port could read
+    and write the node's KV memory. On loopback it only warns."""
+    if secret not in KNOWN_SECRETS:
+        return
+    if not is_loopback(host):
+        raise ConfigError(
+            f"secret: the data-plane secret is the well-known {secret!r} and this node "
+            f"binds {host}, which is not a loopback address: anyone who reaches its data "
+            f"port could read and write its KV memory. Set KVMESH_SECRET (or --secret) to "
+            f"a random value shared by every node of the cluster, e.g. `openssl rand -hex 32`"
+        )
+    log.warning(
+        "data plane on %s with the well-known secret %r: fine on loopback only; set "
+        "KVMESH_SECRET before binding another address",
+        host,
+        secret,
+    )
+
 
 # Checks of a NodeConfig's model and dtype that need the engine, which this base layer may
 # not import: the model layer (kvmesh.services.model_node) adds them with add_model_check.
@@ -164,7 +203,11 @@ class NodeConfig(ServiceConfig):
         if self.ssd_dir and parse_size(self.ssd_bytes) <= 0:
             raise ConfigError("ssd_bytes: must be > 0 when ssd_dir is set")
         if not self.secret:
-            raise ConfigError("secret: the cluster secret must not be empty")
+            raise ConfigError(
+                "secret: the cluster secret must not be empty: set KVMESH_SECRET "
+                "(e.g. to the output of `openssl rand -hex 32`)"
+            )
+        check_data_plane_secret(self.secret, self.host)
         if not 0 <= self.data_port < 65536:
             raise ConfigError(f"data_port: {self.data_port} is not a TCP port")
         if not 0 <= self.te_poll_us <= 5000:

@@ -16,7 +16,7 @@ from kvmesh.services.common import metrics
 from kvmesh.services.common.config import ConfigError, load, option, parse_size
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.service import Service, run, setup_logging
-from kvmesh.services.common.settings import DEV_SECRET, ServiceConfig
+from kvmesh.services.common.settings import DEV_SECRET, ServiceConfig, check_data_plane_secret
 from kvmesh.services.store.segment import SegmentHost
 
 # read at scrape time, like the other node-level state (see kvmesh.services.common.metrics)
@@ -51,6 +51,7 @@ class StoreNodeConfig(ServiceConfig):
             raise ConfigError("ssd_bytes: must be > 0 when ssd_dir is set")
         if not self.secret:
             raise ConfigError("secret: the cluster secret must not be empty")
+        check_data_plane_secret(self.secret, self.host)
 
 
 class StoreNode(Service):
