@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 
 from kvmesh.loadtest.fault_harness import (
     DISAGG_ONLY,
@@ -29,6 +28,7 @@ from kvmesh.loadtest.fault_harness import (
     run_fault,
     wait_for,
 )
+from kvmesh.services.launcher import Etcd, LocalCluster
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -81,67 +81,29 @@ class Netns:
         _run("ip", "link", "del", self.veth_host, check=False)
 
 
-def start_etcd(workdir: str, host: str, port: int, peer: int) -> subprocess.Popen:
-    client, peer_url = f"http://{host}:{port}", f"http://127.0.0.1:{peer}"
-    log = open(os.path.join(workdir, "etcd.log"), "ab")
-    p = subprocess.Popen(
-        [
-            shutil.which("etcd"),
-            "--name",
-            "kvmesh",
-            "--data-dir",
-            os.path.join(workdir, "etcd"),
-            "--listen-client-urls",
-            client,
-            "--advertise-client-urls",
-            client,
-            "--listen-peer-urls",
-            peer_url,
-            "--initial-advertise-peer-urls",
-            peer_url,
-            "--initial-cluster",
-            f"kvmesh={peer_url}",
-            "--log-level",
-            "error",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
-                return b"true" in r.read()
-        except OSError:
-            return False
-
-    if wait_for(healthy, 20, 0.1) is None:
-        p.kill()
-        raise RuntimeError("etcd did not start")
-    return p
-
-
 def net_cut(workdir: str, prompts, expect, plan: Plan, cut_s: float = 0.0) -> dict:
     why = why_not()
     if why is not None:
         return {"fault": "net-cut", "skipped": why}
-    from kvmesh.services.launcher import LocalCluster, free_port
-
     os.makedirs(workdir, exist_ok=True)
     net = Netns()
     etcd = cluster = None
     try:
         net.up()
-        port, peer = free_port(), free_port()
-        etcd = start_etcd(workdir, net.ip_host, port, peer)
+        # etcd on the host side of the veth, reachable from the namespace until the cut
+        etcd = Etcd(
+            os.path.join(workdir, "etcd"),
+            log_path=os.path.join(workdir, "etcd.log"),
+            host=net.ip_host,
+        )
+        etcd.start()
         host = ["--host", net.ip_host]
         cluster = LocalCluster(
             workdir,
             prefill=1,
             decode=2,
             lease_ttl=TTL,
-            etcd_endpoint=f"{net.ip_host}:{port}",
+            etcd_endpoint=etcd.endpoint,
             node_args=NODE_ARGS + host,
             store_args=host,
             conductor_args=DISAGG_ONLY,
@@ -168,7 +130,7 @@ def net_cut(workdir: str, prompts, expect, plan: Plan, cut_s: float = 0.0) -> di
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=cluster.env(),  # the cluster's data-plane secret
         )
         cluster.n_prefill = 2
         cluster.wait_ready(120)
@@ -215,9 +177,5 @@ def net_cut(workdir: str, prompts, expect, plan: Plan, cut_s: float = 0.0) -> di
         if cluster is not None:
             cluster.stop()
         if etcd is not None:
-            etcd.terminate()
-            try:
-                etcd.wait(10)
-            except subprocess.TimeoutExpired:
-                etcd.kill()
+            etcd.stop()
         net.down()

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -14,85 +17,181 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
+
+import grpc
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.client import cluster_status, format_status, stream_completion
+from kvmesh.services.common.etcd import EtcdClient, EtcdError
+from kvmesh.services.common.registry import node_key
+
+T = TypeVar("T")
+
+ETCD_BIND_ATTEMPTS = 5
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def _unused_port() -> int:
+    """A port no socket holds right now. It is only a guess: another process may take it
+    before etcd binds it, hence :meth:`Etcd.start` retrying with other ports. The services
+    themselves bind port 0 and report the port the kernel gave them."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def listening_ports(pid: int) -> set[int] | None:
+    """The TCP ports process ``pid`` listens on (Linux ``/proc``), or None where that
+    cannot be read."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+        inodes = set()
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        ports = set()
+        for table in ("tcp", "tcp6"):
+            with open(f"/proc/{pid}/net/{table}") as f:
+                for line in f.readlines()[1:]:
+                    cols = line.split()
+                    if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                        ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+        return ports
+    except OSError:
+        return None
+
+
+class _PortTaken(RuntimeError):
+    """etcd could not bind its client or peer port: another process holds it."""
+
+
 class Etcd:
-    """A single-member etcd on loopback with its own data dir (kept across restarts)."""
+    """A single-member etcd with its own data dir (kept across restarts).
+
+    It listens for clients on ``host`` (loopback by default) and for its peer on
+    loopback. etcd cannot bind port 0 and report the port it got, so ports left at 0 are
+    picked here; when etcd then fails to bind one (another process took it meanwhile),
+    the first :meth:`start` tries again with other ports. Restarts keep the ports."""
 
     def __init__(
-        self, data_dir: str, client_port: int = 0, peer_port: int = 0, log_path: str | None = None
+        self,
+        data_dir: str,
+        client_port: int = 0,
+        peer_port: int = 0,
+        log_path: str | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.data_dir = data_dir
-        self.client_port = client_port or free_port()
-        self.peer_port = peer_port or free_port()
-        self.log_path = log_path
+        self.host = host
+        self._pick_client, self._pick_peer = not client_port, not peer_port
+        self.client_port = client_port or _unused_port()
+        self.peer_port = peer_port or _unused_port()
+        self.log_path = log_path or f"{data_dir.rstrip('/')}.log"
         self.proc: subprocess.Popen | None = None
+        self._started = False
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     def start(self, timeout: float = 20) -> None:
+        """Starts etcd and waits until it answers ``/health``; raises RuntimeError."""
+        can_repick = not self._started and (self._pick_client or self._pick_peer)
+        attempts = ETCD_BIND_ATTEMPTS if can_repick else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start_once(timeout)
+                self._started = True
+                return
+            except _PortTaken as e:
+                if attempt == attempts:
+                    raise RuntimeError(
+                        f"{e} ({attempt} attempt(s); log: {self.log_path})"
+                    ) from None
+                if self._pick_client:
+                    self.client_port = _unused_port()
+                if self._pick_peer:
+                    self.peer_port = _unused_port()
+
+    def _start_once(self, timeout: float) -> None:
         binary = shutil.which("etcd")
         if binary is None:
             raise RuntimeError(
                 "etcd is not on PATH: install it (Debian: apt-get install etcd-server)"
             )
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--name",
-                "kvmesh",
-                "--data-dir",
-                self.data_dir,
-                "--listen-client-urls",
-                client,
-                "--advertise-client-urls",
-                client,
-                "--listen-peer-urls",
-                peer,
-                "--initial-advertise-peer-urls",
-                peer,
-                "--initial-cluster",
-                f"kvmesh={peer}",
-                "--log-level",
-                "error",
-                # a single member: elect itself fast after a restart
-                "--heartbeat-interval",
-                "50",
-                "--election-timeout",
-                "500",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        client = f"http://{self.host}:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            log_start = out.tell()
+            self.proc = subprocess.Popen(
+                [
+                    binary,
+                    "--name",
+                    "kvmesh",
+                    "--data-dir",
+                    self.data_dir,
+                    "--listen-client-urls",
+                    client,
+                    "--advertise-client-urls",
+                    client,
+                    "--listen-peer-urls",
+                    peer,
+                    "--initial-advertise-peer-urls",
+                    peer,
+                    "--initial-cluster",
+                    f"kvmesh={peer}",
+                    "--log-level",
+                    "error",
+                    # a single member: elect itself fast after a restart
+                    "--heartbeat-interval",
+                    "50",
+                    "--election-timeout",
+                    "500",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"etcd exited with {self.proc.returncode} (log: {self.log_path})"
-                )
-            try:
-                with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
-                    if b"true" in r.read():
-                        return
-            except OSError:
-                pass
+                code = self.proc.returncode
+                self.proc = None
+                if "address already in use" in self._log_since(log_start):
+                    raise _PortTaken(f"etcd could not bind {client} or {peer}: address in use")
+                raise RuntimeError(f"etcd exited with {code} (log: {self.log_path})")
+            if self._healthy(client):
+                ports = listening_ports(self.proc.pid)
+                if ports is None or self.client_port in ports:
+                    return
+                # /health was answered by whoever else holds the port; ours will exit
             time.sleep(0.1)
-        raise RuntimeError(f"etcd did not become healthy in {timeout}s")
+        self.stop()
+        raise RuntimeError(f"etcd did not become healthy in {timeout}s (log: {self.log_path})")
+
+    @staticmethod
+    def _healthy(client: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
+                return b"true" in r.read()
+        # refused, reset, timed out, an HTTP error status, or not HTTP at all
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -109,9 +208,17 @@ class Etcd:
         self.start()
 
 
+CONDUCTOR = "conductor-0"
+
+
 class LocalCluster:
     """etcd (unless ``etcd_endpoint`` is given) + store-master + conductor + nodes, each a
-    ``python -m kvmesh.services.cli <role>`` process with its log in ``workdir``."""
+    ``python -m kvmesh.services.cli <role>`` process with its log in ``workdir``.
+
+    Every service binds port 0 unless told a port (``conductor_port``, ``http_port``) and
+    registers its addresses in etcd; :meth:`start` reads the conductor's from there, and
+    a restarted conductor gets the same ports again. The nodes share a random data-plane
+    secret (:attr:`secret`, given to them as ``KVMESH_SECRET``)."""
 
     def __init__(
         self,
@@ -137,7 +244,7 @@ class LocalCluster:
         Path(self.workdir).mkdir(parents=True, exist_ok=True)
         self.cluster = cluster
         self.n_prefill, self.n_decode = prefill, decode
-        self.conductor_port = conductor_port or free_port()
+        self.conductor_port = conductor_port  # 0 until start() reads the bound port
         self.lease_ttl = lease_ttl
         self.node_args = node_args or []
         self.decode_args = decode_args or []  # after node_args, for decode nodes only
@@ -150,9 +257,9 @@ class LocalCluster:
         self.conductor_args = conductor_args or []
         self.store_args = store_args or []
         self.log_level = log_level
-        self.http_port = (
-            http_port  # conductor's OpenAI-compatible API (0 = any free port, -1 = off)
-        )
+        # the conductor's OpenAI-compatible API (0 = any free port, read by start(); -1 = off)
+        self.http_port = http_port
+        self.secret = secrets.token_hex(32)  # the nodes' data-plane secret, one per cluster
         # tls: a throwaway CA + one certificate per service in <workdir>/tls (mutual TLS on
         # every gRPC channel); api_key: what status()/wait_ready() send to the conductor
         self.tls_dir = os.path.join(self.workdir, "tls") if tls else ""
@@ -165,14 +272,24 @@ class LocalCluster:
                 os.path.join(self.workdir, "etcd"), log_path=os.path.join(self.workdir, "etcd.log")
             )
         )
-        self.etcd_endpoint = etcd_endpoint or self.etcd.endpoint
+        self._etcd_endpoint = etcd_endpoint or ""
         self.procs: dict[str, subprocess.Popen] = {}
         self._stopped: set[str] = set()
         self._spawn_args: dict[str, tuple[str, list[str]]] = {}
 
     @property
+    def etcd_endpoint(self) -> str:
+        return self._etcd_endpoint or (self.etcd.endpoint if self.etcd else "")
+
+    @property
     def conductor(self) -> str:
+        if not self.conductor_port:
+            raise RuntimeError("the conductor's port is known once the cluster has started")
         return f"127.0.0.1:{self.conductor_port}"
+
+    def env(self) -> dict[str, str]:
+        """The environment of the cluster's processes (one started by hand too)."""
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "KVMESH_SECRET": self.secret}
 
     def _common(self, name: str) -> list[str]:
         return [
@@ -219,7 +336,7 @@ class LocalCluster:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=self.env(),
         )
         self.procs[name] = p
         self._spawn_args[name] = (role, list(extra))
@@ -227,11 +344,15 @@ class LocalCluster:
         return p
 
     def start(self, timeout: float = 90) -> LocalCluster:
+        deadline = time.monotonic() + timeout
         if self.etcd:
             self.etcd.start()
         self.spawn("store-master-0", "store-master", self.store_args)
+        # a registration left by an earlier conductor-0 (kept etcd data, an etcd of our
+        # caller) must not be read as this one's address
+        self._etcd_call(lambda etcd: etcd.delete(self._conductor_key()))
         self.spawn(
-            "conductor-0",
+            CONDUCTOR,
             "conductor",
             [
                 "--port",
@@ -245,8 +366,57 @@ class LocalCluster:
             self.spawn(f"prefill-{i}", "prefill", self.node_args)
         for i in range(self.n_decode):
             self.spawn(f"decode-{i}", "decode", self.node_args + self.decode_args)
-        self.wait_ready(timeout)
+        self._read_conductor_ports(deadline - time.monotonic())
+        self.wait_ready(max(1.0, deadline - time.monotonic()))
         return self
+
+    def _conductor_key(self) -> str:
+        return node_key(self.cluster, "conductor", CONDUCTOR)
+
+    def _etcd_call(self, fn: Callable[[EtcdClient], Awaitable[T]]) -> T:
+        async def run() -> T:
+            async with EtcdClient(self.etcd_endpoint) as etcd:
+                return await fn(etcd)
+
+        return asyncio.run(run())
+
+    def _check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None and name not in self._stopped:
+                raise RuntimeError(
+                    f"{name} exited with {p.returncode}; see "
+                    f"{os.path.join(self.workdir, name + '.log')}"
+                )
+
+    def _read_conductor_ports(self, timeout: float) -> None:
+        """Reads the ports the conductor bound from its etcd registration, and pins them
+        for its restarts (clients keep its address)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            try:
+                raw = self._etcd_call(lambda etcd: etcd.get(self._conductor_key()))
+            except EtcdError:  # etcd not answering yet
+                raw = None
+            if raw is not None:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the conductor did not register in etcd in {timeout:.0f}s; "
+                    f"logs in {self.workdir}"
+                )
+            time.sleep(0.1)
+        info = json.loads(raw)
+        self.conductor_port = int(info["grpc"].rsplit(":", 1)[1])
+        if self.http_port == 0 and info.get("http"):
+            self.http_port = int(info["http"].rsplit(":", 1)[1])
+        role, extra = self._spawn_args[CONDUCTOR]
+        pinned = {"--port": self.conductor_port, "--http-port": self.http_port}
+        extra = [
+            str(pinned[extra[i - 1]]) if i and extra[i - 1] in pinned else a
+            for i, a in enumerate(extra)
+        ]
+        self._spawn_args[CONDUCTOR] = (role, extra)
 
     def status(self, timeout: float = 2):
         return asyncio.run(
@@ -261,12 +431,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         last = "no answer"
         while time.monotonic() < deadline:
-            for name, p in self.procs.items():
-                if p.poll() is not None and name not in self._stopped:
-                    raise RuntimeError(
-                        f"{name} exited with {p.returncode}; see "
-                        f"{os.path.join(self.workdir, name + '.log')}"
-                    )
+            self._check_alive()
             try:
                 s = self.status()
                 roles = [n.role for n in s.nodes if n.reachable]
@@ -278,7 +443,7 @@ class LocalCluster:
                     and (s.store_bytes_total > 0 or not self.expect_store)
                 ):
                     return
-            except Exception as e:  # not up yet
+            except grpc.RpcError as e:  # not up yet
                 last = str(e)[:200]
             time.sleep(0.25)
         raise RuntimeError(

@@ -1,5 +1,5 @@
 """A real single-node etcd on free loopback ports for tests (services.launcher.Etcd with
-a private temporary data dir).
+a private temporary data dir), and :func:`free_port` for the tests' own fixtures.
 
     with etcd_server() as srv:
         client = EtcdClient(srv.endpoint)
@@ -11,14 +11,24 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvmesh.services.launcher import Etcd, free_port
+from kvmesh.services.launcher import Etcd
 
 __all__ = ["EtcdServer", "etcd_server", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A loopback port that is free now, for a test's own fixture (a dead endpoint, a
+    proxy, an explicit port under test). Another process may take it before the test
+    binds it: the services themselves bind port 0 and report their port."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class EtcdServer(Etcd):

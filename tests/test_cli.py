@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 
 from kvmesh.services.common.tokenizer import ByteTokenizer
 from kvmesh.services.engine.model import LlamaModel
-from kvmesh.services.launcher import free_port
+from tests.etcd_server import free_port
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -30,7 +31,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_up_generate_status_and_clean_stop(tmp_path):
-    port = free_port()
+    port = free_port()  # an explicit --port keeps working
     up = subprocess.Popen(
         [
             sys.executable,
@@ -89,8 +90,8 @@ def test_up_generate_status_and_clean_stop(tmp_path):
 
 
 def test_generate_output_is_the_reference_text(tmp_path):
-    """`kvmesh up --demo` serves one prompt and stops; its tokens are the reference's."""
-    port = free_port()
+    """`kvmesh up --demo` serves one prompt and stops; its tokens are the reference's. The
+    conductor binds any free port (--port 0) and the launcher reads it from etcd."""
     out = subprocess.run(
         [
             sys.executable,
@@ -98,7 +99,7 @@ def test_generate_output_is_the_reference_text(tmp_path):
             "kvmesh.services.cli",
             "up",
             "--port",
-            str(port),
+            "0",
             "--block-size",
             "16",
             "--demo",
@@ -113,6 +114,8 @@ def test_generate_output_is_the_reference_text(tmp_path):
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    bound = re.search(r"conductor at 127\.0\.0\.1:(\d+)", out.stdout)
+    assert bound and int(bound.group(1)) > 0, out.stdout
     tok = ByteTokenizer()
     ref = LlamaModel.from_preset("tiny").reference_generate(tok.encode("Hi"), 5, tok.eos_id)
     assert tok.decode(ref) in out.stdout

@@ -377,3 +377,44 @@ async def test_registration_reregisters_after_partition_longer_than_ttl(
     await members.stop()
     await cut_off.close()
     await proxy.cut()
+
+
+def test_etcd_starts_on_other_ports_when_its_guess_is_taken(tmp_path, monkeypatch):
+    """etcd cannot bind port 0, so the launcher guesses its ports. When the client port it
+    guessed is taken meanwhile -- here by an HTTP server that even answers /health -- the
+    launcher does not mistake that server for its etcd: it starts etcd on other ports."""
+    import http.server
+    import threading
+    import urllib.request
+
+    from kvmesh.services import launcher
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"health":"true"}')
+
+        def log_message(self, *args):
+            pass
+
+    squatter = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    taken = squatter.server_address[1]
+    guesses = iter([taken])
+    real_guess = launcher._unused_port
+    monkeypatch.setattr(launcher, "_unused_port", lambda: next(guesses, None) or real_guess())
+    etcd = launcher.Etcd(str(tmp_path / "etcd"))
+    try:
+        assert etcd.client_port == taken
+        etcd.start()
+        assert etcd.client_port != taken
+        assert taken not in (launcher.listening_ports(etcd.proc.pid) or {taken})
+        with urllib.request.urlopen(f"http://{etcd.endpoint}/version", timeout=5) as r:
+            assert b"etcdserver" in r.read()  # the real etcd answers there
+        etcd.restart()  # a restart keeps the ports it settled on
+        assert etcd.client_port != taken and etcd.endpoint.endswith(str(etcd.client_port))
+    finally:
+        etcd.stop()
+        squatter.shutdown()
+        squatter.server_close()

@@ -31,8 +31,9 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kvmesh.protos import kvmesh_pb2 as pb  # noqa: E402
 from kvmesh.services.common.auth import bearer_metadata  # noqa: E402
-from kvmesh.services.launcher import LocalCluster, free_port  # noqa: E402
+from kvmesh.services.launcher import LocalCluster  # noqa: E402
 from tests.cluster_util import NODE_ARGS  # noqa: E402
+from tests.etcd_server import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -21,8 +21,9 @@ from kvmesh.services.conductor.http_api import (
     render_chat,
     render_default,
 )
-from kvmesh.services.launcher import LocalCluster, free_port
+from kvmesh.services.launcher import LocalCluster
 from tests.cluster_util import NODE_ARGS, generate
+from tests.etcd_server import free_port
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(120)

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -39,9 +40,10 @@ from kvmesh.services.common.auth import (
 )
 from kvmesh.services.common.channels import TlsFiles, channel_credentials
 from kvmesh.services.common.config import ConfigError
-from kvmesh.services.common.settings import DEV_SECRET
-from kvmesh.services.launcher import LocalCluster, free_port
+from kvmesh.services.common.settings import DEV_SECRET, KNOWN_SECRETS
+from kvmesh.services.launcher import LocalCluster, listening_ports
 from tests.cluster_util import DISAGG_ONLY, NODE_ARGS
+from tests.etcd_server import free_port
 from tests.grpc_util import KINDS, call, in_thread, probe_handler, serving
 
 pytestmark = pytest.mark.timeout(180)
@@ -136,6 +138,40 @@ def test_api_key_check_covers_every_rpc_kind(kind):
     assert internal and set(internal) == {b""}
 
 
+def test_default_secret_refused_off_loopback(caplog):
+    """A node refuses a well-known data-plane secret when it binds a non-loopback
+    address, and says to set KVMESH_SECRET; on loopback it only warns."""
+    from kvmesh.services.common.config import load
+    from kvmesh.services.decode.server import DecodeConfig
+    from kvmesh.services.prefill.server import PrefillConfig
+    from kvmesh.services.store.node import StoreNodeConfig
+
+    for cls in (PrefillConfig, DecodeConfig, StoreNodeConfig):
+        for host in ("10.0.0.21", "0.0.0.0", "decode-1.example", "fd00::5"):
+            for env in ({}, {"KVMESH_SECRET": "change-me"}):
+                with pytest.raises(ConfigError, match="KVMESH_SECRET") as e:
+                    load(cls, ["--host", host], env=env)
+                assert host in str(e.value) and "not a loopback address" in str(e.value)
+            assert load(cls, ["--host", host], env={"KVMESH_SECRET": "x" * 64}).host == host
+        for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+            caplog.clear()
+            assert load(cls, ["--host", host], env={}).secret == DEV_SECRET
+            assert "well-known secret" in caplog.text
+
+
+def test_node_process_with_default_secret_off_loopback_exits_with_the_reason():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvmesh.services.cli", "prefill", "--host", "10.255.0.7"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode != 0
+    assert "KVMESH_SECRET" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 # ------------------------------------------------------------------ a mutual-TLS cluster
 
 
@@ -147,7 +183,7 @@ def cluster(tmp_path_factory):
         conductor_args=[*DISAGG_ONLY, "--api-keys", KEYS],
         tls=True,
         api_key="kopen",
-        http_port=free_port(),
+        http_port=0,  # any free port; start() reads it into cluster.http_port
     )
     try:
         c.start()
@@ -373,7 +409,11 @@ def test_data_plane_refuses_wrong_secret(cluster):
 
     with pytest.raises(TransferError, match="secret"):
         _in_thread(attempt(b"a-wrong-secret"))
-    _in_thread(attempt(DEV_SECRET.encode()))  # the control: the right secret reads
+    # a local cluster (kvmesh up) runs on a random secret of its own, not the default
+    assert cluster.secret not in KNOWN_SECRETS and len(cluster.secret) >= 32
+    with pytest.raises(TransferError, match="secret"):
+        _in_thread(attempt(DEV_SECRET.encode()))
+    _in_thread(attempt(cluster.secret.encode()))  # the control: the right secret reads
     # the node keeps serving
     assert _generate(cluster, "ka", "still serving? " * 3, max_tokens=3).completion_tokens == 3
     assert all(p.poll() is None for p in cluster.procs.values())
@@ -384,52 +424,72 @@ def test_data_plane_refuses_wrong_secret(cluster):
 
 @pytest.fixture
 def secure_etcd(tmp_path):
+    """etcd with TLS and client-certificate auth on free ports. etcd cannot bind port 0,
+    so the ports are guessed: until our etcd is seen listening on its client port
+    (another process may have taken one meanwhile), it is started again on others."""
     from kvmesh.services.common.pki import DevCA
 
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed")
     ca = DevCA(str(tmp_path / "pki"))
     server, client = ca.issue("etcd"), ca.issue("client")
-    port, peer = free_port(), free_port()
-    url = f"https://127.0.0.1:{port}"
-    log = open(tmp_path / "etcd.log", "wb")
-    proc = subprocess.Popen(
-        [
-            "etcd",
-            "--name",
-            "s",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--listen-client-urls",
-            url,
-            "--advertise-client-urls",
-            url,
-            "--listen-peer-urls",
-            f"http://127.0.0.1:{peer}",
-            "--initial-advertise-peer-urls",
-            f"http://127.0.0.1:{peer}",
-            "--initial-cluster",
-            f"s=http://127.0.0.1:{peer}",
-            "--cert-file",
-            server.cert,
-            "--key-file",
-            server.key,
-            "--trusted-ca-file",
-            server.ca,
-            "--client-cert-auth",
-            "--log-level",
-            "error",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = None
+    for attempt in range(5):
+        port, peer = free_port(), free_port()
+        proc = _start_secure_etcd(tmp_path / f"try{attempt}", server, port, peer)
+        deadline, listening = time.monotonic() + 20, False
+        while not listening and proc.poll() is None and time.monotonic() < deadline:
+            ports = listening_ports(proc.pid)
+            listening = ports is None or port in ports  # None: no /proc to tell, trust it
+            time.sleep(0.05)
+        if listening and proc.poll() is None:
+            break
+        proc.kill()
+        proc.wait()
+    else:
+        pytest.fail(f"etcd did not listen in 5 tries; see {tmp_path}/try*/etcd.log")
     try:
         yield f"127.0.0.1:{port}", client, proc
     finally:
         proc.terminate()
         proc.wait(10)
-        log.close()
+
+
+def _start_secure_etcd(root, server, port: int, peer: int) -> subprocess.Popen:
+    root.mkdir()
+    url = f"https://127.0.0.1:{port}"
+    with open(root / "etcd.log", "wb") as log:
+        return subprocess.Popen(
+            [
+                "etcd",
+                "--name",
+                "s",
+                "--data-dir",
+                str(root / "data"),
+                "--listen-client-urls",
+                url,
+                "--advertise-client-urls",
+                url,
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-cluster",
+                f"s=http://127.0.0.1:{peer}",
+                "--cert-file",
+                server.cert,
+                "--key-file",
+                server.key,
+                "--trusted-ca-file",
+                server.ca,
+                "--client-cert-auth",
+                "--log-level",
+                "error",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def test_etcd_tls_and_auth(secure_etcd):
