@@ -40,9 +40,10 @@ class Section:
 
 
 def sections() -> list[Section]:
-    from kvmesh.services.common.settings import NodeConfig, ServiceConfig
+    from kvmesh.services.common.settings import ServiceConfig
     from kvmesh.services.conductor.server import ConductorConfig
     from kvmesh.services.decode.server import DecodeConfig
+    from kvmesh.services.node_config import NodeConfig
     from kvmesh.services.prefill.server import PrefillConfig
     from kvmesh.services.store.node import StoreNodeConfig
     from kvmesh.services.store_master.server import StoreMasterConfig

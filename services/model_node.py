@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 import grpc
@@ -16,36 +15,21 @@ from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import TransferEngine
 from kvmesh.services.common.channels import make_channel
-from kvmesh.services.common.config import ConfigError, parse_memory, parse_size
+from kvmesh.services.common.config import parse_memory, parse_size
 from kvmesh.services.common.node_events import EventHub
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.service import Service
-from kvmesh.services.common.settings import NodeConfig, add_model_check
 from kvmesh.services.common.tokenizer import ByteTokenizer, HFTokenizer
 from kvmesh.services.engine.checkpoint import LoadedModel, load_model
-from kvmesh.services.engine.config import PRESETS, ModelConfig, dtype_name, resolve_dtype
+from kvmesh.services.engine.config import ModelConfig, dtype_name, resolve_dtype
 from kvmesh.services.engine.kv_pool import KVPool
 from kvmesh.services.engine.model import LlamaModel
+from kvmesh.services.node_config import NodeConfig
 from kvmesh.services.node_profile import profile
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store.segment import SegmentHost
 
 log = logging.getLogger(__name__)
-
-
-def check_model(cfg: NodeConfig) -> None:
-    """The engine's part of ``NodeConfig.validate``: a known model and dtype."""
-    if cfg.model not in PRESETS and not os.path.isdir(cfg.model):
-        raise ConfigError(
-            f"model: {cfg.model!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory"
-        )
-    try:
-        resolve_dtype(cfg.dtype)
-    except ValueError as e:
-        raise ConfigError(f"dtype: {e}") from None
-
-
-add_model_check(check_model)
 
 
 class ModelNode(Service):

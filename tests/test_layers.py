@@ -182,8 +182,11 @@ RULES = {
         f"{SERVICES}.prefill",
         f"{SERVICES}.decode",
         f"{SERVICES}.model_node",
+        f"{SERVICES}.node_config",
+        f"{SERVICES}.node_profile",
         f"{SERVICES}.launcher",
         f"{SERVICES}.cli",
+        f"{SERVICES}.client",
     ),
     f"{SERVICES}.engine": (
         "kvmesh.rdma",

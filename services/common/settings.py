@@ -1,4 +1,6 @@
-"""Config dataclasses shared by the services: what every service and every model node takes."""
+"""Config shared by every service (:class:`ServiceConfig`) and the data-plane secret rules.
+A model node's options (:class:`~kvmesh.services.node_config.NodeConfig`) live beside the
+model nodes, since checking them needs the engine."""
 
 from __future__ import annotations
 
@@ -6,10 +8,9 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvmesh.services.common.config import ConfigError, option, parse_memory, parse_size
+from kvmesh.services.common.config import ConfigError, option
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +49,6 @@ def check_data_plane_secret(secret: str, host: str) -> None:
         host,
         secret,
     )
-
-
-# Checks of a NodeConfig's model and dtype that need the engine, which this base layer may
-# not import: the model layer (kvmesh.services.model_node) adds them with add_model_check.
-ModelCheck = Callable[["NodeConfig"], None]
-_model_checks: list[ModelCheck] = []
-
-
-def add_model_check(check: ModelCheck) -> None:
-    """Makes ``NodeConfig.validate`` run ``check(cfg)`` (it raises ConfigError); once."""
-    if check not in _model_checks:
-        _model_checks.append(check)
 
 
 @dataclass
@@ -145,73 +134,3 @@ class ServiceConfig:
 
     def default_node_id(self, role: str) -> str:
         return self.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
-
-
-@dataclass
-class NodeConfig(ServiceConfig):
-    """Options of a model node (prefill or decode)."""
-
-    model: str = option(
-        "tiny",
-        "model to serve: a random preset (tiny, small) or a Hugging Face "
-        "model directory (config.json, *.safetensors, tokenizer.json)",
-    )
-    dtype: str = option("float32", "compute dtype: float32 or bfloat16 (never float16 on CPU)")
-    seed: int = option(0, "seed of a random preset's weights; all nodes must agree")
-    block_size: int = option(256, "tokens per KV block (engine block = store block)")
-    kv_memory: str = option(
-        "256MiB",
-        "memory for this node's KV pool: a size (2GiB) or a "
-        "share of the memory available at start (40%)",
-    )
-    segment_memory: str = option(
-        "256MiB", "DRAM this node lends to the cluster KV store (0 = none)"
-    )
-    ssd_dir: str = option(
-        "",
-        "directory backing the store segment with an SSD tier: blocks "
-        "evicted from DRAM spill there (empty = no SSD tier)",
-    )
-    ssd_bytes: str = option("1GiB", "most bytes of block data the SSD tier keeps on disk")
-    data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
-    secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
-    threads: int = option(0, "torch intra-op threads (0 = torch's default)")
-    te_poll_us: int = option(
-        200,
-        "busy-poll window in microseconds: after a request the "
-        "transfer engine's threads spin this long for the next one, "
-        "and the event loop this long for a small transfer's or a "
-        "store call's answer, before sleeping; trades CPU for "
-        "latency, 0 = never spin",
-    )
-    checksum: bool = option(
-        False,
-        "integrity checking on the data plane: every KV slice carries "
-        "a crc32 that the receiver checks; a damaged handoff fails "
-        "(the prefill is retried) and a damaged store read is a miss",
-    )
-
-    def validate(self) -> None:
-        super().validate()
-        for check in _model_checks:
-            check(self)
-        if not 1 <= self.block_size <= 4096:
-            raise ConfigError(f"block_size: {self.block_size} must be between 1 and 4096")
-        if parse_memory(self.kv_memory) <= 0:
-            raise ConfigError("kv_memory: must be > 0")
-        parse_size(self.segment_memory)
-        if self.ssd_dir and parse_size(self.ssd_bytes) <= 0:
-            raise ConfigError("ssd_bytes: must be > 0 when ssd_dir is set")
-        if not self.secret:
-            raise ConfigError(
-                "secret: the cluster secret must not be empty: set KVMESH_SECRET "
-                "(e.g. to the output of `openssl rand -hex 32`)"
-            )
-        check_data_plane_secret(self.secret, self.host)
-        if not 0 <= self.data_port < 65536:
-            raise ConfigError(f"data_port: {self.data_port} is not a TCP port")
-        if not 0 <= self.te_poll_us <= 5000:
-            raise ConfigError(
-                f"te_poll_us: {self.te_poll_us} must be between 0 and 5000 "
-                f"(the event loop spins that long at most)"
-            )

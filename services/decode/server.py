@@ -33,12 +33,12 @@ from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common.config import ConfigError, load, option
 from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import run, setup_logging
-from kvmesh.services.common.settings import NodeConfig
 from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.decode.batch import BatchScheduler, Reservation, Running
 from kvmesh.services.engine.kv_pool import OutOfBlocks
 from kvmesh.services.engine.sampling import sample_with_logprob
 from kvmesh.services.model_node import ModelNode
+from kvmesh.services.node_config import NodeConfig
 
 log = logging.getLogger(__name__)
 

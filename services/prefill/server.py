@@ -37,11 +37,11 @@ from kvmesh.services.common import metrics as kvm
 from kvmesh.services.common.config import load
 from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import run, setup_logging
-from kvmesh.services.common.settings import NodeConfig
 from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.engine.kv_pool import KVPool, OutOfBlocks
 from kvmesh.services.engine.sampling import sample_with_logprob
 from kvmesh.services.model_node import ModelNode
+from kvmesh.services.node_config import NodeConfig
 from kvmesh.services.prefill.queue import ComputeQueue
 
 log = logging.getLogger(__name__)

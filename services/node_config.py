@@ -1,0 +1,89 @@
+"""Options of a model node (prefill or decode): the model, its KV pool and store segment,
+and the data plane. Validating them needs the engine (presets, dtypes), so they live here
+in the node layer rather than in the torch-free ``services/common``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvmesh.services.common.config import ConfigError, option, parse_memory, parse_size
+from kvmesh.services.common.settings import DEV_SECRET, ServiceConfig, check_data_plane_secret
+from kvmesh.services.engine.config import PRESETS, resolve_dtype
+
+
+@dataclass
+class NodeConfig(ServiceConfig):
+    """Options of a model node (prefill or decode)."""
+
+    model: str = option(
+        "tiny",
+        "model to serve: a random preset (tiny, small) or a Hugging Face "
+        "model directory (config.json, *.safetensors, tokenizer.json)",
+    )
+    dtype: str = option("float32", "compute dtype: float32 or bfloat16 (never float16 on CPU)")
+    seed: int = option(0, "seed of a random preset's weights; all nodes must agree")
+    block_size: int = option(256, "tokens per KV block (engine block = store block)")
+    kv_memory: str = option(
+        "256MiB",
+        "memory for this node's KV pool: a size (2GiB) or a "
+        "share of the memory available at start (40%)",
+    )
+    segment_memory: str = option(
+        "256MiB", "DRAM this node lends to the cluster KV store (0 = none)"
+    )
+    ssd_dir: str = option(
+        "",
+        "directory backing the store segment with an SSD tier: blocks "
+        "evicted from DRAM spill there (empty = no SSD tier)",
+    )
+    ssd_bytes: str = option("1GiB", "most bytes of block data the SSD tier keeps on disk")
+    data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
+    secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
+    threads: int = option(0, "torch intra-op threads (0 = torch's default)")
+    te_poll_us: int = option(
+        200,
+        "busy-poll window in microseconds: after a request the "
+        "transfer engine's threads spin this long for the next one, "
+        "and the event loop this long for a small transfer's or a "
+        "store call's answer, before sleeping; trades CPU for "
+        "latency, 0 = never spin",
+    )
+    checksum: bool = option(
+        False,
+        "integrity checking on the data plane: every KV slice carries "
+        "a crc32 that the receiver checks; a damaged handoff fails "
+        "(the prefill is retried) and a damaged store read is a miss",
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.model not in PRESETS and not os.path.isdir(self.model):
+            raise ConfigError(
+                f"model: {self.model!r} is neither a preset ({', '.join(PRESETS)}) "
+                "nor a model directory"
+            )
+        try:
+            resolve_dtype(self.dtype)
+        except ValueError as e:
+            raise ConfigError(f"dtype: {e}") from None
+        if not 1 <= self.block_size <= 4096:
+            raise ConfigError(f"block_size: {self.block_size} must be between 1 and 4096")
+        if parse_memory(self.kv_memory) <= 0:
+            raise ConfigError("kv_memory: must be > 0")
+        parse_size(self.segment_memory)
+        if self.ssd_dir and parse_size(self.ssd_bytes) <= 0:
+            raise ConfigError("ssd_bytes: must be > 0 when ssd_dir is set")
+        if not self.secret:
+            raise ConfigError(
+                "secret: the cluster secret must not be empty: set KVMESH_SECRET "
+                "(e.g. to the output of `openssl rand -hex 32`)"
+            )
+        check_data_plane_secret(self.secret, self.host)
+        if not 0 <= self.data_port < 65536:
+            raise ConfigError(f"data_port: {self.data_port} is not a TCP port")
+        if not 0 <= self.te_poll_us <= 5000:
+            raise ConfigError(
+                f"te_poll_us: {self.te_poll_us} must be between 0 and 5000 "
+                f"(the event loop spins that long at most)"
+            )
