@@ -82,6 +82,25 @@ async def call(
     return [r async for r in channel.stream_stream(path)(requests(), metadata=metadata, timeout=10)]
 
 
+async def refusal(
+    channel: grpc.aio.Channel, service: str, kind: str, metadata: tuple = ()
+) -> tuple[grpc.StatusCode, str]:
+    """The status of a call the server refuses at its start (code, details). A call with a
+    request stream sends no message here: a message racing the server's refusal may fail
+    on the client's side first ("Internal error from Core") and hide the server's status."""
+    path = f"/{service}/{METHOD[kind]}"
+    if kind.startswith("unary_"):
+        try:
+            await call(channel, service, kind, metadata)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or ""
+        raise AssertionError(f"{path} was not refused")
+    factory = channel.stream_unary if kind == "stream_unary" else channel.stream_stream
+    rpc = factory(path)(metadata=metadata, timeout=10)
+    code = await rpc.code()
+    return code, await rpc.details() or ""
+
+
 def in_thread(coro: Coroutine[Any, Any, Any]) -> Any:
     """Runs ``coro`` on its own event loop in its own thread (grpc.aio state stays out of
     the test process's other loops)."""
