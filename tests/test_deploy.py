@@ -335,6 +335,9 @@ def test_compose_command_parses_with_the_role_config(name: str):
 
     # Image, health, order and shutdown.
     assert svc["build"]["dockerfile"] == "deploy/Dockerfile"
+    # the control plane runs the torch-free image, the model nodes the engine's
+    want = "node" if role in ("prefill", "decode") else "control"
+    assert svc["build"]["target"] == want, f"{name}: build target {want!r}"
     test = svc["healthcheck"]["test"]
     assert test == ["CMD", "kvmesh", "health", f"{name}:{cfg.port}"]
     assert cfg.metrics_port > 0, f"{name}: pin the metrics port so Prometheus can scrape it"
@@ -391,3 +394,11 @@ def test_dockerfile():
     assert re.search(r'^ENTRYPOINT \["kvmesh"\]', text, re.M)
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0"), "the image must run as a non-root user"
+    stages = dict(re.findall(r"^FROM \S+ AS (\w+)\n(.*?)(?=^FROM |\Z)", text, re.M | re.S))
+    assert {"control", "node"} <= set(stages)
+    # the conductor's and store-master's image installs no engine: no torch at all
+    assert "torch" not in stages["control"] and "[engine]" not in stages["control"]
+    assert "torch==2.13.0" in stages["node"] and "'.[engine]'" in stages["node"]
+    for stage in ("control", "node"):
+        users = re.findall(r"^USER\s+(\S+)", stages[stage], re.M)
+        assert users and users[-1] not in ("root", "0"), f"{stage}: run as a non-root user"
