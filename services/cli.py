@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import sys
 import time
@@ -32,15 +33,27 @@ from kvmesh.services.launcher import add_up_arguments, up
 DEFAULT_CONDUCTOR = "127.0.0.1:50051"
 
 
+ENGINE_MISSING = (
+    "the model engine is not installed (torch is missing): the prefill and decode nodes "
+    "need it; install it with: pip install 'kvmesh[engine]'"
+)
+
+
 def _service_main(role: str):
     if role == "conductor":
         from kvmesh.services.conductor.server import main
     elif role == "store-master":
         from kvmesh.services.store_master.server import main
-    elif role == "prefill":
-        from kvmesh.services.prefill.server import main
     else:
-        from kvmesh.services.decode.server import main
+        try:
+            if role == "prefill":
+                from kvmesh.services.prefill.server import main
+            else:
+                from kvmesh.services.decode.server import main
+        except ModuleNotFoundError as e:
+            if e.name not in ("torch", "safetensors"):
+                raise
+            raise ConfigError(ENGINE_MISSING) from None
     return main
 
 
@@ -179,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             parser.error(str(e))
     if args.cmd == "up":
+        if importlib.util.find_spec("torch") is None:  # its nodes would fail one by one
+            parser.error(ENGINE_MISSING)
         sys.exit(up(args))
     if args.cmd == "generate":
         sys.exit(asyncio.run(_generate(args)))

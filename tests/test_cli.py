@@ -120,3 +120,29 @@ def test_generate_output_is_the_reference_text(tmp_path):
     ref = LlamaModel.from_preset("tiny").reference_generate(tok.encode("Hi"), 5, tok.eos_id)
     assert tok.decode(ref) in out.stdout
     assert f"completion={len(ref)}" in out.stderr
+
+
+def _cli_without_torch(*args: str) -> subprocess.CompletedProcess:
+    """The CLI in a process where torch cannot be imported (the base install)."""
+    code = (
+        "import sys; sys.modules['torch'] = None; "
+        "from kvmesh.services.cli import main; main(sys.argv[1:])"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_without_the_engine_nodes_say_how_to_install_it():
+    """A base install (no torch) runs the conductor and the store-master; a model node or
+    ``kvmesh up`` says what to install instead of a traceback."""
+    for role in ("prefill", "decode"):
+        r = _cli_without_torch(role, "--model", "tiny")
+        assert r.returncode != 0
+        assert "pip install 'kvmesh[engine]'" in r.stderr and "Traceback" not in r.stderr
+    r = _cli_without_torch("up")
+    assert r.returncode != 0 and "pip install 'kvmesh[engine]'" in r.stderr
+    for role in ("conductor", "store-master"):
+        r = _cli_without_torch(role, "--help")
+        assert r.returncode == 0, r.stderr
+        assert "--etcd" in r.stdout
