@@ -214,3 +214,41 @@ def test_local_put_slots_reserve_commit_release():
     m.mount("w", "w:1", 0, 16 * 4096)
     assert m.segments["w/0"].reserved == {} and m.segments["w/0"].used == 4096
     assert m.present([b"k1"]) == [True]
+
+
+def test_watch_blocks_misses_nothing_stored_while_the_snapshot_is_sent():
+    """WatchBlocks suspends at every snapshot event it sends; a block stored meanwhile must
+    still reach the subscriber (it was lost when the stream subscribed only after sending
+    the whole snapshot)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvmesh.protos import kvmesh_pb2 as pb
+    from kvmesh.services.store_master.model import Block, BlockState, Replica, Segment
+    from kvmesh.services.store_master.server import EventBus, StoreMasterServicer
+
+    seg = Segment("s0", "node-a", "127.0.0.1:1", 1, 1 << 20)
+
+    def block(i: int) -> tuple[Block, Replica]:
+        rep = Replica(seg, i * 4096, state=BlockState.COMPLETE)
+        return Block(bytes([i]) * 32, 4096, [rep]), rep
+
+    a, b = block(1), block(2)
+    host = SimpleNamespace(meta=SimpleNamespace(blocks={a[0].hash: a[0], b[0].hash: b[0]}),
+                           bus=EventBus())  # fmt: skip
+
+    async def main() -> list[bytes]:
+        stream = StoreMasterServicer.WatchBlocks(
+            host, pb.WatchBlocksRequest(node_id="", snapshot=True), None
+        )
+        got = [(await stream.__anext__()).hash]  # the stream is suspended mid-snapshot
+        c = block(3)
+        host.meta.blocks[c[0].hash] = c[0]
+        host.bus.publish("stored", *c)
+        for _ in range(2):
+            got.append((await asyncio.wait_for(stream.__anext__(), 2)).hash)
+        await stream.aclose()
+        assert not host.bus.subs  # closing the stream unsubscribes
+        return got
+
+    assert asyncio.run(main()) == [a[0].hash, b[0].hash, bytes([3]) * 32]

@@ -445,25 +445,33 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         q: asyncio.Queue = asyncio.Queue(maxsize=EVENT_QUEUE)
         node = req.node_id
         bus = self.bus
+        # Subscribe, and take the snapshot, with no await in between; only then send the
+        # snapshot. Sending suspends at every yield (the stream's flow control): had the
+        # subscription waited until the snapshot was sent, a block stored meanwhile would
+        # be in neither. An event for a snapshotted block arrives after it, in order.
+        snapshot = []
         if req.snapshot:
             for b in list(self.meta.blocks.values()):
                 for r in b.complete(None):
                     if not node or r.segment.node_id == node:
                         s = r.segment
-                        yield pb.BlockEvent(
-                            seq=bus.seq,
-                            type="stored",
-                            hash=b.hash,
-                            node_id=s.node_id,
-                            tier=r.tier,
-                            offset=r.offset,
-                            size=b.size,
-                            region_id=s.region_id,
-                            master_id=bus.master_id,
+                        snapshot.append(
+                            pb.BlockEvent(
+                                seq=bus.seq,
+                                type="stored",
+                                hash=b.hash,
+                                node_id=s.node_id,
+                                tier=r.tier,
+                                offset=r.offset,
+                                size=b.size,
+                                region_id=s.region_id,
+                                master_id=bus.master_id,
+                            )
                         )
-        # no await between the snapshot and subscribing: nothing can be missed
         bus.subs.append((node, q))
         try:
+            for ev in snapshot:
+                yield ev
             while True:
                 ev = await q.get()
                 if ev is None:
