@@ -8,6 +8,7 @@ prefix cache and are held only until the background store put ends."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -362,7 +363,9 @@ async def test_no_room_to_fetch_means_recompute_not_an_error():
     assert node.pool.num_used == 0
 
 
-async def test_a_request_cancelled_during_the_store_fetch_leaks_no_block():
+async def test_a_request_cancelled_during_the_store_fetch_frees_its_blocks_once_the_read_ends():
+    """Cancelling the wait does not stop a read landing in pool blocks: they are given back
+    (and the compute slot passed on) only when the read has ended, never while it writes."""
     base = PROMPT[:4]
     tokens = base + [5, 6, 7, 8, 9, 10]
     hashes = prefix_hashes(SEED, tokens, BS)
@@ -377,10 +380,64 @@ async def test_a_request_cancelled_during_the_store_fetch_leaks_no_block():
         await asyncio.sleep(0.001)
     assert node.pool.num_used == 2  # the local prefix block and the one being fetched
     t.cancel()
+    await asyncio.sleep(0.02)
+    assert not t.done()  # the read is still landing in its block
+    assert node.pool.num_used == 2 and node.compute.busy
+    store.get_gate.set()  # the read ends
     with pytest.raises(asyncio.CancelledError):
         await t
     assert node.pool.num_used == 0
     assert not node.compute.busy and node.compute.depth == 0
+    assert not node.model.calls[1:]  # nothing computed for the cancelled request
+
+
+class BlockingModel(FakeModel):
+    """A forward that runs until ``release`` is set, on its worker thread, recording how
+    many forwards ever ran at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.running = 0
+        self.started = 0
+        self.most = 0
+        self.lock = threading.Lock()
+
+    def forward_prefill(self, token_ids, start_pos, pool, table, on_layer_done=None):
+        with self.lock:
+            self.running += 1
+            self.started += 1
+            self.most = max(self.most, self.running)
+        try:
+            assert self.release.wait(10)
+            return super().forward_prefill(token_ids, start_pos, pool, table, on_layer_done)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+async def test_a_request_cancelled_while_computing_holds_its_blocks_and_the_slot_until_the_forward_ends():
+    """The forward runs on a worker thread that a cancellation cannot stop: its table must
+    not be freed, nor a second forward start, until it returns."""
+    model = BlockingModel()
+    node = make_node(model=model)
+    t = asyncio.create_task(node.prefill(request("a", PROMPT)))
+    while not model.started:
+        await asyncio.sleep(0.001)
+    used = node.pool.num_used
+    assert used == 3
+    t.cancel()
+    other = asyncio.create_task(node.prefill(request("b", [9, 9, 9], first_target_block=200)))
+    await asyncio.sleep(0.05)
+    assert not t.done() and node.pool.num_used == used  # still written by the forward
+    assert model.started == 1  # the next request waits for the slot
+    model.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    resp = await other
+    assert resp.computed_tokens == 3
+    assert model.most == 1  # never two forwards at once
+    assert node.pool.num_used == 0 and not node.compute.busy
 
 
 async def test_the_store_put_holds_the_new_blocks_until_it_ends():

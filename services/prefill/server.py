@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import torch
@@ -44,6 +45,7 @@ from kvmesh.services.model_node import ModelNode
 from kvmesh.services.node_config import NodeConfig
 from kvmesh.services.prefill.queue import ComputeQueue
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -74,6 +76,27 @@ class _Timing:
     ms: float
     start_ns: int
     end_ns: int
+
+
+async def _to_the_end(aw: Awaitable[T]) -> T:
+    """Awaits ``aw`` until it has really ended, even if this task is cancelled meanwhile,
+    then re-raises the cancellation. For work that writes pool blocks behind the event
+    loop's back (a forward on a worker thread, a transfer landing in or reading from the
+    pool): cancelling the await would not stop it, and its blocks must not be freed, nor
+    the compute slot passed on, before it stops."""
+    fut = asyncio.ensure_future(aw)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            result = await asyncio.shield(fut)
+        except asyncio.CancelledError as e:
+            if fut.done():  # the work itself was cancelled, not this wait
+                raise
+            cancelled = e
+            continue
+        if cancelled is not None:
+            raise cancelled
+        return result
 
 
 @dataclass
@@ -135,6 +158,12 @@ class _Handoff:
         for tr in self.transfers:
             await tr
         await self.te.notify(self.target.data_address, b"kv:" + request_id.encode())
+
+    async def settle(self) -> None:
+        """Waits (through cancellations) until every write started has ended, landed or
+        failed: they read the pool blocks, which must not be reused before."""
+        if self.transfers:
+            await _to_the_end(asyncio.gather(*self.transfers, return_exceptions=True))
 
 
 class PrefillServicer(pbg.PrefillNodeServicer):
@@ -218,7 +247,9 @@ class PrefillNode(ModelNode):
     async def _prefill_locked(self, req: pb.PrefillRequest, queue_ms: float) -> pb.PrefillResponse:
         """One request with the compute slot held: load its prefix, compute the rest while
         handing the KV off layer by layer, sample the first token, then keep the new full
-        blocks (prefix cache, store). Every block it takes is given back whatever happens."""
+        blocks (prefix cache, store). Every block it takes is given back whatever happens, but
+        only once nothing writes or reads it any more: a cancelled request first waits for
+        its forward (a worker thread) and its transfers to end, holding the compute slot."""
         t0 = time.perf_counter()
         bs = self.cfg.block_size
         p = _Prompt.of(req, bs)
@@ -233,6 +264,7 @@ class PrefillNode(ModelNode):
             first, first_lp = sample_with_logprob(logits, Sampling.from_proto(req.sampling), 0)
             await handoff.finish(req.request_id)
         except BaseException:  # cleanup only (a failure or a cancellation): re-raised
+            await handoff.settle()  # _compute has ended: it waits for its thread
             self.pool.free(table)
             raise
         prefill_ms = (time.perf_counter() - t0) * 1000
@@ -299,13 +331,15 @@ class PrefillNode(ModelNode):
         loop = asyncio.get_running_loop()
         new = torch.tensor(tokens[start:], dtype=torch.long)
         tc, t_compute = time.perf_counter(), time.time_ns()
-        logits = await asyncio.to_thread(
-            self.model.forward_prefill,
-            new,
-            start,
-            self.pool,
-            table,
-            lambda layer: loop.call_soon_threadsafe(on_layer, layer),
+        logits = await _to_the_end(
+            asyncio.to_thread(
+                self.model.forward_prefill,
+                new,
+                start,
+                self.pool,
+                table,
+                lambda layer: loop.call_soon_threadsafe(on_layer, layer),
+            )
         )
         timing = _Timing(tc, (time.perf_counter() - tc) * 1000, t_compute, time.time_ns())
         await asyncio.sleep(0)  # run the layer callbacks queued before the result
@@ -375,14 +409,16 @@ class PrefillNode(ModelNode):
         except OutOfBlocks:
             return []
         try:
-            got = await store.get_into(
-                hashes[:n],
-                self.pool_region,
-                [pool.block_offset(b) for b in ids],
-                capacities=[pool.block_nbytes] * n,
-                prefix=True,
+            got = await _to_the_end(
+                store.get_into(
+                    hashes[:n],
+                    self.pool_region,
+                    [pool.block_offset(b) for b in ids],
+                    capacities=[pool.block_nbytes] * n,
+                    prefix=True,
+                )
             )
-        except BaseException:  # cleanup only (cancelled while reading): re-raised
+        except BaseException:  # cleanup only (the read has ended): re-raised
             pool.free(ids)
             raise
         k = next((i for i, sz in enumerate(got) if sz != pool.block_nbytes), n)
