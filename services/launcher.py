@@ -27,6 +27,7 @@ from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.client import cluster_status, format_status, stream_completion
 from kvmesh.services.common.etcd import EtcdClient, EtcdError
 from kvmesh.services.common.registry import node_key
+from kvmesh.services.common.settings import KNOWN_SECRETS
 
 T = TypeVar("T")
 
@@ -211,14 +212,28 @@ class Etcd:
 CONDUCTOR = "conductor-0"
 
 
+def cluster_secret(workdir: str) -> str:
+    """The data-plane secret of a local cluster: the operator's ``KVMESH_SECRET`` when it is
+    set (and not one of the well-known ones), else a random one for this cluster. It is
+    written to ``<workdir>/secret`` (mode 0600), so a node started by hand can join:
+    ``KVMESH_SECRET=$(cat <workdir>/secret) kvmesh prefill ...``."""
+    given = os.environ.get("KVMESH_SECRET", "")
+    secret = given if given and given not in KNOWN_SECRETS else secrets.token_hex(32)
+    path = os.path.join(workdir, "secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
+
+
 class LocalCluster:
     """etcd (unless ``etcd_endpoint`` is given) + store-master + conductor + nodes, each a
     ``python -m kvmesh.services.cli <role>`` process with its log in ``workdir``.
 
     Every service binds port 0 unless told a port (``conductor_port``, ``http_port``) and
     registers its addresses in etcd; :meth:`start` reads the conductor's from there, and
-    a restarted conductor gets the same ports again. The nodes share a random data-plane
-    secret (:attr:`secret`, given to them as ``KVMESH_SECRET``)."""
+    a restarted conductor gets the same ports again. The nodes share a data-plane secret
+    (:attr:`secret`, given to them as ``KVMESH_SECRET``): see :func:`cluster_secret`."""
 
     def __init__(
         self,
@@ -259,7 +274,7 @@ class LocalCluster:
         self.log_level = log_level
         # the conductor's OpenAI-compatible API (0 = any free port, read by start(); -1 = off)
         self.http_port = http_port
-        self.secret = secrets.token_hex(32)  # the nodes' data-plane secret, one per cluster
+        self.secret = cluster_secret(self.workdir)  # the nodes' data-plane secret
         # tls: a throwaway CA + one certificate per service in <workdir>/tls (mutual TLS on
         # every gRPC channel); api_key: what status()/wait_ready() send to the conductor
         self.tls_dir = os.path.join(self.workdir, "tls") if tls else ""
@@ -622,6 +637,8 @@ def up(args: argparse.Namespace) -> int:
         print(
             f'try: kvmesh generate --conductor {cluster.conductor}{" " + client if client else ""} "Hello"\n'
             f"     kvmesh status --conductor {cluster.conductor}{' ' + client if client else ''}\n"
+            f"The nodes' data-plane secret is in {cluster.workdir}/secret: a node started by "
+            f"hand joins with KVMESH_SECRET=$(cat {cluster.workdir}/secret).\n"
             f"Ctrl-C stops the cluster.",
             flush=True,
         )

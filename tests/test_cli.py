@@ -146,3 +146,25 @@ def test_without_the_engine_nodes_say_how_to_install_it():
         r = _cli_without_torch(role, "--help")
         assert r.returncode == 0, r.stderr
         assert "--etcd" in r.stdout
+
+
+def test_local_cluster_secret_is_random_or_the_operators_and_written_for_hand_started_nodes(
+    tmp_path, monkeypatch
+):
+    import stat
+
+    from kvmesh.services.common.settings import DEV_SECRET
+    from kvmesh.services.launcher import cluster_secret
+
+    monkeypatch.delenv("KVMESH_SECRET", raising=False)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = cluster_secret(str(tmp_path / "a")), cluster_secret(str(tmp_path / "b"))
+    assert len(a) == 64 and a != b  # random, one per cluster
+    path = tmp_path / "a" / "secret"
+    assert path.read_text().strip() == a
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    monkeypatch.setenv("KVMESH_SECRET", "the-operators-own")
+    assert cluster_secret(str(tmp_path / "b")) == "the-operators-own"
+    monkeypatch.setenv("KVMESH_SECRET", DEV_SECRET)  # a well-known one is never used
+    assert cluster_secret(str(tmp_path / "b")) not in (DEV_SECRET, "the-operators-own")
