@@ -33,13 +33,33 @@ def _ci() -> bool:
     return os.environ.get("CI") == "true"
 
 
+def extra_distributions(project: dict, extra: str) -> frozenset[str]:
+    """Canonical names of the distributions ``extra`` installs: a requirement on the
+    project itself (``kvmesh[engine,dev]``) stands for those extras' requirements."""
+    own = canonicalize_name(project.get("name", ""))
+    extras = project.get("optional-dependencies", {})
+    names: set[str] = set()
+    seen: set[str] = set()
+    todo = [extra]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for r in map(Requirement, extras.get(name, [])):
+            if canonicalize_name(r.name) == own:
+                todo.extend(r.extras)
+            else:
+                names.add(canonicalize_name(r.name))
+    return frozenset(names)
+
+
 def _test_extras(config: pytest.Config) -> frozenset[str]:
     """Canonical names of the ``test`` extra's distributions (empty without a pyproject)."""
     if _EXTRAS not in config.stash:
         path = Path(config.rootpath) / "pyproject.toml"
         data = tomllib.loads(path.read_text()) if path.is_file() else {}
-        reqs = data.get("project", {}).get("optional-dependencies", {}).get("test", [])
-        config.stash[_EXTRAS] = frozenset(canonicalize_name(Requirement(r).name) for r in reqs)
+        config.stash[_EXTRAS] = extra_distributions(data.get("project", {}), "test")
     return config.stash[_EXTRAS]
 
 

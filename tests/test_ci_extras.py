@@ -110,3 +110,22 @@ def test_under_ci_an_uninstalled_test_extra_stops_the_run(tmp_path):
     assert "kvmesh-no-such-dist" in text and "passed" not in text, text
     rc, text = run_probe(tmp_path, ci=False, extras='"pytest>=8", "kvmesh-no-such-dist>=1"')
     assert rc == 0, text
+
+
+def test_the_test_extra_counts_what_its_own_extras_install():
+    """``kvmesh[engine,dev]`` inside the test extra stands for torch, grpcio-tools, ...:
+    a missing torch must fail a CI run, not pass as the installed ``kvmesh``."""
+    import tomllib
+    from pathlib import Path
+
+    from tests.conftest import extra_distributions
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    names = extra_distributions(project["project"], "test")
+    assert {"torch", "safetensors", "grpcio-tools", "ruff", "mypy", "pytest"} <= names
+    assert "kvmesh" not in names
+    fake = {
+        "name": "p",
+        "optional-dependencies": {"a": ["p[b]", "x"], "b": ["p[a]", "y>=1"]},  # a cycle
+    }
+    assert extra_distributions(fake, "a") == {"x", "y"}
