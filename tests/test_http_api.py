@@ -210,6 +210,21 @@ def test_checkpoint_chat_template(tmp_path):
     ) == render_default(msgs)
 
 
+def test_a_chat_template_that_fails_on_the_messages_is_the_clients_400():
+    from kvmesh.services.conductor.http_api import ApiError
+
+    msgs = [{"role": "user", "content": "hi"}]
+    broken = {
+        "bos_token": "",
+        "eos_token": "",
+        "template": "{% macro loop(n) %}{{ loop(n) }}{% endmacro %}{{ loop(1) }}",  # recursion
+    }
+    for template in (broken["template"], "{{ messages[5]['content'] }}", "{{ 1 / 0 }}"):
+        with pytest.raises(ApiError) as e:
+            render_chat(msgs, {**broken, "template": template})
+        assert e.value.status == 400 and "chat template" in str(e.value)
+
+
 def test_missing_jinja2_is_an_error_once_when_a_model_ships_a_template(
     tmp_path, monkeypatch, caplog
 ):

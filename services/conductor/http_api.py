@@ -237,6 +237,7 @@ def render_chat(messages: list[dict[str, str]], checkpoint: dict[str, Any] | Non
         LookupError,
         AttributeError,
         ArithmeticError,
+        RecursionError,  # a template's macro calling itself, on these messages
     ) as e:
         raise ApiError(
             400, f"the model's chat template failed on these messages: {e}", param="messages"
