@@ -194,8 +194,7 @@ async def fault_restart(
 
 
 async def respawn(cluster, name: str) -> None:
-    role, extra = cluster._spawn_args[name]
-    cluster.spawn(name, role, extra)
+    cluster.respawn(name)
     await asyncio.to_thread(cluster.wait_ready, 60)
 
 

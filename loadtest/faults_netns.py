@@ -122,7 +122,7 @@ def net_cut(workdir: str, prompts, expect, plan: Plan, cut_s: float = 0.0) -> di
                 "-m",
                 "kvmesh.services.cli",
                 "prefill",
-                *cluster._common(name),
+                *cluster.common_args(name),
                 *NODE_ARGS,
                 "--host",
                 net.ip_ns,

@@ -306,7 +306,9 @@ class LocalCluster:
         """The environment of the cluster's processes (one started by hand too)."""
         return {**os.environ, "PYTHONUNBUFFERED": "1", "KVMESH_SECRET": self.secret}
 
-    def _common(self, name: str) -> list[str]:
+    def common_args(self, name: str) -> list[str]:
+        """The flags every service ``name`` of this cluster takes (cluster, etcd, node id,
+        lease, log level, TLS identity): for a process started by hand beside it."""
         return [
             "--cluster",
             self.cluster,
@@ -344,10 +346,15 @@ class LocalCluster:
         a = self.tls_args("client")
         return TlsFiles(a[1], a[3], a[5])
 
+    def respawn(self, name: str) -> subprocess.Popen:
+        """Starts ``name`` again with the role and arguments it was last spawned with."""
+        role, extra = self._spawn_args[name]
+        return self.spawn(name, role, extra)
+
     def spawn(self, name: str, role: str, extra: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
         p = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.services.cli", role, *self._common(name), *extra],
+            [sys.executable, "-m", "kvmesh.services.cli", role, *self.common_args(name), *extra],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -290,3 +290,58 @@ def test_entry_module_does_not_load(entry, absent):
     ).stdout.split()
     loaded = sorted(m for m in out if any(m == a or m.startswith(a + ".") for a in absent))
     assert not loaded, f"importing {entry} loaded {loaded}"
+
+
+def _private_names(tree: ast.AST) -> set[str]:
+    """Underscore names a module defines: functions, classes, and attributes it assigns."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)  # __slots__ entries
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reaches(trees: dict[str, ast.AST]) -> list[str]:
+    """``obj._name`` reads (obj not self/cls) of a private name that another kvmesh module
+    defines and this one does not: one module reaching into another's private state."""
+    defined = {mod: _private_names(tree) for mod, tree in trees.items()}
+    everywhere = set().union(*defined.values()) if defined else set()
+    found = []
+    for mod, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+                continue
+            if node.attr.startswith("__") or node.attr in defined[mod]:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in everywhere:
+                found.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_state():
+    trees = {
+        name: ast.parse(path.read_text())
+        for name, path in modules().items()
+        if not name.startswith("kvmesh.protos")
+    }
+    found = private_reaches(trees)
+    assert not found, "private state read across modules (give it a public interface): " + (
+        "; ".join(found)
+    )
+
+
+def test_private_reach_check_finds_one():
+    a = ast.parse("class A:\n    def __init__(self):\n        self._lock = 1\n")
+    b = ast.parse("def f(a):\n    return a._lock, a._replace(), self_._lock\n")
+    assert private_reaches({"m.a": a, "m.b": b}) == ["m.b:2: a._lock", "m.b:2: self_._lock"]
+    assert private_reaches({"m.a": a}) == []
