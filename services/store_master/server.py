@@ -442,7 +442,6 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         return pb.PinResponse(pinned=self.meta.pin(list(req.hashes), False))
 
     async def WatchBlocks(self, req, context):
-        q: asyncio.Queue = asyncio.Queue(maxsize=EVENT_QUEUE)
         node = req.node_id
         bus = self.bus
         # Subscribe, and take the snapshot, with no await in between; only then send the
@@ -468,6 +467,9 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
                                 master_id=bus.master_id,
                             )
                         )
+        # room for what happens while the snapshot is sent, on top of the usual lag: a
+        # big snapshot must not get its subscriber cut (and resent) before it is through
+        q: asyncio.Queue = asyncio.Queue(maxsize=EVENT_QUEUE + len(snapshot))
         bus.subs.append((node, q))
         try:
             for ev in snapshot:
