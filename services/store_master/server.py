@@ -135,12 +135,10 @@ class EventBus:
         self.seq = 0
         self.subs: list[tuple[str, asyncio.Queue]] = []
 
-    def publish(self, kind: str, blk: Block, rep: Replica) -> None:
-        self.seq += 1
-        if not self.subs:
-            return
+    def event(self, kind: str, blk: Block, rep: Replica) -> pb.BlockEvent:
+        """The event of ``rep`` of ``blk``, numbered with the bus's current sequence."""
         s = rep.segment
-        ev = pb.BlockEvent(
+        return pb.BlockEvent(
             seq=self.seq,
             type=kind,
             hash=blk.hash,
@@ -151,8 +149,14 @@ class EventBus:
             region_id=s.region_id,
             master_id=self.master_id,
         )
+
+    def publish(self, kind: str, blk: Block, rep: Replica) -> None:
+        self.seq += 1
+        if not self.subs:
+            return
+        ev = self.event(kind, blk, rep)
         for node, q in list(self.subs):
-            if node and node != s.node_id:
+            if node and node != rep.segment.node_id:
                 continue
             try:
                 q.put_nowait(ev)
@@ -448,25 +452,16 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         # snapshot. Sending suspends at every yield (the stream's flow control): had the
         # subscription waited until the snapshot was sent, a block stored meanwhile would
         # be in neither. An event for a snapshotted block arrives after it, in order.
-        snapshot = []
-        if req.snapshot:
-            for b in list(self.meta.blocks.values()):
-                for r in b.complete(None):
-                    if not node or r.segment.node_id == node:
-                        s = r.segment
-                        snapshot.append(
-                            pb.BlockEvent(
-                                seq=bus.seq,
-                                type="stored",
-                                hash=b.hash,
-                                node_id=s.node_id,
-                                tier=r.tier,
-                                offset=r.offset,
-                                size=b.size,
-                                region_id=s.region_id,
-                                master_id=bus.master_id,
-                            )
-                        )
+        snapshot = (
+            [
+                bus.event("stored", b, r)
+                for b in list(self.meta.blocks.values())
+                for r in b.complete(None)
+                if not node or r.segment.node_id == node
+            ]
+            if req.snapshot
+            else []
+        )
         # room for what happens while the snapshot is sent, on top of the usual lag: a
         # big snapshot must not get its subscriber cut (and resent) before it is through
         q: asyncio.Queue = asyncio.Queue(maxsize=EVENT_QUEUE + len(snapshot))
