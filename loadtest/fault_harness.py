@@ -179,8 +179,8 @@ class Load:
             salt = f"s{i}-{random.random()}" if (i // self.concurrency) % 2 == 0 else ""
             i += self.concurrency
             try:
-                r = await asyncio.wait_for(
-                    run_request(
+                async with asyncio.timeout(self.deadline_s + HANG_SLACK_S):
+                    r = await run_request(
                         stub,
                         idx,
                         self.prompts[idx],
@@ -189,9 +189,7 @@ class Load:
                         self.t0,
                         self.deadline_s,
                         salt=salt,
-                    ),
-                    self.deadline_s + HANG_SLACK_S,
-                )
+                    )
             except TimeoutError:
                 self.hung += 1
                 r = Req(

@@ -418,3 +418,36 @@ def test_etcd_starts_on_other_ports_when_its_guess_is_taken(tmp_path, monkeypatc
         etcd.stop()
         squatter.shutdown()
         squatter.server_close()
+
+
+def test_keepalive_read_that_completes_as_the_task_is_cancelled_still_cancels():
+    """Python 3.11's ``asyncio.wait_for`` returns the result when a cancellation lands
+    in the same loop turn as the awaited read completing, so a Registration's
+    keepalive task, cancelled by ``stop()``, ran on forever and ``stop()`` never
+    returned (CI hung on it). The read's deadline must not eat the cancellation."""
+    from kvmesh.services.common.etcd import LeaseKeepAliveStream
+
+    class Call:
+        def __init__(self):
+            self.read_fut = None
+
+        async def write(self, req):
+            pass
+
+        def read(self):
+            self.read_fut = asyncio.get_running_loop().create_future()
+            return self.read_fut
+
+    async def main():
+        call = Call()
+        stream = LeaseKeepAliveStream(EtcdClient("127.0.0.1:1", timeout=5), call, None)
+        task = asyncio.create_task(stream.keepalive(1))
+        while call.read_fut is None:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        call.read_fut.set_result(rpc_pb2.LeaseKeepAliveResponse(ID=1, TTL=5))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())

@@ -108,7 +108,8 @@ class LeaseKeepAliveStream:
         """Refresh ``lease_id``; returns its new TTL in seconds (<= 0: the lease no longer exists)."""
         try:
             await self._call.write(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id))
-            resp = await asyncio.wait_for(self._call.read(), self._client.timeout)
+            async with asyncio.timeout(self._client.timeout):
+                resp = await self._call.read()
         except grpc.aio.AioRpcError as e:
             raise self._client._error(e, self._channel) from None
         except (asyncio.InvalidStateError, TimeoutError) as e:

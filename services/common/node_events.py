@@ -89,7 +89,8 @@ class EventHub:
             )
             while True:
                 try:
-                    await asyncio.wait_for(sub.wake.wait(), interval_s)
+                    async with asyncio.timeout(interval_s):
+                        await sub.wake.wait()
                 except TimeoutError:
                     pass
                 sub.wake.clear()

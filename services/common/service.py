@@ -165,12 +165,14 @@ class Service:
             log.exception("setting health NOT_SERVING failed")
         if self.registration is not None:
             try:
-                await asyncio.wait_for(self.registration.stop(), 3)
+                async with asyncio.timeout(3):
+                    await self.registration.stop()
             except (TimeoutError, EtcdError) as e:  # etcd is gone: the lease expires itself
                 log.warning("deregistering failed (%s); the lease will expire", e)
         await asyncio.sleep(self.cfg.grace_s)
         try:
-            await asyncio.wait_for(self.drain(), 30)
+            async with asyncio.timeout(30):
+                await self.drain()
         except TimeoutError:
             log.warning("drain did not finish in 30 s")
         except Exception:  # a subclass's drain() may raise anything

@@ -147,7 +147,8 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 return
         else:
             try:
-                await asyncio.wait_for(res.kv_ready.wait(), node.cfg.kv_wait_s)
+                async with asyncio.timeout(node.cfg.kv_wait_s):
+                    await res.kv_ready.wait()
             except TimeoutError:
                 node.release(req.request_id)
                 await context.abort(

@@ -165,7 +165,8 @@ class StoreClient:
         host.follow(addr)
         self.segment, self._own_segment = host, True
         try:
-            await asyncio.wait_for(host.mounted.wait(), timeout or self.rpc_timeout)
+            async with asyncio.timeout(timeout or self.rpc_timeout):
+                await host.mounted.wait()
         except TimeoutError:
             log.warning("store: segment not mounted yet; puts go remote until it is")
 

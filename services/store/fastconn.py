@@ -61,7 +61,8 @@ class FastConn:
             try:
                 sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                await asyncio.wait_for(loop.sock_connect(sock, sa), timeout)
+                async with asyncio.timeout(timeout):
+                    await loop.sock_connect(sock, sa)
                 return cls(sock, poll_us)
             except (TimeoutError, OSError) as e:
                 sock.close()
