@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from kvmesh.services.conductor.index import CacheIndex
 from kvmesh.services.conductor.policy import (
     DISAGG,
+    INFEASIBLE,
     DecodeNodeState,
     PolicyConfig,
     PrefillNodeState,
@@ -265,7 +266,9 @@ class Simulation:
         self.decisions += 1
         rq.decision = d
         if not d.accepted:
-            rq.status, rq.reason = "RESOURCE_EXHAUSTED", d.reason
+            # as the conductor answers: no node could ever serve it, or retry later
+            code = "INVALID_ARGUMENT" if d.reason == INFEASIBLE else "RESOURCE_EXHAUSTED"
+            rq.status, rq.reason = code, d.reason
             return
         self.sched.commit(rq.r, d)
         bs = self.cfg.block_size

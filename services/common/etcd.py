@@ -304,6 +304,36 @@ class EtcdClient:
         )
         return resp.deleted
 
+    async def create(
+        self, key: str, value: bytes | str, lease: int = 0, also: dict[str, bytes] | None = None
+    ) -> tuple[bool, bytes | None, int]:
+        """One transaction: if ``key`` does not exist (its create_revision is 0), put
+        ``key`` = ``value`` and every ``also`` key, all under ``lease``; else read ``key``.
+        Returns ``(created, value of key now, store revision of the transaction)`` - the
+        building block of a leader election (campaign key under the candidate's lease)."""
+        k = _b(key)
+        puts = [rpc_pb2.PutRequest(key=k, value=_b(value), lease=lease)]
+        puts += [
+            rpc_pb2.PutRequest(key=_b(a), value=_b(v), lease=lease) for a, v in (also or {}).items()
+        ]
+        req = rpc_pb2.TxnRequest(
+            compare=[
+                rpc_pb2.Compare(
+                    result=rpc_pb2.Compare.EQUAL,
+                    target=rpc_pb2.Compare.CREATE,
+                    key=k,
+                    create_revision=0,
+                )
+            ],
+            success=[rpc_pb2.RequestOp(request_put=p) for p in puts],
+            failure=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=k))],
+        )
+        resp = await self._unary("_kv", "Txn", req)
+        if resp.succeeded:
+            return True, _b(value), resp.header.revision
+        kvs = resp.responses[0].response_range.kvs if resp.responses else []
+        return False, (kvs[0].value if kvs else None), resp.header.revision
+
     async def compact(self, revision: int) -> None:
         """Compact the key-value history up to ``revision`` (mainly for tests/ops)."""
         await self._unary(
