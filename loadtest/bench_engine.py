@@ -16,6 +16,10 @@ its remaining points once ``--budget-s`` is spent (reported as ``null``, printed
 2-3 minutes on 2 cores.
 
     python -m kvmesh.loadtest.bench_engine [--models tiny,small] [--dtypes float32,bfloat16]
+
+``--long [options]`` runs the long-prompt benchmark instead (``bench_long``: ``small`` in
+bfloat16 on 2 threads, prefill at 512 to 32k tokens and decode against transformers,
+medians, peak memory per length; ``--long --help`` lists its options).
 """
 
 from __future__ import annotations
@@ -145,7 +149,34 @@ def fmt(x, key, digits=0):
     return "skipped" if x is None else f"{x[key]:,.{digits}f}"
 
 
+def run_cuda(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """``--device cuda``: loadtest/bench_gpu.py for each model, in this process."""
+    from kvmesh.loadtest import bench_gpu
+
+    models = "llama-1b" if a.models == ap.get_default("models") else a.models
+    dtype = "bfloat16" if a.dtypes == ap.get_default("dtypes") else a.dtypes.split(",")[0]
+    ctx = 1024 if a.context == ap.get_default("context") else a.context
+    out = RESULTS.with_name("engine_cuda.json") if a.out == str(RESULTS) else Path(a.out)
+    results = []
+    for model in models.split(","):
+        r = bench_gpu.run(model, dtype, context=ctx, with_transformers=not a.no_transformers)
+        print(bench_gpu.render(r), flush=True)
+        results.append(r)
+    doc = {"benchmark": "engine-cuda", "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    doc |= {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
+    doc |= {"command": " ".join(sys.argv), "results": results}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"\nwrote {out}")
+
+
 def main() -> None:
+    if "--long" in sys.argv[1:]:
+        from kvmesh.loadtest import bench_long
+
+        sys.argv.remove("--long")
+        bench_long.main()
+        return
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -155,7 +186,30 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=50.0, help="time budget per model/dtype")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "DTYPE"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "auto"),
+        default="cpu",
+        help="cuda: the GPU benchmark (bench_gpu: --models default llama-1b, bfloat16, "
+        "against transformers on the same GPU); refused where torch sees no CUDA device",
+    )
+    ap.add_argument("--no-transformers", action="store_true", help="cuda: kvmesh only")
     a = ap.parse_args()
+    if a.device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            a.device = "cuda"
+        elif a.device == "cuda":
+            ap.error(
+                f"--device cuda: torch {torch.__version__} sees no CUDA device "
+                "(use --device cpu, or auto to take CUDA only where present)"
+            )
+        else:
+            a.device = "cpu"
+    if a.device == "cuda":
+        run_cuda(a, ap)
+        return
     if a.child:
         print(json.dumps(run_one(a.child[0], a.child[1], a.context, a.budget_s)))
         return

@@ -1,8 +1,19 @@
-"""Loading a model: a random preset or a Hugging Face checkpoint directory.
+"""Loading a model: a random preset, a shipped model, a checkpoint directory or a hub id.
 
-:func:`load_model` takes a *spec* -- a preset name (``tiny``, ``small``) or the path of
-a Hugging Face model directory -- and returns a :class:`LoadedModel` (model, config,
-tokenizer, weights digest, name). Supported directories:
+:func:`load_model` takes a *spec* and returns a :class:`LoadedModel` (model, config,
+tokenizer, weights digest, name). :func:`resolve_model` says where a spec lives, in this
+order (that of ``vllm serve``: a local path or a preset name wins over the hub):
+
+1. a random preset (``tiny``, ``small``: weights drawn from ``--seed``);
+2. a model shipped inside kvmesh (``demo``: a small Llama trained on public-domain
+   English by ``scripts/train_demo.py``, in ``services/engine/demo/``);
+3. a local Hugging Face model directory;
+4. a Hugging Face hub id (``org/name``, e.g. ``Qwen/Qwen2.5-0.5B-Instruct``), resolved by
+   ``huggingface_hub``: its snapshot in the hub cache (``HF_HOME``, ``HF_HUB_CACHE``),
+   downloaded first when missing unless ``HF_HUB_OFFLINE=1``, where only the cache is
+   read and a missing id is a :class:`CheckpointError` that says so.
+
+Supported directories:
 
 * ``config.json`` of a ``LlamaForCausalLM``, ``MistralForCausalLM`` or
   ``Qwen2ForCausalLM`` (``architectures``, else ``model_type``); transformers 4.x
@@ -40,7 +51,7 @@ import torch
 from kvmesh.services.common.hashing import model_fingerprint
 from kvmesh.services.common.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, read_json
 
-from .config import PRESETS, ModelConfig, RopeScaling, dtype_name, resolve_dtype
+from .config import PRESETS, SHIPPED_MODELS, ModelConfig, RopeScaling, dtype_name, resolve_dtype
 from .model import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -66,7 +77,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: ByteTokenizer | HFTokenizer
     weights_digest: bytes
-    name: str  # preset name or the directory's base name
+    name: str  # preset or shipped model name, hub id, or the directory's base name
     path: (
         str  # preset name or absolute directory path (what the conductor loads the tokenizer from)
     )
@@ -78,24 +89,119 @@ class LoadedModel:
     def fingerprint(
         self, dtype_name_: str | torch.dtype | None = None, block_size: int = 256
     ) -> str:
-        """Fingerprint of weights digest, config, dtype, tokenizer, block size and KV layout."""
+        """Fingerprint of weights digest, config, dtype, tokenizer, block size and KV layout.
+
+        The device (``--device cpu|cuda``) is deliberately not in it: a pool on a GPU has
+        the same layout and dtype as one on the CPU, and its bytes travel through a host
+        mirror of that same layout, so a CPU node and a GPU node of one dtype exchange KV
+        (handoffs, store blocks) byte for byte. Only what changes the KV bytes enters."""
         dt = dtype_name(resolve_dtype(dtype_name_ if dtype_name_ is not None else self.dtype))
         return model_fingerprint(
             self.config, self.weights_digest, dt, self.tokenizer.name, block_size, KV_LAYOUT_VERSION
         )
 
 
+# what a hub snapshot needs: config, weights (single or sharded + index), tokenizer files
+HUB_PATTERNS = ["*.json", "*.safetensors"]
+
+
+def model_names() -> str:
+    """The names ``--model`` knows without a path: the random presets and the shipped models."""
+    return ", ".join([*PRESETS, *SHIPPED_MODELS])
+
+
+def shipped_model_dir(name: str) -> str:
+    """The folder of a model shipped with kvmesh (package data beside this module)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), SHIPPED_MODELS[name])
+
+
+def is_hub_id(spec: str) -> bool:
+    """Whether ``spec`` reads as a Hugging Face hub id ``org/name`` (a valid repo id)."""
+    if spec.count("/") != 1:
+        return False
+    try:
+        from huggingface_hub.utils import validate_repo_id
+    except ImportError:
+        return False
+    try:
+        validate_repo_id(spec)
+    except ValueError:  # HFValidationError
+        return False
+    return True
+
+
+def resolve_model(spec: str, download: bool = True) -> str | None:
+    """Where the model ``spec`` lives: a random preset's name as is, anything else as the
+    absolute path of a checkpoint directory (see the module docstring for the order).
+
+    ``download=False`` only looks: a hub id missing from the cache is then ``None`` (to be
+    downloaded at load time) unless the hub is offline, where it is an error at once.
+    Raises :class:`CheckpointError` with what to fix."""
+    if spec in PRESETS:
+        return spec
+    if spec in SHIPPED_MODELS:
+        path = shipped_model_dir(spec)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise CheckpointError(
+                f"model: the shipped model {spec!r} is missing from this install ({path}); "
+                f"reinstall kvmesh or write it with `python scripts/train_demo.py`"
+            )
+        return path
+    if os.path.isdir(spec):
+        return os.path.abspath(spec)
+    if not is_hub_id(spec):
+        raise CheckpointError(
+            f"model: {spec!r} is neither a preset ({model_names()}), a model directory "
+            f"nor a Hugging Face hub id (org/name)"
+        )
+    return hub_snapshot(spec, download)
+
+
+def hub_snapshot(repo_id: str, download: bool = True) -> str | None:
+    """The local snapshot folder of hub id ``repo_id`` (see :func:`resolve_model`)."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:
+        raise CheckpointError(
+            f"model: {repo_id!r} is not a local directory, and Hugging Face hub ids need "
+            f"huggingface_hub: pip install 'kvmesh[engine]'"
+        ) from None
+    offline = bool(constants.HF_HUB_OFFLINE)
+    try:
+        path = snapshot_download(
+            repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline or not download
+        )
+    except LocalEntryNotFoundError:
+        if not download and not offline:
+            return None
+        cache = constants.HF_HUB_CACHE
+        raise CheckpointError(
+            f"model: {repo_id!r} is not a local directory, and not in the Hugging Face "
+            f"cache {cache}: HF_HUB_OFFLINE is set, so nothing is downloaded; download it "
+            f"where the hub is reachable (`hf download {repo_id}` with HF_HOME pointing at "
+            f"that cache) or unset HF_HUB_OFFLINE"
+            if offline
+            else f"model: {repo_id!r} is not a local directory, not in the Hugging Face "
+            f"cache {cache}, and could not be downloaded from the hub (is the hub reachable, "
+            f"is the id right?)"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise CheckpointError(
+            f"model: cannot get {repo_id!r} from the Hugging Face hub: {e}"
+        ) from None
+    return str(path)
+
+
 def load_model(spec: str, dtype: torch.dtype | str = torch.float32, seed: int = 0) -> LoadedModel:
-    """Load a preset (random weights from ``seed``) or a Hugging Face model directory."""
+    """Load a preset (random weights from ``seed``), a shipped model, a Hugging Face model
+    directory or a hub id (see :func:`resolve_model`)."""
     dt = resolve_dtype(dtype)  # ValueError for float16 / unknown names
     if spec in PRESETS:
         model = LlamaModel.from_preset(spec, seed=seed, dtype=dt)
         return LoadedModel(model, model.config, ByteTokenizer(), model.weights_digest, spec, spec)
-    if not os.path.isdir(spec):
-        raise CheckpointError(
-            f"model: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory"
-        )
-    path = os.path.abspath(spec)
+    path = resolve_model(spec)
+    assert path is not None  # download=True: a path or an error
     config = config_from_hf(path)
     try:
         tokenizer = HFTokenizer(path)
@@ -107,7 +213,9 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32, seed: int = 
     load_weights(model, files)
     model.weights_digest = digest
     model.eval()
-    return LoadedModel(model, config, tokenizer, digest, os.path.basename(path), path)
+    # a name or hub id is the model's name; a directory, its base name
+    name = os.path.basename(path) if os.path.isdir(spec) else spec
+    return LoadedModel(model, config, tokenizer, digest, name, path)
 
 
 # ------------------------------------------------------------------ config

@@ -123,6 +123,8 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # Llama-like shape, ~125M parameters (~100M without the untied lm_head).
     # Untied: with random weights a tied head makes greedy decoding repeat its input.
+    # 32k positions: the weights are random and RoPE has no learned limit, so long
+    # prompts (Mooncake's trace averages ~12k input tokens) run on it.
     "small": ModelConfig(
         vocab_size=32000,
         hidden_size=768,
@@ -131,12 +133,34 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=4,
         head_dim=64,
         intermediate_size=2048,
-        max_position_embeddings=4096,
+        max_position_embeddings=32768,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    # A Llama shape of ~1.1B parameters (2.2 GB in bfloat16): the GPU check's model
+    # (scripts/gpu-check.sh). Too large for the CPU tests; random weights like the rest.
+    "llama-1b": ModelConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        max_position_embeddings=32768,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     ),
 }
+
+# Trained models shipped inside kvmesh, by name -> folder beside this module (package
+# data). Unlike PRESETS (random weights from --seed) they load like a checkpoint
+# directory, tokenizer included (see checkpoint.resolve_model).
+# demo: a 1.3 M-parameter Llama that writes English, trained by scripts/train_demo.py on
+# The Devil's Dictionary (public domain); what `kvmesh up --demo` serves.
+SHIPPED_MODELS: dict[str, str] = {"demo": "demo"}
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -8,6 +8,7 @@ import torch
 
 from .config import ModelConfig, resolve_dtype
 from .prefix_cache import BlockEvent, PrefixCache
+from .staging import KVStaging, make_staging
 
 
 class OutOfBlocks(RuntimeError):
@@ -31,6 +32,7 @@ class KVPool:
         block_size: int,
         dtype: torch.dtype | str = torch.float32,
         on_event: Callable[[BlockEvent], None] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -48,7 +50,11 @@ class KVPool:
                 config.head_dim,
             ),
             dtype=self.dtype,
+            device=device,
         )
+        # On a GPU: a pinned host mirror the transfer engine registers, and the copies to
+        # and from it (see staging.py); None on the CPU, where the pool is registered.
+        self.staging: KVStaging | None = make_staging(self.kv)
         self._refcount = [0] * self.num_blocks
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() yields 0, 1, ...
         self._num_used = 0
@@ -103,9 +109,15 @@ class KVPool:
             raise IndexError(f"layer {layer} out of range")
         return self.block_offset(block_id) + layer * self.layer_nbytes
 
+    @property
+    def transfer_kv(self) -> torch.Tensor:
+        """The host tensor the transfer engine registers: the pool itself on the CPU, its
+        pinned host mirror (same layout, same offsets) on a GPU."""
+        return self.kv if self.staging is None else self.staging.host
+
     def bytes_view(self) -> memoryview:
-        """Writable flat byte view of the whole pool tensor (shares memory)."""
-        return memoryview(self.kv.view(torch.uint8).numpy().reshape(-1))
+        """Writable flat byte view of :attr:`transfer_kv` (shares memory)."""
+        return memoryview(self.transfer_kv.view(torch.uint8).numpy().reshape(-1))
 
     # ------------------------------------------------------------- allocation
     @property
@@ -147,6 +159,8 @@ class KVPool:
         for b in out:
             self._refcount[b] = 1
         self._num_used += n
+        if self.staging is not None:  # new contents land in the mirror or are computed
+            self.staging.mark_host_newer(out)
         return out
 
     def ref(self, block_ids: Sequence[int]) -> None:

@@ -23,6 +23,10 @@ from .config import PRESETS, ModelConfig, dtype_name, resolve_dtype, rope_inv_fr
 from .kv_pool import KVPool
 
 
+class PrefillStopped(RuntimeError):
+    """A chunked prefill stopped between two chunks because its caller asked it to."""
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (HF Llama convention: normalize in float32)."""
 
@@ -88,6 +92,70 @@ class DecoderLayer(nn.Module):
         h = h + self.o_proj(attn)
         x = self.post_attention_layernorm(h)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_prefix: torch.Tensor | None = None,
+    v_prefix: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of ``n`` new queries, without a mask tensor.
+
+    ``q`` [n, heads, D]; ``k``, ``v`` [n, kv_heads, D] are the new tokens' keys (query
+    ``i`` sees new keys ``0..i``); ``k_prefix``, ``v_prefix`` [P, kv_heads, D] (or None)
+    are the cached positions before them, which every query sees. Returns [n, heads*D].
+
+    Without a prefix: SDPA with ``is_causal`` (its flash kernel on CPU). With one, the
+    prefix part (no mask at all) and the causal part are two flash calls, merged by
+    their log-sum-exp; on devices other than the CPU, where that kernel is not exposed,
+    one SDPA call with a lower-right causal bias. Memory is linear in ``n`` and ``P``.
+    """
+    n, heads, d = q.shape
+    kvh = k.shape[1]
+    g = heads // kvh
+    qh = q.transpose(0, 1)  # [H, n, D]
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, n, D]
+    if k_prefix is None or k_prefix.shape[0] == 0:
+        o = F.scaled_dot_product_attention(
+            qh[None], kh[None], vh[None], is_causal=True, enable_gqa=True
+        )[0]
+    elif q.device.type == "cpu":
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        # prefix: the g query heads of one KV head read the same keys with no mask, so
+        # they are one batch row of g*n queries (no copy of the keys per query head)
+        o_pre, lse_pre = flash(
+            qh.reshape(kvh, g * n, d)[None],
+            k_prefix.transpose(0, 1)[None],
+            v_prefix.transpose(0, 1)[None],
+        )
+        o_pre, lse_pre = o_pre.reshape(heads, n, d), lse_pre.reshape(heads, n)
+        # causal part: batch = KV head, heads = its g query heads (keys broadcast)
+        o_new, lse_new = flash(
+            qh.reshape(kvh, g, n, d),
+            kh[:, None].expand(kvh, g, n, d),
+            vh[:, None].expand(kvh, g, n, d),
+            is_causal=True,
+        )
+        o_new, lse_new = o_new.reshape(heads, n, d), lse_new.reshape(heads, n)
+        lse = torch.logaddexp(lse_pre, lse_new)
+        o = (
+            o_pre.float() * (lse_pre - lse).exp()[..., None]
+            + o_new.float() * (lse_new - lse).exp()[..., None]
+        ).to(q.dtype)
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        keys = torch.cat((k_prefix, k)).transpose(0, 1)
+        vals = torch.cat((v_prefix, v)).transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            qh[None],
+            keys[None].repeat_interleave(g, dim=1),
+            vals[None].repeat_interleave(g, dim=1),
+            attn_mask=causal_lower_right(n, keys.shape[1]),
+        )[0]
+    return o.transpose(0, 1).reshape(n, heads * d)
 
 
 class LlamaModel(nn.Module):
@@ -172,7 +240,10 @@ class LlamaModel(nn.Module):
 
     # --------------------------------------------------------------- helpers
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        if self.inv_freq.device != positions.device:  # once per device, not per step
+            self.inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
@@ -197,12 +268,14 @@ class LlamaModel(nn.Module):
         block_table: Sequence[int],
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Prefill ``n`` new tokens at positions ``start_pos..start_pos+n-1``.
+        """Prefill ``n`` new tokens at positions ``start_pos..start_pos+n-1``, in one pass.
 
         K/V of positions < ``start_pos`` must already be in ``block_table``'s blocks
         (cached prefix). New K/V is written into the pool by index, then
         ``on_layer_done(l)`` is called, then layer ``l`` attends causally over
-        cached + new keys. Returns float32 logits [vocab] of the last position.
+        cached + new keys (:func:`prefill_attention`: no mask is built, nothing grows
+        with the square of the length). Returns float32 logits [vocab] of the last
+        position. Activations grow with ``n``: :meth:`forward_prefill_chunked` bounds them.
         """
         self._check_pool(pool)
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
@@ -210,32 +283,86 @@ class LlamaModel(nn.Module):
         total = start_pos + n
         if n == 0 or start_pos < 0:
             raise ValueError("prefill needs at least one new token and start_pos >= 0")
-        if total > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {total} exceeds max_position_embeddings")
+        self._check_length(total)
         if len(block_table) * bs < total:
             raise ValueError(f"block_table of {len(block_table)} blocks cannot hold {total} tokens")
-        table = torch.as_tensor(list(block_table), dtype=torch.long)
-        pos = torch.arange(start_pos, total)
+        dev = pool.kv.device
+        ids = ids.to(dev)
+        table = torch.as_tensor(list(block_table), dtype=torch.long, device=dev)
+        pos = torch.arange(start_pos, total, device=dev)
         new_blk, new_off = table[pos // bs], pos % bs
-        kpos = torch.arange(total)
-        key_blk, key_off = table[kpos // bs], kpos % bs
-        mask = (kpos[None, :] <= pos[:, None])[None]  # [1, n, total]
+        prefix_blocks = table[: -(-start_pos // bs)]  # the blocks holding positions < start_pos
         cos, sin = self._rope(pos)
-        g = self._groups()
 
+        st = pool.staging  # a pool on a GPU: its host mirror is what the handoff reads
+        written = [int(b) for b in block_table[start_pos // bs : -(-total // bs)]]
+        if st is not None:
+            st.ensure_device(int(b) for b in block_table[: -(-start_pos // bs)])
         h = self.embed_tokens(ids)
         for l, layer in enumerate(self.layers):
             q, k, v = layer.qkv(h, cos, sin)
             kv_l = pool.kv[:, l]  # [blocks, 2, block_size, kv_heads, head_dim] view
             kv_l[new_blk, 0, new_off] = k
             kv_l[new_blk, 1, new_off] = v
-            if on_layer_done is not None:
+            if st is not None:  # D2H of this layer overlaps the next layer's compute
+                cb = None if on_layer_done is None else (lambda l=l: on_layer_done(l))
+                st.stage_layer(l, written, cb)
+                st.poll()
+            elif on_layer_done is not None:
                 on_layer_done(l)
-            keys = kv_l[key_blk, 0, key_off].transpose(0, 1).repeat_interleave(g, dim=0)
-            vals = kv_l[key_blk, 1, key_off].transpose(0, 1).repeat_interleave(g, dim=0)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, attn_mask=mask)
-            h = layer.finish(h, o.transpose(0, 1).reshape(n, -1))
+            k_pre = v_pre = None
+            if start_pos:  # whole blocks, gathered once per layer, cut to the prefix
+                k_pre = kv_l[prefix_blocks, 0].flatten(0, 1)[:start_pos]
+                v_pre = kv_l[prefix_blocks, 1].flatten(0, 1)[:start_pos]
+            h = layer.finish(h, prefill_attention(q, k, v, k_pre, v_pre))
+        if st is not None:
+            st.flush()  # every layer is in the mirror (and its callback ran) on return
+            st.mark_device_newer(written)
         return self._logits(h[-1:])[0]
+
+    def forward_prefill_chunked(
+        self,
+        token_ids: torch.Tensor | Sequence[int],
+        start_pos: int,
+        pool: KVPool,
+        block_table: Sequence[int],
+        chunk_tokens: int,
+        on_layer_done: Callable[[int, int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward_prefill` of the new tokens in chunks of at most ``chunk_tokens``,
+        each on top of the KV the chunks before it wrote, so a long prompt's activations
+        stay bounded by the chunk (its attention reads the cached prefix, linear in the
+        length). ``on_layer_done(l, lo, hi)`` is called once layer ``l`` of positions
+        ``lo..hi-1`` is in the pool. With ``chunk_tokens`` a multiple of the block size and
+        ``start_pos`` on a block boundary, every chunk fills whole blocks (the last one
+        excepted), so no block is written by two chunks. ``should_stop()`` is asked before
+        every chunk but the first: True raises :class:`PrefillStopped` (a cancelled request
+        need not wait for the rest of a long prompt). Returns the last logits.
+        """
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        n = ids.numel()
+        if n == 0:
+            raise ValueError("prefill needs at least one new token and start_pos >= 0")
+        self._check_length(start_pos + n)  # before any chunk writes the pool
+        logits = None
+        for lo in range(0, n, chunk_tokens):
+            if lo and should_stop is not None and should_stop():
+                raise PrefillStopped(f"prefill stopped after {lo} of {n} new tokens")
+            hi = min(n, lo + chunk_tokens)
+            a, b = start_pos + lo, start_pos + hi
+            cb = None if on_layer_done is None else (lambda l, a=a, b=b: on_layer_done(l, a, b))
+            logits = self.forward_prefill(ids[lo:hi], a, pool, block_table, cb)
+        return logits
+
+    def _check_length(self, total: int) -> None:
+        limit = self.config.max_position_embeddings
+        if total > limit:
+            raise ValueError(
+                f"sequence length {total} exceeds max_position_embeddings ({limit} tokens)"
+            )
 
     @torch.inference_mode()
     def forward_decode(
@@ -249,8 +376,9 @@ class LlamaModel(nn.Module):
 
         Request ``i`` feeds ``token_ids[i]`` at position ``positions[i]``; its K/V
         for positions <= ``positions[i]`` lives in ``block_tables[i]``. Projections
-        and MLP run batched; attention gathers each request's keys from its
-        blocks into a padded, masked batch. Returns float32 logits [B, vocab].
+        and MLP run batched; attention gathers each request's blocks (whole, as far
+        as the longest request reaches) into a padded, masked batch and runs grouped-query
+        SDPA on it (no copy of the keys per query head). Returns float32 logits [B, vocab].
         """
         self._check_pool(pool)
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
@@ -261,22 +389,24 @@ class LlamaModel(nn.Module):
             )
         pos = torch.as_tensor(list(positions), dtype=torch.long)
         if int(pos.min()) < 0 or int(pos.max()) >= self.config.max_position_embeddings:
-            raise ValueError("decode position out of range")
+            raise ValueError(
+                f"decode position out of range [0, {self.config.max_position_embeddings})"
+            )
         width = max(len(t) for t in block_tables)
         table = torch.zeros((b, width), dtype=torch.long)
         for i, t in enumerate(block_tables):
             if len(t) * bs <= int(pos[i]):
                 raise ValueError(f"block_table {i} cannot hold position {int(pos[i])}")
             table[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.long)
-        rows = torch.arange(b)
-        new_blk, new_off = table[rows, pos // bs], pos % bs
-        kpos = torch.arange(int(pos.max()) + 1)[None, :]
-        valid = kpos <= pos[:, None]  # [B, Tmax]
-        kpos = torch.minimum(kpos, pos[:, None])  # padding re-reads a valid slot
-        key_blk, key_off = table[rows[:, None], kpos // bs], kpos % bs
-        mask = valid[:, None, None, :]  # [B, 1, 1, Tmax]
+        dev = pool.kv.device
+        ids, pos, table = ids.to(dev), pos.to(dev), table.to(dev)
+        new_blk, new_off = table[torch.arange(b, device=dev), pos // bs], pos % bs
+        reach = int(pos.max()) // bs + 1  # blocks the longest request reads
+        table = table[:, :reach]  # padding entries (block 0) are masked out
+        mask = (torch.arange(reach * bs, device=dev) <= pos[:, None])[:, None, None, :]
         cos, sin = self._rope(pos)
-        g = self._groups()
+        if pool.staging is not None:  # KV handed off or fetched into the mirror: upload
+            pool.staging.ensure_device(int(x) for t in block_tables for x in t[:reach])
 
         h = self.embed_tokens(ids)
         for l, layer in enumerate(self.layers):
@@ -284,9 +414,11 @@ class LlamaModel(nn.Module):
             kv_l = pool.kv[:, l]
             kv_l[new_blk, 0, new_off] = k
             kv_l[new_blk, 1, new_off] = v
-            keys = kv_l[key_blk, 0, key_off].transpose(1, 2).repeat_interleave(g, dim=1)
-            vals = kv_l[key_blk, 1, key_off].transpose(1, 2).repeat_interleave(g, dim=1)
-            o = F.scaled_dot_product_attention(q[:, :, None, :], keys, vals, attn_mask=mask)
+            keys = kv_l[table, 0].flatten(1, 2).transpose(1, 2)  # [B, KVH, T, D]
+            vals = kv_l[table, 1].flatten(1, 2).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys, vals, attn_mask=mask, enable_gqa=True
+            )
             h = layer.finish(h, o.reshape(b, -1))
         return self._logits(h)
 
