@@ -1,21 +1,48 @@
-"""Store benchmark: put/get throughput and ops/s for 4 KiB .. 16 MiB values, single and
-batched, and small-get / exists latency (p50/p99), for the kvmesh store (a real
-store-master process, over loopback) and, when the optional
-``mooncake-transfer-engine-non-cuda`` wheel is installed, Mooncake Store side by side
-(``mooncake_master`` + ``MooncakeDistributedStore`` over TCP).
+"""Store benchmark: kvmesh's store against Mooncake Store, like for like.
+
+Sizes 4 KiB .. 16 MiB; for each, eight rows: the bytes APIs (``put``, ``get``,
+``batch_put``, ``batch_get``) and the zero-copy ones (kvmesh ``put_from``/``get_into``
+with one key and with a batch, against Mooncake's ``put_from``/``get_into`` and
+``batch_put_from``/``batch_get_into``). Both sides use the same batch size (128, as
+Mooncake's own tools, fewer only where 128 values would not fit the segment), the same
+keys count and the same values; every byte read back is compared with what was put, on
+both sides, outside the timed loops.
 
 Topology (``--topology``):
-  * ``local`` (default, the same as Mooncake's side here): the benchmark client lends
-    its OWN segment, as the ``MooncakeDistributedStore`` client does in ``setup()``, so
-    placements are local-first and the bytes move by memory copy; every operation still
-    goes through the master (PutLocal commit / GetReplicas under a lease / Exists);
-  * ``remote``: the client lends nothing and a separate store-node process holds the
-    segment; bytes cross the transfer engine (TCP on loopback).
+  * ``local``: each client lends its OWN segment (``MooncakeDistributedStore.setup``
+    with a global segment; kvmesh ``StoreClient.lend``), so bytes move by memory copy;
+    every operation still goes through the master. A table of its own;
+  * ``remote`` (default): neither client lends anything; a separate process holds the
+    segment (a kvmesh store-node; a second ``MooncakeDistributedStore`` that mounts the
+    segment and waits), and bytes cross the transfer engine (TCP, loopback);
+  * ``netns``: as ``remote``, but the segment holders, masters and the transfer-engine
+    peer live in a network namespace joined to the client's by a veth pair, so the bytes
+    cross a real (virtual) link. The benchmark builds and removes the namespace itself
+    and skips with its reason where it cannot (not root, no ``ip``).
 
-    python -m kvmesh.loadtest.bench_store [--segment 1536MiB] [--quick] [--topology remote]
+kvmesh runs once per ``--poll-us`` value (default ``0,200``), each a cluster of its own:
+polling off is the like-for-like row, polling on a second row with the CPU it burns.
+``--tls`` adds a ``kvmesh tls`` row: one more cluster (polling as the first row) whose
+processes and client speak mutual TLS with throwaway DevCA certificates, gRPC and the
+store's raw-TCP control path alike, interleaved with the others: what TLS costs.
+Mooncake is run with its defaults. The CPU columns add the client's, the masters' and
+the segment holders' CPU time: ms of CPU per operation (= CPU-seconds per 1,000 ops).
 
-Prints a table and writes ``loadtest/results/store.json``. Every loop is bounded by an
-operation count. The Mooncake wheel is never a kvmesh dependency.
+The transfer engine's own rate for the same size (one slice per call, and a batch of
+the same size as the store's batches) is measured in the same run between the client's
+engine and a peer process's, and each size prints where the time of a single put and
+get goes: control round trips to the master (an ``exists`` round trip each), the bytes
+on the wire (the engine alone), and memory copies (``bytes`` <-> buffer).
+
+Rounds interleave the stores per size (kvmesh variants, then Mooncake, the order
+swapping each round); each figure is the median over ``--rounds`` (>= 5 for reports).
+
+    python -m kvmesh.loadtest.bench_store [--topology remote|local|netns] [--rounds 5]
+        [--quick] [--poll-us 0,200] [--no-mooncake] [--tls]
+
+Writes ``loadtest/results/store_<topology>.json``. Every loop is bounded by an
+operation count. The Mooncake wheel (``mooncake-transfer-engine-non-cuda``) is never a
+kvmesh dependency: without it, its columns say why they are empty.
 """
 
 from __future__ import annotations
@@ -25,21 +52,58 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
+import numpy as np
+
 SIZES = [("4KiB", 4 << 10), ("256KiB", 256 << 10), ("4MiB", 4 << 20), ("16MiB", 16 << 20)]
+APIS = (
+    "put",
+    "get",
+    "batch_put",
+    "batch_get",
+    "put_from",
+    "get_into",
+    "batch_put_from",
+    "batch_get_into",
+)
+MC_NAME = {"batch_put": "put_batch", "batch_get": "get_batch"}
+MOONCAKE_BATCH = 128
+NETNS = "kvmesh-bench"
+VETH = ("kvb-host", "kvb-peer")
+NETNS_IPS = ("10.231.7.1", "10.231.7.2")
+_TLS_SANS = ("127.0.0.1", "::1", "localhost", *NETNS_IPS)  # the addresses services advertise
+_TICK = os.sysconf("SC_CLK_TCK")
+# the data-plane secret of this run (the well-known dev secret is refused off loopback)
+SECRET = os.environ.setdefault("KVMESH_BENCH_SECRET", os.urandom(16).hex())
+READS = {
+    "get": "put",
+    "batch_get": "batch_put",
+    "get_into": "put_from",
+    "batch_get_into": "batch_put_from",
+}
 
 
 def plan(size: int, quick: bool) -> tuple[int, int]:
-    """(ops, batch) per size: bounded by count and by bytes moved."""
-    budget = (64 if quick else 256) << 20
-    ops = max(8, min(1000 if quick else 3000, budget // size))
-    batch = max(2, min(32, (32 << 20) // size))
+    """(ops, batch) per size: bounded by count and by bytes moved; the batch is 128
+    where 128 values fit in 256 MiB, else what does (the same on both sides)."""
+    # four put APIs per round: 4 x 64 MiB per round and side fits a segment even while
+    # the reads' leases hold the space of earlier rounds
+    budget = (32 if quick else 64) << 20
+    ops = max(8, min(512 if quick else 2048, budget // size))
+    batch = min(MOONCAKE_BATCH, ops, max(2, (256 << 20) // size))
     return ops, batch
+
+
+def _put_tag(tag: str, api: str) -> str:
+    """The tag of the put whose keys a read of ``api`` reads back."""
+    return tag[: -len(api)] + READS[api]
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -47,70 +111,216 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else 0.0
 
 
-def record(out: dict, name: str, size: int, n: int, secs: float) -> None:
-    out[name] = {"ops_s": n / secs, "gb_s": n * size / secs / 1e9}
+def proc_cpu(pids: list[int]) -> float:
+    """CPU seconds used so far by this process and ``pids`` (0 for a gone one)."""
+    t = os.times()
+    total = t.user + t.system
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / _TICK
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
-# ------------------------------------------------------------------------------ kvmesh
-async def kvmesh_size(cl, label: str, size: int, quick: bool) -> dict:
-    ops, batch = plan(size, quick)
-    val = os.urandom(size)
-    r: dict = {}
-    keys = [os.urandom(16) for _ in range(ops)]
-    lat = []
-    t0 = time.perf_counter()
-    for k in keys:
-        ok = await cl.put(k, val)
-        assert ok, "kvmesh put failed"
-    record(r, "put", size, ops, time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    for k in keys:
-        t = time.perf_counter()
-        v = await cl.get(k)
-        lat.append(time.perf_counter() - t)
-        assert v is not None and len(v) == size
-    record(r, "get", size, ops, time.perf_counter() - t0)
-    r["get_p50_us"], r["get_p99_us"] = pct(lat, 50) * 1e6, pct(lat, 99) * 1e6
-    await cl.remove(keys)
-    bkeys = [os.urandom(16) for _ in range(ops)]
-    t0 = time.perf_counter()
-    for i in range(0, ops, batch):
-        ok = await cl.batch_put(bkeys[i : i + batch], [val] * len(bkeys[i : i + batch]))
-        assert all(ok), "kvmesh batch put failed"
-    record(r, "batch_put", size, ops, time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    for i in range(0, ops, batch):
-        vs = await cl.batch_get(bkeys[i : i + batch])
-        assert all(v is not None for v in vs)
-    record(r, "batch_get", size, ops, time.perf_counter() - t0)
-    if size == SIZES[0][1]:
-        el = []
-        for k in bkeys[: min(1000, ops)]:
-            t = time.perf_counter()
-            assert await cl.exists(k)
-            el.append(time.perf_counter() - t)
-        r["exists_p50_us"], r["exists_p99_us"] = pct(el, 50) * 1e6, pct(el, 99) * 1e6
-    await cl.remove(bkeys)
-    return r
-
-
-# ------------------------------------------------------------------------------ mooncake
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-class Mooncake:
-    """``mooncake_master`` + one ``MooncakeDistributedStore`` lending its own segment."""
+class Values:
+    """``ops`` distinct values of ``size`` bytes: one random buffer (the zero-copy
+    source), its slices as ``bytes`` (the bytes APIs' values), and a destination buffer
+    for the zero-copy gets, zeroed before each read-back."""
 
-    def __init__(self, segment_bytes: int) -> None:
-        self.segment_bytes = segment_bytes
+    def __init__(self, size: int, ops: int) -> None:
+        self.size, self.ops = size, ops
+        self.src = np.frombuffer(os.urandom(size * ops), dtype=np.uint8).copy()
+        self.dst = np.zeros(size * ops, dtype=np.uint8)
+        self.values = [self.src[i * size : (i + 1) * size].tobytes() for i in range(ops)]
+
+    def check_bytes(self, got: list) -> int:
+        """How many values read back differ from the ones put (None counts)."""
+        return sum(1 for i, v in enumerate(got) if v is None or v != self.values[i])
+
+    def check_dst(self) -> int:
+        bad = self.dst.reshape(self.ops, self.size) != self.src.reshape(self.ops, self.size)
+        n = int(bad.any(axis=1).sum())
+        self.dst[:] = 0
+        return n
+
+
+# ------------------------------------------------------------------------------ kvmesh
+class KvSide:
+    """A kvmesh store cluster (etcd, store-master, and in remote/netns a store-node) and
+    a :class:`StoreClient` in this process, with polling window ``poll_us``."""
+
+    def __init__(
+        self, topology: str, segment: str, poll_us: int, work: str, tls: bool = False
+    ) -> None:
+        self.name = f"kvmesh poll {poll_us}us" if poll_us else "kvmesh"
+        if tls:
+            self.name = "kvmesh tls" + (f" poll {poll_us}us" if poll_us else "")
+        self.topology, self.segment, self.poll_us = topology, segment, poll_us
+        self.work = work
+        self.tls = None
+        if tls:  # one DevCA identity for the processes, one for this client
+            from kvmesh.services.common.channels import TlsFiles
+            from kvmesh.services.common.pki import generate_dev_pki
+
+            ids = generate_dev_pki(os.path.join(work, "pki"), ["store"], sans=_TLS_SANS)
+            self.tls = TlsFiles(ids["store"].cert, ids["store"].key, ids["store"].ca)
+            c = ids["client"]
+            self.client_tls = TlsFiles(c.cert, c.key, c.ca)
+        self.cluster = None
+        self.te = self.cl = None
+        self.regions: dict[int, int] = {}
+
+    def start_cluster(self, ns: str | None) -> None:
+        from kvmesh.loadtest.store_cluster import StoreCluster
+
+        host = NETNS_IPS[1] if ns else "127.0.0.1"
+        self.cluster = StoreCluster(
+            self.work,
+            nodes=0 if self.topology == "local" else 1,
+            segment=self.segment,
+            lease_ttl=10,
+            # 5 s read leases: the benchmark's removed keys free their space sooner (a
+            # lease's length costs no time on the read path)
+            master_args=["--fast-poll-us", str(self.poll_us), "--host", host, "--lease-ms", "5000"],
+            node_args=["--te-poll-us", str(self.poll_us), "--host", host, "--secret", SECRET],
+            cluster=f"bench{self.poll_us}{'tls' if self.tls else ''}",
+            netns=ns,
+            etcd_host=NETNS_IPS[0] if ns else "127.0.0.1",
+            tls=self.tls,
+        )
+        self.cluster.start(timeout=60)  # a failed start leaves self.cluster to stop
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.cluster.procs.values()] if self.cluster else []
+
+    async def open(self, host: str) -> None:
+        from kvmesh.rdma import TransferEngine
+        from kvmesh.services.common.config import parse_size
+        from kvmesh.services.store.client import StoreClient
+
+        self.te = TransferEngine(SECRET.encode(), host=host, poll_us=self.poll_us)
+        await self.te.start()
+        self.cl = StoreClient(
+            self.te,
+            self.cluster.master,
+            f"bench-{self.poll_us}",
+            tls=self.client_tls if self.tls else None,
+        )
+        if self.topology == "local":
+            await self.cl.lend(parse_size(self.segment), timeout=30)
+
+    def region(self, buf: np.ndarray) -> int:
+        rid = self.regions.get(id(buf))
+        if rid is None:
+            rid = self.regions[id(buf)] = self.te.register(buf)
+        return rid
+
+    async def forget(self) -> None:
+        for rid in self.regions.values():
+            self.te.unregister(rid)
+        self.regions.clear()
+
+    async def close(self) -> None:
+        if self.cl is not None:
+            await self.forget()
+            await self.cl.close()
+            await self.te.close()
+        if self.cluster is not None:
+            self.cluster.stop()
+
+    async def run(self, api: str, v: Values, batch: int, tag: str) -> tuple[dict, list[float]]:
+        """Runs one API over all of ``v``'s values; -> (row, per-call latencies)."""
+        cl, size, n = self.cl, v.size, v.ops
+        keys = [f"{tag}-{i}".encode() for i in range(n)]
+        lat: list[float] = []
+        got: list = [None] * n
+        bad = 0
+        if api in ("get", "batch_get", "get_into", "batch_get_into"):
+            # read back what the matching put stored under the same tag
+            keys = [f"{_put_tag(tag, api)}-{i}".encode() for i in range(n)]
+        src = self.region(v.src) if api.endswith(("_from", "_into")) else -1
+        dst = self.region(v.dst) if api.endswith("_into") else -1
+        step = batch if api.startswith("batch") else 1
+        t0 = time.perf_counter()
+        for i in range(0, n, step):
+            ks = keys[i : i + step]
+            t = time.perf_counter()
+            if api in ("put", "batch_put"):
+                ok = await cl.batch_put(ks, v.values[i : i + step])
+                bad += ok.count(False)
+            elif api in ("get", "batch_get"):
+                got[i : i + step] = await cl.batch_get(ks)
+            elif api in ("put_from", "batch_put_from"):
+                offs = [j * size for j in range(i, i + len(ks))]
+                ok = await cl.put_from(ks, src, offs, [size] * len(ks))
+                bad += ok.count(False)
+            else:
+                offs = [j * size for j in range(i, i + len(ks))]
+                r = await cl.get_into(ks, dst, offs)
+                bad += sum(1 for x in r if x != size)
+            lat.append(time.perf_counter() - t)
+        secs = time.perf_counter() - t0
+        if api in ("get", "batch_get"):
+            bad += v.check_bytes(got)
+        elif api.endswith("_into"):
+            bad = max(bad, v.check_dst())
+        return {"secs": secs, "bad": bad}, lat
+
+    async def remove(self, tags: list[str], n: int) -> None:
+        for tag in tags:
+            await self.cl.remove([f"{tag}-{i}".encode() for i in range(n)])
+
+    async def rtt(self, count: int = 200) -> float:
+        """p50 of one control round trip (``exists`` of one absent key), seconds."""
+        lat = []
+        for _ in range(count):
+            t = time.perf_counter()
+            await self.cl.exists(b"absent-key")
+            lat.append(time.perf_counter() - t)
+        return pct(lat, 50)
+
+
+# ------------------------------------------------------------------------------ mooncake
+def _mooncake_holder_main(master: str, host: str, segment: int) -> None:
+    """A process that only mounts a segment on Mooncake's master and waits (stdin)."""
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    rc = s.setup(host, "P2PHANDSHAKE", segment, 16 << 20, "tcp", "", master)
+    print(json.dumps({"rc": rc}), flush=True)
+    sys.stdin.read()
+    s.close()
+
+
+class McSide:
+    """``mooncake_master`` and a ``MooncakeDistributedStore`` client in this process;
+    in remote/netns topology the client mounts no segment and a holder process does."""
+
+    name = "mooncake"
+
+    def __init__(self, topology: str, segment: int, work: str) -> None:
+        self.topology, self.segment, self.work = topology, segment, work
         self.master: subprocess.Popen | None = None
+        self.holder: subprocess.Popen | None = None
         self.store = None
+        self.buffers: set[int] = set()
 
-    def start(self) -> str | None:
+    def pids(self) -> list[int]:
+        return [p.pid for p in (self.master, self.holder) if p is not None]
+
+    def start(self, ns: str | None) -> str | None:
         """None when ready, else why Mooncake is skipped."""
+        os.environ.setdefault("GLOG_minloglevel", "2")
         try:
             from mooncake.store import MooncakeDistributedStore
         except Exception as e:  # optional: never a dependency
@@ -118,12 +328,15 @@ class Mooncake:
         binary = shutil.which("mooncake_master")
         if binary is None:
             return "mooncake_master not on PATH"
+        peer_host = NETNS_IPS[1] if ns else "127.0.0.1"
+        my_host = NETNS_IPS[0] if ns else "127.0.0.1"
         port = _free_port()
-        log = open(os.path.join(tempfile.gettempdir(), "mooncake_master.log"), "ab")
+        log = open(os.path.join(self.work, "mooncake_master.log"), "ab")
         self.master = subprocess.Popen(
             [
+                *_in_ns(ns),
                 binary,
-                "--rpc_address=127.0.0.1",
+                f"--rpc_address={peer_host}",
                 f"--rpc_port={port}",
                 "--enable_http_metadata_server=false",
                 f"--metrics_port={_free_port()}",
@@ -132,125 +345,496 @@ class Mooncake:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        time.sleep(1.0)
+        addr = f"{peer_host}:{port}"
+        if not _wait_port(peer_host, port, 15):
+            return "mooncake_master did not listen in 15 s"
+        remote = self.topology != "local"
+        if remote:
+            self.holder = subprocess.Popen(
+                [
+                    *_in_ns(ns),
+                    sys.executable,
+                    "-m",
+                    "kvmesh.loadtest.bench_store",
+                    "--mooncake-holder",
+                    f"{addr},{peer_host},{self.segment}",
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+            )
+            line = self.holder.stdout.readline()
+            if not line or json.loads(line)["rc"] != 0:
+                return f"mooncake segment holder failed: {line!r}"
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(
-            "127.0.0.1",
+            my_host,
             "P2PHANDSHAKE",
-            self.segment_bytes,
+            0 if remote else self.segment,
             512 << 20,
             "tcp",
             "",
-            f"127.0.0.1:{port}",
+            addr,
         )
-        if rc != 0:
-            return f"mooncake setup failed: {rc}"
-        return None
+        return None if rc == 0 else f"mooncake setup failed: {rc}"
 
-    def size(self, label: str, size: int, quick: bool, rnd: int) -> dict:
-        store = self.store
-        ops, batch = plan(size, quick)
-        val = os.urandom(size)
-        r: dict = {}
-        keys = [f"s{label}-{rnd}-{i}" for i in range(ops)]
+    def _reg(self, buf: np.ndarray) -> int:
+        ptr = buf.ctypes.data
+        if ptr not in self.buffers:
+            if self.store.register_buffer(ptr, buf.nbytes) != 0:
+                raise RuntimeError("mooncake register_buffer failed")
+            self.buffers.add(ptr)
+        return ptr
+
+    async def forget(self) -> None:
+        for ptr in self.buffers:
+            self.store.unregister_buffer(ptr)
+        self.buffers.clear()
+
+    async def run(self, api: str, v: Values, batch: int, tag: str) -> tuple[dict, list[float]]:
+        s, size, n = self.store, v.size, v.ops
+        keys = [f"{tag}-{i}" for i in range(n)]
+        if api in ("get", "batch_get", "get_into", "batch_get_into"):
+            keys = [f"{_put_tag(tag, api)}-{i}" for i in range(n)]
+        lat: list[float] = []
+        got: list = [None] * n
+        bad = 0
+        src = self._reg(v.src) if api.endswith(("_from", "_into")) else 0
+        dst = self._reg(v.dst) if api.endswith("_into") else 0
+        step = batch if api.startswith("batch") else 1
         t0 = time.perf_counter()
-        for k in keys:
-            assert store.put(k, val) == 0, "mooncake put failed"
-        record(r, "put", size, ops, time.perf_counter() - t0)
-        lat = []
-        t0 = time.perf_counter()
-        for k in keys:
+        for i in range(0, n, step):
+            ks = keys[i : i + step]
             t = time.perf_counter()
-            v = store.get(k)
+            if api == "put":
+                bad += s.put(ks[0], v.values[i]) != 0
+            elif api == "get":
+                got[i] = s.get(ks[0])
+            elif api == "batch_put":
+                bad += len(ks) * (s.put_batch(ks, v.values[i : i + step]) != 0)
+            elif api == "batch_get":
+                got[i : i + step] = s.get_batch(ks)
+            elif api == "put_from":
+                bad += s.put_from(ks[0], src + i * size, size) != 0
+            elif api == "get_into":
+                bad += s.get_into(ks[0], dst + i * size, size) != size
+            elif api == "batch_put_from":
+                ptrs = [src + j * size for j in range(i, i + len(ks))]
+                bad += sum(1 for r in s.batch_put_from(ks, ptrs, [size] * len(ks)) if r != 0)
+            else:
+                ptrs = [dst + j * size for j in range(i, i + len(ks))]
+                bad += sum(1 for r in s.batch_get_into(ks, ptrs, [size] * len(ks)) if r != size)
             lat.append(time.perf_counter() - t)
-            r["misses"] = r.get("misses", 0) + (len(v) != size)
-        record(r, "get", size, ops, time.perf_counter() - t0)
-        r["get_p50_us"], r["get_p99_us"] = pct(lat, 50) * 1e6, pct(lat, 99) * 1e6
-        self._remove(keys)
-        bkeys = [f"b{label}-{rnd}-{i}" for i in range(ops)]
-        t0 = time.perf_counter()
-        for i in range(0, ops, batch):
-            ks = bkeys[i : i + batch]
-            assert store.put_batch(ks, [val] * len(ks)) == 0, "mooncake put_batch failed"
-        record(r, "batch_put", size, ops, time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for i in range(0, ops, batch):
-            vs = store.get_batch(bkeys[i : i + batch])
-            r["misses"] = r.get("misses", 0) + sum(1 for v in vs if len(v) != size)
-        record(r, "batch_get", size, ops, time.perf_counter() - t0)
-        if size == SIZES[0][1]:
-            el = []
-            for k in bkeys[: min(1000, ops)]:
-                t = time.perf_counter()
-                assert store.is_exist(k) == 1
-                el.append(time.perf_counter() - t)
-            r["exists_p50_us"], r["exists_p99_us"] = pct(el, 50) * 1e6, pct(el, 99) * 1e6
-        self._remove(bkeys)
-        return r
+        secs = time.perf_counter() - t0
+        if api in ("get", "batch_get"):
+            bad += v.check_bytes(got)
+        elif api.endswith("_into"):
+            bad = max(bad, v.check_dst())
+        return {"secs": secs, "bad": bad}, lat
 
-    def _remove(self, keys: list[str]) -> None:
-        """Mooncake refuses to remove a key under its read lease (10 s by default); the
-        benchmark owns these keys, so it forces removal and the next size starts with
-        free space."""
-        for k in keys:
-            self.store.remove(k, True)
+    async def remove(self, tags: list[str], n: int) -> None:
+        """Mooncake refuses to remove a key under its read lease: forced (the benchmark
+        owns these keys), so the next size starts with free space."""
+        for tag in tags:
+            for i in range(n):
+                self.store.remove(f"{tag}-{i}", True)
 
-    def stop(self) -> None:
+    async def rtt(self, count: int = 200) -> float:
+        lat = []
+        for _ in range(count):
+            t = time.perf_counter()
+            self.store.is_exist("absent-key")
+            lat.append(time.perf_counter() - t)
+        return pct(lat, 50)
+
+    async def close(self) -> None:
         if self.store is not None:
+            await self.forget()
             self.store.close()
-        if self.master is not None:
-            self.master.terminate()
+        for p in (self.holder, self.master):
+            if p is None:
+                continue
+            if p is self.holder and p.stdin:
+                p.stdin.close()
+            else:
+                p.terminate()
             try:
-                self.master.wait(10)
+                p.wait(10)
             except subprocess.TimeoutExpired:
-                self.master.kill()
+                p.kill()
+                p.wait()
 
 
-# ------------------------------------------------------------------------------ both
-def _median(runs: list[dict]) -> dict:
-    """Per-metric median over rounds (throughput rows and latency rows alike)."""
-    out: dict = {}
-    for key in runs[0]:
-        vals = [r[key] for r in runs if key in r]
-        if isinstance(vals[0], dict):
-            out[key] = {m: statistics.median(v[m] for v in vals) for m in vals[0]}
-        else:
-            out[key] = statistics.median(vals)
+# ------------------------------------------------------------------------------ engine
+async def _te_peer_main(host: str, nbytes: int, poll_us: int) -> None:
+    from kvmesh.rdma import TransferEngine
+
+    te = TransferEngine(SECRET.encode(), host=host, poll_us=poll_us)
+    await te.start()
+    rid = te.register(np.zeros(nbytes, dtype=np.uint8))
+    print(json.dumps({"address": te.address, "region": rid}), flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await te.close()
+
+
+class EnginePeer:
+    """The transfer engine alone, client engine -> a peer process's region: the wire
+    rate the store's remote path is measured against."""
+
+    def __init__(self, ns: str | None, nbytes: int, poll_us: int) -> None:
+        host = NETNS_IPS[1] if ns else "127.0.0.1"
+        self.proc = subprocess.Popen(
+            [
+                *_in_ns(ns),
+                sys.executable,
+                "-m",
+                "kvmesh.loadtest.bench_store",
+                "--te-peer",
+                f"{host},{nbytes},{poll_us}",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        info = json.loads(self.proc.stdout.readline())
+        self.address, self.region = info["address"], info["region"]
+
+    async def run(self, te, v: Values, batch: int) -> dict:
+        """Single-slice and batched write and read of ``v``'s bytes; seconds each,
+        verifying what comes back."""
+        from kvmesh.rdma import Slice
+
+        size, n = v.size, v.ops
+        src, dst = te.register(v.src), te.register(v.dst)
+        out = {}
+        try:
+            for op, fn, rid in (("write", te.write, src), ("read", te.read, dst)):
+                for mode, step in (("single", 1), ("batch", batch)):
+                    lat = []
+                    t0 = time.perf_counter()
+                    for i in range(0, n, step):
+                        t = time.perf_counter()
+                        await fn(
+                            self.address,
+                            [
+                                Slice(rid, j * size, self.region, j * size, size)
+                                for j in range(i, min(n, i + step))
+                            ],
+                        )
+                        lat.append(time.perf_counter() - t)
+                    out[f"{op}_{mode}"] = {"secs": time.perf_counter() - t0}
+                    out[f"{op}_{mode}_p50_us"] = pct(lat, 50) * 1e6
+            out["bad"] = v.check_dst()
+        finally:
+            te.unregister(src)
+            te.unregister(dst)
+        return out
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ------------------------------------------------------------------------------ netns
+def _in_ns(ns: str | None) -> list[str]:
+    return ["ip", "netns", "exec", ns] if ns else []
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+def netns_up() -> str | None:
+    """Builds the namespace and the veth pair; None when done, else why not."""
+    if os.geteuid() != 0:
+        return "netns topology needs root"
+    if shutil.which("ip") is None:
+        return "netns topology needs iproute2 (ip)"
+    netns_down()
+    try:
+        _sh("ip", "netns", "add", NETNS)
+        _sh("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
+        _sh("ip", "link", "set", VETH[1], "netns", NETNS)
+        _sh("ip", "addr", "add", f"{NETNS_IPS[0]}/24", "dev", VETH[0])
+        _sh("ip", "link", "set", VETH[0], "up")
+        _sh("ip", "netns", "exec", NETNS, "ip", "addr", "add", f"{NETNS_IPS[1]}/24", "dev", VETH[1])
+        _sh("ip", "netns", "exec", NETNS, "ip", "link", "set", VETH[1], "up")
+        _sh("ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+        netns_down()
+        err = getattr(e, "stderr", b"") or b""
+        return f"cannot build a network namespace: {e} {err.decode(errors='replace').strip()}"
+    return None
+
+
+def netns_down() -> None:
+    for cmd in (("ip", "link", "del", VETH[0]), ("ip", "netns", "del", NETNS)):
+        subprocess.run(cmd, capture_output=True, timeout=30)
+
+
+def _wait_port(host: str, port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+# ------------------------------------------------------------------------------ run
+def _row(runs: list[dict], size: int, n: int) -> dict:
+    secs = statistics.median(r["secs"] for r in runs)
+    out = {"ops_s": n / secs, "gb_s": n * size / secs / 1e9, "bad": sum(r["bad"] for r in runs)}
+    for k in runs[0]:
+        if k not in ("secs", "bad"):
+            out[k] = statistics.median(r[k] for r in runs)
     return out
 
 
-async def run_both(
-    master: str, quick: bool, lend: int, mc: Mooncake | None, rounds: int, poll_us: int = 200
-) -> tuple[dict, dict]:
-    """Per size, kvmesh then Mooncake, for ``rounds`` rounds, so both see the same
-    background load; each metric is the median over rounds."""
-    from kvmesh.rdma import TransferEngine
-    from kvmesh.services.common.settings import DEV_SECRET
+def _copy_us(size: int) -> float:
+    """p50 of one ``bytes`` <-> buffer copy of ``size`` bytes in this process."""
+    buf = bytearray(size)
+    lat = []
+    for _ in range(max(5, min(200, (64 << 20) // size))):
+        t = time.perf_counter()
+        bytes(buf)
+        lat.append(time.perf_counter() - t)
+    return pct(lat, 50) * 1e6
+
+
+async def run_all(
+    topology: str,
+    segment: str,
+    quick: bool,
+    rounds: int,
+    polls: list[int],
+    mooncake: bool,
+    tls: bool = False,
+) -> dict:
+    from kvmesh.services.common.config import parse_size
+
+    ns = None
+    result: dict = {"topology": topology, "sides": [], "sizes": {}, "skipped": {}}
+    if topology == "netns":
+        why = netns_up()
+        if why is not None:
+            result["skipped"]["netns"] = why
+            print(f"netns: skipped: {why}", flush=True)
+            return result
+        ns = NETNS
+    host = NETNS_IPS[0] if ns else "127.0.0.1"
+    work = tempfile.mkdtemp(prefix="kvmesh-bench-store-")
+    sides: list = []
+    peer = None
+    try:
+        variants = [(p, False) for p in polls] + ([(polls[0], True)] if tls else [])
+        for p, secure in variants:
+            path = os.path.join(work, f"kv{p}{'tls' if secure else ''}")
+            side = KvSide(topology, segment, p, path, tls=secure)
+            sides.append(side)  # closed in ``finally`` even when it fails to start
+            await asyncio.to_thread(side.start_cluster, ns)
+            await side.open(host)
+        if mooncake:
+            mc = McSide(topology, parse_size(segment), work)
+            why = mc.start(ns)
+            if why is None:
+                sides.append(mc)
+            else:
+                result["skipped"]["mooncake"] = why
+                print(f"mooncake: skipped: {why}", flush=True)
+                await mc.close()
+        result["sides"] = [s.name for s in sides]
+        if topology != "local":
+            peer = EnginePeer(ns, 256 << 20, polls[0])
+        for s in sides:
+            result.setdefault("rtt_us", {})[s.name] = await s.rtt() * 1e6
+        for label, size in SIZES:
+            ops, batch = plan(size, quick)
+            v = Values(size, ops)
+            runs: dict = {s.name: {a: [] for a in APIS} for s in sides}
+            lats: dict = {s.name: {} for s in sides}
+            te_runs = []
+            for rnd in range(rounds):
+                order = sides if rnd % 2 == 0 else sides[::-1]
+                for s in order:
+                    tags = []
+                    for api in APIS:
+                        tag = f"{label}-{rnd}-{api}"
+                        c0 = proc_cpu(s.pids())
+                        r, lat = await s.run(api, v, batch, tag)
+                        r["cpu_ms_op"] = (proc_cpu(s.pids()) - c0) / ops * 1e3
+                        r["cores"] = (proc_cpu(s.pids()) - c0) / r["secs"]
+                        runs[s.name][api].append(r)
+                        lats[s.name].setdefault(api, []).extend(lat)
+                        if "put" in api:
+                            tags.append(tag)
+                    await s.remove(tags, ops)
+                if peer is not None:
+                    te_runs.append(await peer.run(sides[0].te, v, batch))
+            row: dict = {"ops": ops, "batch": batch, "copy_us": _copy_us(size)}
+            for s in sides:
+                row[s.name] = {a: _row(runs[s.name][a], size, ops) for a in APIS}
+                for a in ("put", "get", "put_from", "get_into"):
+                    row[s.name][a]["p50_us"] = pct(lats[s.name][a], 50) * 1e6
+                    row[s.name][a]["p99_us"] = pct(lats[s.name][a], 99) * 1e6
+            if te_runs:
+                row["engine"] = {
+                    k: (
+                        {
+                            "gb_s": ops
+                            * size
+                            / statistics.median(r[k]["secs"] for r in te_runs)
+                            / 1e9
+                        }
+                        if isinstance(te_runs[0][k], dict)
+                        else statistics.median(r[k] for r in te_runs)
+                    )
+                    for k in te_runs[0]
+                    if k != "bad"
+                }
+                row["engine"]["bad"] = sum(r["bad"] for r in te_runs)
+            result["sizes"][label] = row
+            print(f"  {label} done", flush=True)
+            for s in sides:
+                await s.forget()
+    finally:
+        for s in sides:
+            await s.close()
+        if peer is not None:
+            peer.close()
+        shutil.rmtree(work, ignore_errors=True)
+        if ns:
+            netns_down()
+    return result
+
+
+# ------------------------------------------------------------------------------ report
+def _fmt(label: str, r: dict) -> str:
+    return f"{r['ops_s']:,.0f} op/s" if label == "4KiB" else f"{r['gb_s']:.2f} GB/s"
+
+
+def table(res: dict) -> str:
+    sides = res["sides"]
+    if not sides:
+        return "no results: " + json.dumps(res["skipped"])
+    kv = [s for s in sides if s != "mooncake"]
+    mc = "mooncake" if "mooncake" in sides else None
+    head = f"{'size':>6} {'api':<15}" + "".join(f"{s:>19}" for s in sides)
+    if mc:
+        head += f" {'ratio':>6}"
+    head += f" {'cpu ms/op':>24}"
+    lines = [head]
+    for label, _ in SIZES:
+        row = res["sizes"].get(label)
+        if row is None:
+            continue
+        for api in APIS:
+            cells = "".join(f"{_fmt(label, row[s][api]):>19}" for s in sides)
+            if mc:
+                a, b = row[kv[0]][api]["ops_s"], row[mc][api]["ops_s"]
+                cells += f" {a / b:>5.2f}x"
+            cpu = "/".join(f"{row[s][api]['cpu_ms_op']:.2f}" for s in sides)
+            bad = {s: row[s][api]["bad"] for s in sides if row[s][api]["bad"]}
+            lines.append(
+                f"{label:>6} {api:<15}{cells} {cpu:>24}" + (f"  FAILED/WRONG: {bad}" if bad else "")
+            )
+    lines.append("")
+    lines.append("latency p50/p99 (us) of single calls, 4 KiB:")
+    r4 = res["sizes"].get("4KiB", {})
+    for api in ("put", "get", "put_from", "get_into"):
+        if not r4:
+            break
+        cells = "".join(f"{r4[s][api]['p50_us']:>9.0f}/{r4[s][api]['p99_us']:<9.0f}" for s in sides)
+        lines.append(f"{'4KiB':>6} {api:<15}{cells}")
+    lines.append(
+        "control round trip p50 (exists): "
+        + ", ".join(f"{s} {us:.0f} us" for s, us in res.get("rtt_us", {}).items())
+    )
+    return "\n".join(lines)
+
+
+def breakdown(res: dict) -> str:
+    """Where a single put's and get's time goes (kvmesh, first side): control round
+    trips, wire (the engine alone), copies, and the rest (Python on the client path)."""
+    sides = [s for s in res["sides"] if s != "mooncake"]
+    if not sides or "engine" not in next(iter(res["sizes"].values()), {}):
+        return ""
+    s = sides[0]
+    rtt = res["rtt_us"][s]
+    lines = [
+        f"where the time goes ({s}, single calls, p50 us): rtt = one control round trip "
+        f"({rtt:.0f} us), wire = the engine alone, copy = one bytes<->buffer copy",
+        f"{'size':>6} {'api':<9} {'total':>8} {'rtts':>5} {'ctrl':>8} {'wire':>8} "
+        f"{'copy':>8} {'rest':>8}",
+    ]
     from kvmesh.services.store.client import StoreClient
 
-    te = TransferEngine(DEV_SECRET.encode(), poll_us=poll_us)
-    await te.start()
-    cl = StoreClient(te, master, "bench-client", staging_bytes=64 << 20)
-    kv: dict = {}
-    mcr: dict = {}
-    try:
-        if lend:
-            await cl.lend(lend, timeout=30)
-        for label, size in SIZES:
-            kruns, mruns = [], []
-            for rnd in range(rounds):
-                kruns.append(await kvmesh_size(cl, label, size, quick))
-                if mc is not None:
-                    mruns.append(mc.size(label, size, quick, rnd))
-            kv[label] = _median(kruns)
-            if mruns:
-                mcr[label] = _median(mruns)
-            print(f"  {label} done", flush=True)
-        kv["client_stats"] = dict(cl.stats)
-    finally:
-        await cl.close()
-        await te.close()
-    return kv, mcr
+    for label, _ in SIZES:
+        row = res["sizes"].get(label)
+        if row is None or "engine" not in row:
+            continue
+        eng = row["engine"]
+        for api, op, copies in (
+            ("put", "write", 1),
+            ("get", "read", 1),
+            ("put_from", "write", 0),
+            ("get_into", "read", 0),
+        ):
+            total = row[s][api]["p50_us"]
+            n = StoreClient.CONTROL_ROUND_TRIPS[api.split("_")[0]]
+            wire = eng[f"{op}_single_p50_us"]
+            copy = copies * row["copy_us"]
+            rest = total - n * rtt - wire - copy
+            lines.append(
+                f"{label:>6} {api:<9} {total:>8.0f} {n:>5} {n * rtt:>8.0f} {wire:>8.0f} "
+                f"{copy:>8.0f} {rest:>8.0f}"
+            )
+    return "\n".join(lines)
+
+
+def goals(res: dict) -> str:
+    sides = res["sides"]
+    if "mooncake" not in sides:
+        return ""
+    kv = [s for s in sides if s != "mooncake"][0]
+    lines = [f"goals ({kv} vs mooncake; engine = transfer engine alone, same run):"]
+    worst = min(
+        (res["sizes"][lb][kv][a]["ops_s"] / res["sizes"][lb]["mooncake"][a]["ops_s"], lb, a)
+        for lb in res["sizes"]
+        for a in APIS
+    )
+    lines.append(f"  lowest ratio: {worst[0]:.2f}x ({worst[1]} {worst[2]}); goal >= 1.5x")
+    r4 = res["sizes"].get("4KiB")
+    if r4:
+        k, m = r4[kv]["get"], r4["mooncake"]["get"]
+        lines.append(
+            f"  4 KiB get p50 {k['p50_us']:.0f} vs {m['p50_us']:.0f} us, "
+            f"p99 {k['p99_us']:.0f} vs {m['p99_us']:.0f} us; goal: both below"
+        )
+    for lb, size in SIZES:
+        row = res["sizes"].get(lb)
+        if row is None or size < (1 << 20) or "engine" not in row:
+            continue
+        eng = row["engine"]
+        parts = []
+        for api, ref in (
+            ("put_from", "write_single"),
+            ("get_into", "read_single"),
+            ("batch_put_from", "write_batch"),
+            ("batch_get_into", "read_batch"),
+            ("put", "write_single"),
+            ("get", "read_single"),
+        ):
+            parts.append(f"{api} {row[kv][api]['gb_s'] / eng[ref]['gb_s'] * 100:.0f}%")
+        lines.append(f"  {lb} share of the engine's rate: " + ", ".join(parts) + "; goal >= 75%")
+    return "\n".join(lines)
 
 
 def tune_malloc() -> str:
@@ -268,145 +852,78 @@ def tune_malloc() -> str:
         return "malloc untuned"
 
 
-def bench(
-    segment: str, quick: bool, topology: str, mooncake: bool, rounds: int, poll_us: int = 200
-) -> tuple[dict, dict | str]:
-    from kvmesh.loadtest.store_cluster import StoreCluster
-    from kvmesh.services.common.config import parse_size
-
-    mc: Mooncake | None = None
-    why: str | None = "skipped"
-    if mooncake:
-        mc = Mooncake(parse_size(segment))
-        why = mc.start()
-        if why is not None:
-            mc.stop()
-            mc = None
-    work = tempfile.mkdtemp(prefix="kvmesh-bench-store-")
-    local = topology == "local"
-    c = StoreCluster(
-        work,
-        nodes=0 if local else 1,
-        segment=segment,
-        lease_ttl=10,
-        master_args=["--fast-poll-us", str(poll_us)],
-        node_args=["--te-poll-us", str(poll_us)],
-    )
-    try:
-        c.start(timeout=60)
-        coro = run_both(c.master, quick, parse_size(segment) if local else 0, mc, rounds, poll_us)
-        try:
-            import uvloop  # kvmesh's services all run on uvloop
-
-            kv, mcr = uvloop.run(coro)
-        except ImportError:
-            kv, mcr = asyncio.run(coro)
-        return kv, (mcr if mc is not None else why)
-    finally:
-        c.stop()
-        shutil.rmtree(work, ignore_errors=True)
-        if mc is not None:
-            mc.stop()
-
-
-# ------------------------------------------------------------------------------ report
-def table(kv: dict, mc: dict | str) -> str:
-    rows = [f"{'size':>7} {'metric':<10} {'kvmesh':>14} {'mooncake':>14} {'ratio':>7}"]
-    for label, _ in SIZES:
-        for m in ("put", "get", "batch_put", "batch_get"):
-            a = kv[label][m]
-            b = mc[label][m] if isinstance(mc, dict) else None
-            unit = "ops_s" if label == "4KiB" else "gb_s"
-            fa = f"{a[unit]:,.0f} op/s" if unit == "ops_s" else f"{a[unit]:.2f} GB/s"
-            fb = (
-                "-"
-                if b is None
-                else (f"{b[unit]:,.0f} op/s" if unit == "ops_s" else f"{b[unit]:.2f} GB/s")
-            )
-            ratio = "-" if b is None else f"{a[unit] / b[unit]:.2f}x"
-            rows.append(f"{label:>7} {m:<10} {fa:>14} {fb:>14} {ratio:>7}")
-    k4 = kv["4KiB"]
-    m4 = mc["4KiB"] if isinstance(mc, dict) else {}
-    for m in ("get_p50_us", "get_p99_us", "exists_p50_us", "exists_p99_us"):
-        b = m4.get(m)
-        rows.append(
-            f"{'4KiB':>7} {m:<10} {k4[m]:>11.0f} us "
-            f"{'-' if b is None else f'{b:>11.0f} us':>14} "
-            f"{'-' if b is None else f'{b / k4[m]:.2f}x':>7}"
-        )
-    return "\n".join(rows)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--segment", default="1536MiB", help="segment each side lends (<= 2GiB)")
+    ap.add_argument(
+        "--segment",
+        default="1536MiB",
+        help="segment each store lends (<= 2GiB; reads hold 10 s leases, so space frees late)",
+    )
     ap.add_argument("--quick", action="store_true", help="fewer operations")
     ap.add_argument("--no-mooncake", action="store_true")
-    ap.add_argument(
-        "--no-tune-malloc",
-        action="store_true",
-        help="keep glibc's default (dynamic) mmap threshold",
-    )
-    ap.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="rounds per size (kvmesh and mooncake alternate); medians reported",
-    )
+    ap.add_argument("--no-tune-malloc", action="store_true", help="keep glibc's defaults")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size")
     ap.add_argument(
         "--poll-us",
-        type=int,
-        default=200,
-        help="busy-poll window of kvmesh's client, master and store node (0 = off)",
+        default="0,200",
+        help="kvmesh busy-poll windows, one cluster each (the first is the compared row)",
     )
+    ap.add_argument("--topology", choices=("local", "remote", "netns"), default="remote")
     ap.add_argument(
-        "--topology",
-        choices=("local", "remote"),
-        default="local",
-        help="local: the kvmesh client lends its own segment (as Mooncake's "
-        "does); remote: a store-node process lends it",
+        "--tls",
+        action="store_true",
+        help="also a kvmesh row with mutual TLS (gRPC and the raw-TCP control path)",
     )
-    ap.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "results", "store.json")
-    )
+    ap.add_argument("--out", default="")
+    ap.add_argument("--mooncake-holder", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--te-peer", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    topo = (
-        "kvmesh client lends its own segment (local-first puts, local-copy gets), "
-        "store-master in another process"
-        if args.topology == "local"
-        else "kvmesh client lends nothing; one store-node process lends the segment "
-        "(transfer engine over loopback TCP)"
-    )
-    topo_mc = "mooncake client lends its own segment (setup), mooncake_master in another process"
-    print(f"topology: kvmesh: {topo}\n          mooncake: {topo_mc}", flush=True)
+    if args.mooncake_holder:
+        master, host, seg = args.mooncake_holder.split(",")
+        _mooncake_holder_main(master, host, int(seg))
+        return
+    if args.te_peer:
+        host, nbytes, poll = args.te_peer.split(",")
+        asyncio.run(_te_peer_main(host, int(nbytes), int(poll)))
+        return
+    polls = [int(p) for p in args.poll_us.split(",") if p.strip()]
     malloc = tune_malloc() if not args.no_tune_malloc else "malloc untuned"
-    print(f"one client process for both stores: {malloc}", flush=True)
-    print("kvmesh and mooncake stores, interleaved per size ...", flush=True)
-    kv, mc = bench(
-        args.segment, args.quick, args.topology, not args.no_mooncake, args.rounds, args.poll_us
+    print(f"topology {args.topology}; one client process for every store; {malloc}", flush=True)
+    coro = run_all(
+        args.topology,
+        args.segment,
+        args.quick,
+        args.rounds,
+        polls,
+        not args.no_mooncake,
+        args.tls,
     )
-    print(f"topology: kvmesh: {topo}; mooncake: {topo_mc}; {malloc}")
-    print(table(kv, mc))
-    if isinstance(mc, str):
-        print(f"mooncake: {mc}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(
-            {
-                "kvmesh": kv,
-                "mooncake": mc,
-                "quick": args.quick,
-                "segment": args.segment,
-                "unix_time": time.time(),
-                "rounds": args.rounds,
-                "topology": {"kvmesh": topo, "mooncake": topo_mc},
-                "malloc": malloc,
-                "note": "ratio = kvmesh / mooncake (latency rows: mooncake / kvmesh)",
-            },
-            f,
-            indent=2,
-        )
-    print(f"wrote {args.out}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the clean-up
+    try:
+        import uvloop  # kvmesh's services all run on uvloop
+
+        res = uvloop.run(coro)
+    except ImportError:
+        res = asyncio.run(coro)
+    res.update(
+        quick=args.quick,
+        segment=args.segment,
+        rounds=args.rounds,
+        unix_time=time.time(),
+        malloc=malloc,
+        note="ratio = first kvmesh row / mooncake (ops/s); cpu = client + masters + holders",
+    )
+    print(table(res))
+    for extra in (breakdown(res), goals(res)):
+        if extra:
+            print(extra)
+    out = args.out or os.path.join(
+        os.path.dirname(__file__), "results", f"store_{args.topology}.json"
+    )
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

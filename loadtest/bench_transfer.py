@@ -6,7 +6,16 @@ process owns the remote region), block sizes 64 KiB .. 64 MiB, about
 median of ``--reps``.  Two modes: *batched* (all blocks in one call) and
 *single* (one block per call, each awaited before the next).  A plain Python
 socket stream (``sendall`` / ``recv_into`` with 4 MiB buffers) between the
-same two processes is measured in the same run as the baseline.
+same two processes is measured in the same run as the baseline, over as many
+TCP connections as the engine uses (``--conns``), each carrying its share in
+parallel.
+
+Every byte moved is verified, outside the timed region: a write repetition
+alternates between two sources of different random bytes and is read back and
+compared (a write that moved nothing would leave the other pattern there); a read
+repetition lands in a zeroed buffer compared with what the peer holds; the stream's
+sink keeps what each connection received and answers, after its timed ack, with a
+CRC-32 that must match the sender's.
 
 When the optional ``mooncake-transfer-engine-non-cuda`` wheel is installed,
 Mooncake's TransferEngine (TCP transport, P2P handshake) runs the same points
@@ -39,6 +48,8 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -67,27 +78,38 @@ def _peak_rss_mib() -> float:
 
 
 # -- peer process ---------------------------------------------------------------
+def _stream_conn(conn: socket.socket) -> None:
+    """One baseline connection: per run, an 8-byte length, that many bytes received
+    with recv_into into a buffer that keeps them all; a 1-byte ack (the sender's clock
+    stops there), then the CRC-32 of what came, for the sender to check."""
+    keep = bytearray()
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            hdr = conn.recv(8, socket.MSG_WAITALL)
+            if len(hdr) < 8:
+                return
+            size = struct.unpack("!Q", hdr)[0]
+            if len(keep) != size:
+                keep = bytearray(size)
+            view, got = memoryview(keep), 0
+            while got < size:
+                n = conn.recv_into(view[got : got + min(size - got, STREAM_BUF)])
+                if not n:
+                    return
+                got += n
+            conn.sendall(b"k")
+            conn.sendall(struct.pack("!I", zlib.crc32(keep)))
+
+
 def _stream_sink(ls: socket.socket) -> None:
-    """Plain-socket baseline server: receive N bytes with recv_into, ack 1 byte."""
-    buf = memoryview(bytearray(STREAM_BUF))
+    """Plain-socket baseline server: a thread per connection (:func:`_stream_conn`)."""
     while True:
         try:
             conn, _ = ls.accept()
         except OSError:
             return
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while True:
-                hdr = conn.recv(8, socket.MSG_WAITALL)
-                if len(hdr) < 8:
-                    break
-                left = struct.unpack("!Q", hdr)[0]
-                while left:
-                    n = conn.recv_into(buf[: min(left, STREAM_BUF)])
-                    if not n:
-                        return
-                    left -= n
-                conn.sendall(b"k")
+        threading.Thread(target=_stream_conn, args=(conn,), daemon=True).start()
 
 
 async def _peer_main(total: int, conns: int, chunk: int) -> None:
@@ -274,17 +296,46 @@ def _start_mooncake(total: int, max_point_s: float) -> tuple[_Mooncake | None, s
 
 
 # -- measuring side ---------------------------------------------------------------
-def _stream_once(s: socket.socket, src: memoryview, total: int) -> float:
-    """GB/s of one sendall -> recv_into run of ``total`` bytes."""
-    t0 = time.perf_counter()
-    s.sendall(struct.pack("!Q", total))
-    left = total
-    while left:
-        n = min(left, STREAM_BUF)
-        s.sendall(src[:n])
-        left -= n
-    assert s.recv(1) == b"k"
-    return total / (time.perf_counter() - t0) / 1e9
+class _Stream:
+    """The baseline: ``conns`` TCP connections, each sending its share of ``src`` at
+    once (a thread each, as the engine's connections run on threads)."""
+
+    def __init__(self, port: int, src: np.ndarray, conns: int) -> None:
+        total = len(src)
+        step = -(-total // conns)
+        self.shares = [memoryview(src[i : i + step]) for i in range(0, total, step)]
+        self.crcs = [zlib.crc32(sh) for sh in self.shares]
+        self.socks = []
+        for _ in self.shares:
+            s = socket.create_connection(("127.0.0.1", port))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.socks.append(s)
+        self.pool = ThreadPoolExecutor(len(self.socks))
+        self.total = total
+
+    @staticmethod
+    def _send(s: socket.socket, share: memoryview) -> None:
+        s.sendall(struct.pack("!Q", len(share)))
+        for i in range(0, len(share), STREAM_BUF):
+            s.sendall(share[i : i + STREAM_BUF])
+        if s.recv(1, socket.MSG_WAITALL) != b"k":
+            raise RuntimeError("stream baseline: the sink did not ack")
+
+    def once(self) -> float:
+        """GB/s of one run (all connections at once); then checks every byte's CRC."""
+        t0 = time.perf_counter()
+        list(self.pool.map(self._send, self.socks, self.shares))
+        secs = time.perf_counter() - t0
+        for s, crc in zip(self.socks, self.crcs):
+            got = struct.unpack("!I", s.recv(4, socket.MSG_WAITALL))[0]
+            if got != crc:
+                raise RuntimeError("stream baseline: the sink received other bytes")
+        return self.total / secs / 1e9
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        for s in self.socks:
+            s.close()
 
 
 async def _engine_rates(
@@ -298,34 +349,53 @@ async def _engine_rates(
 ) -> dict:
     eng = TransferEngine(SECRET, conns_per_peer=conns, chunk_bytes=chunk)
     await eng.start()
-    local = np.random.default_rng(0).integers(0, 256, size=total, dtype=np.uint8)
-    rid = eng.register(local)
+    rng = np.random.default_rng(0)
+    # two sources of different bytes (write repetitions alternate), and a buffer that
+    # reads land in and write repetitions are read back into, to verify every byte
+    srcs = [rng.integers(0, 256, size=total, dtype=np.uint8) for _ in range(2)]
+    src_ids = [eng.register(a) for a in srcs]
+    check = np.zeros(total, dtype=np.uint8)
+    check_id = eng.register(check)
+    held = 0  # which source the peer's region holds
+    verified = 0
     addr, rrid = peer["address"], peer["region"]
     out: dict = {op: {m: {} for m in MODES} for op in OPS}
     mc_out: dict = {op: {m: {} for m in MODES} for op in OPS}
     rss: dict = {}
     stream_runs: list[float] = []
-    src = memoryview(os.urandom(STREAM_BUF))
-    stream = socket.create_connection(("127.0.0.1", peer["stream_port"]))
-    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    stream = _Stream(peer["stream_port"], srcs[1], conns)
+
+    async def verify(kind: str, nbytes: int) -> None:
+        """After a repetition: every byte it moved is where it should be."""
+        nonlocal verified
+        if kind == "write":  # read back what was written
+            check[:nbytes] = 0
+            await eng.read(addr, [Slice(check_id, 0, rrid, 0, nbytes)])
+        if not np.array_equal(check[:nbytes], srcs[held][:nbytes]):
+            raise RuntimeError(f"{kind}: the bytes moved differ from the source")
+        verified += nbytes
+
     mc_error = None
     try:
         # warm-up: open the connections and fault in both regions
-        await eng.write(addr, [Slice(rid, 0, rrid, 0, total)])
-        _stream_once(stream, src, total)
+        await eng.write(addr, [Slice(src_ids[0], 0, rrid, 0, total)])
+        await eng.read(addr, [Slice(check_id, 0, rrid, 0, total)])
+        stream.once()
         for bs in BLOCKS:
             n = max(1, total // bs)
-            slices = [Slice(rid, i * bs, rrid, i * bs, bs) for i in range(n)]
             for kind in OPS:
                 op = eng.write if kind == "write" else eng.read
 
-                async def batched():
-                    await op(addr, slices)
+                def slices_of(src_id: int, n=n, bs=bs) -> list[Slice]:
+                    return [Slice(src_id, i * bs, rrid, i * bs, bs) for i in range(n)]
+
+                async def batched(sl):
+                    await op(addr, sl)
                     return n * bs
 
-                async def single():
+                async def single(sl):
                     t0, done = time.perf_counter(), 0
-                    for s in slices:
+                    for s in sl:
                         await op(addr, [s])
                         done += s.length
                         if time.perf_counter() - t0 > max_point_s:
@@ -336,9 +406,26 @@ async def _engine_rates(
                     rates, mc_rates = [], []
 
                     async def kv_rep():
+                        nonlocal held
+                        if kind == "write":  # the other pattern than the peer holds
+                            which = 1 - held
+                            sl = slices_of(src_ids[which])
+                        else:
+                            check.fill(0)
+                            sl = slices_of(check_id)
                         t0 = time.perf_counter()
-                        nbytes = await fn()
+                        nbytes = await fn(sl)
                         rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+                        if kind == "write":
+                            # a partial (single-mode) write leaves the old pattern past
+                            # nbytes: copy it forward so the peer holds one source
+                            if nbytes < total:
+                                await eng.write(
+                                    addr,
+                                    [Slice(src_ids[which], nbytes, rrid, nbytes, total - nbytes)],
+                                )
+                            held = which
+                        await verify(kind, nbytes)
 
                     for rep in range(reps):
                         if mc is not None and mc_error is None and rep % 2:
@@ -352,15 +439,11 @@ async def _engine_rates(
                                 mc_rates.append(await asyncio.to_thread(mc.rep, bs, kind, mode))
                             except (RuntimeError, ValueError, OSError) as e:
                                 mc_error = repr(e)
-                        stream_runs.append(_stream_once(stream, src, total))
+                        stream_runs.append(await asyncio.to_thread(stream.once))
                     out[kind][mode][bs] = statistics.median(rates)
                     if mc_rates:
                         mc_out[kind][mode][bs] = statistics.median(mc_rates)
                     rss[(kind, mode, bs)] = _peak_rss_mib()
-        # sanity: what we read back is what we wrote
-        check = np.zeros(MiB, dtype=np.uint8)
-        await eng.read(addr, [Slice(eng.register(check), 0, rrid, 5 * MiB, MiB)])
-        assert np.array_equal(check, local[5 * MiB : 6 * MiB]), "data mismatch"
         bw = eng.bandwidth(addr)
     finally:
         stream.close()
@@ -372,6 +455,7 @@ async def _engine_rates(
         "rss": rss,
         "bandwidth": bw,
         "stream_runs": stream_runs,
+        "verified_bytes": verified,
     }
 
 
@@ -465,10 +549,12 @@ def main() -> None:
 
     rows = []
     print(
-        f"plain python socket stream (1 conn, {STREAM_BUF // MiB} MiB buffers): "
+        f"plain python socket stream ({args.conns} conns as the engine, "
+        f"{STREAM_BUF // MiB} MiB buffers): "
         f"{stream:.2f} GB/s (median of {len(stream_runs)} runs interleaved with the "
         f"points; min {min(stream_runs):.2f}, max {max(stream_runs):.2f})"
     )
+    print(f"verified: every byte moved, {kv['verified_bytes'] / 1e9:.2f} GB in all")
     print(f"mooncake: {mc_note}")
     hdr = (
         f"{'block':>8} | {'op':5} | {'mode':7} | {'kvmesh':>6} | {'mooncake':>8} | "
@@ -522,6 +608,8 @@ def main() -> None:
         "max_point_s": args.max_point_s,
         "conns_per_peer": args.conns,
         "chunk_bytes": chunk,
+        "stream_conns": args.conns,
+        "verified_bytes": kv["verified_bytes"],
         "stream_gbps": round(stream, 3),
         "stream_runs_gbps": [round(x, 3) for x in stream_runs],
         "mooncake": mc_note,

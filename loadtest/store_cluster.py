@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common.channels import TlsFiles, make_sync_channel
 from kvmesh.services.common.etcd import EtcdClient, EtcdError
 from kvmesh.services.common.registry import node_key
 from kvmesh.services.launcher import Etcd
@@ -44,14 +45,27 @@ class StoreCluster:
         node_args: list[str] | None = None,
         lease_ttl: int = 3,
         cluster: str = "store",
+        netns: str | None = None,
+        etcd_host: str = "127.0.0.1",
+        tls: TlsFiles | None = None,
     ) -> None:
+        """``netns``: run the master and the nodes in that network namespace (etcd
+        stays in this one, on the veth address ``etcd_host`` they reach it by).
+        ``tls``: every process serves and calls with these files (``--tls-cert``,
+        ``--tls-key``, ``--tls-ca``: mutual TLS with a CA), and so does :meth:`stats`."""
         self.workdir = workdir
         os.makedirs(workdir, exist_ok=True)
         self.n_nodes, self.segment = nodes, segment
         self.master_args = master_args or []
         self.node_args = node_args or []
         self.lease_ttl, self.cluster = lease_ttl, cluster
-        self.etcd = Etcd(os.path.join(workdir, "etcd"), log_path=os.path.join(workdir, "etcd.log"))
+        self.netns = netns
+        self.tls = tls or TlsFiles()
+        self.etcd = Etcd(
+            os.path.join(workdir, "etcd"),
+            log_path=os.path.join(workdir, "etcd.log"),
+            host=etcd_host,
+        )
         self.procs: dict[str, subprocess.Popen] = {}
         self._master = ""
 
@@ -78,8 +92,12 @@ class StoreCluster:
             "--port",
             "0",
         ]
+        for opt, path in (("--tls-cert", self.tls.cert), ("--tls-key", self.tls.key)):
+            common += [opt, path] if path else []
+        common += ["--tls-ca", self.tls.ca] if self.tls.ca else []
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
         p = subprocess.Popen(
-            [sys.executable, *argv, *common],
+            [*prefix, sys.executable, *argv, *common],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -95,7 +113,7 @@ class StoreCluster:
 
     # -- etcd registrations ------------------------------------------------------------
     def _key(self, name: str) -> str:
-        role = "store-master" if name == MASTER else "store-node"
+        role = "store-master" if name.startswith("store-master") else "store-node"
         return node_key(self.cluster, role, name)
 
     def registrations(self, role: str) -> dict[str, dict[str, Any]]:
@@ -154,6 +172,12 @@ class StoreCluster:
         self._spawn_master()
         self._master = self._await_registration(MASTER, timeout)["grpc"]
 
+    def start_standby_master(self, name: str = "store-master-1") -> None:
+        """One more store-master, ``name``: it stands by while another leads (the
+        election of :mod:`kvmesh.services.common.election`) and takes over when that
+        one's lease lapses; it registers its node key only once it leads."""
+        self._spawn(name, ["-m", "kvmesh.services.cli", "store-master", *self.master_args])
+
     def start_node(self, i: int, extra: list[str] | None = None) -> None:
         self._spawn(
             f"{NODE_PREFIX}{i}",
@@ -178,7 +202,7 @@ class StoreCluster:
 
     # -- observing -----------------------------------------------------------------------
     def stats(self, timeout: float = 2) -> pb.StoreStatsResponse:
-        with grpc.insecure_channel(self.master) as ch:
+        with make_sync_channel(self.master, self.tls) as ch:
             return pbg.StoreMasterStub(ch).Stats(pb.StoreStatsRequest(), timeout=timeout)
 
     @staticmethod

@@ -62,6 +62,41 @@ def test_put_timeout_reclaims_and_put_end_reports_failure():
     assert done == [] and failed == [h(1), h(2)]
 
 
+class CountingBlocks(dict):
+    """A block table that counts full scans (``values()``)."""
+
+    scans = 0
+
+    def values(self):
+        CountingBlocks.scans += 1
+        return super().values()
+
+
+def test_put_start_does_not_scan_every_block_until_a_put_can_have_run_out():
+    """A put used to look through every block for abandoned puts (O(blocks) per put, the
+    remote put slowing down as the store filled); now only once a deadline has passed,
+    and abandoned puts are still reclaimed then."""
+    m, clock, _ = make(put_timeout_s=5)
+    m.mount("a", "a:1", 0, 4096 * KB)
+    put(m, "a", [h(i) for i in range(200)])
+    from collections import OrderedDict
+
+    class Blocks(CountingBlocks, OrderedDict):
+        pass
+
+    m.blocks = Blocks(m.blocks)
+    CountingBlocks.scans = 0
+    for i in range(200, 300):
+        put(m, "a", [h(i)])
+    m.put_start("a", [h(1000)], 4 * KB)  # abandoned
+    assert CountingBlocks.scans == 0
+    clock.t += 6
+    assert m.reclaim_abandoned() == 1 and m.present([h(1000)]) == [False]
+    assert CountingBlocks.scans == 1
+    placed, _ = m.put_start("a", [h(1001)], 4 * KB)  # the next deadline is 5 s away
+    assert placed and CountingBlocks.scans == 1
+
+
 def test_lease_and_inflight_block_eviction_pins_go_last():
     m, clock, _ = make(lease_s=10)
     m.mount("a", "a:1", 0, 40 * KB)  # 10 blocks

@@ -46,6 +46,7 @@ from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import Slice, TransferEngine, TransferError
 from kvmesh.rdma.transport import RemoteAccessError
 from kvmesh.rdma.wire import LoopTurns
+from kvmesh.services.common import channels
 from kvmesh.services.common.channels import make_channel
 from kvmesh.services.common.registry import Membership
 from kvmesh.services.common.telemetry import record_span
@@ -56,6 +57,9 @@ from kvmesh.services.store_master import wire
 log = logging.getLogger(__name__)
 
 MAX_KEY_LEN = 256
+# a put of many values copies them into the staging region and sends each run of this
+# many bytes while it copies the next (the copy and the wire overlap)
+PIPELINE_BYTES = 4 << 20
 _PB_RESP = {
     "PutStart": pb.PutStartResponse,
     "PutEnd": pb.PutEndResponse,
@@ -84,7 +88,12 @@ class StoreClient:
     """``te`` must be started; ``master`` is a store-master gRPC address or a started
     :class:`Membership` of the cluster (any live store-master is used). ``segment``: the
     :class:`SegmentHost` this node lends (enables the local paths); or call :meth:`lend`.
-    ``fast_path``: use the master's raw-TCP control path when it offers one."""
+    ``fast_path``: use the master's raw-TCP control path when it offers one (over TLS
+    when gRPC uses TLS). ``tls``: TLS files for both instead of the process's."""
+
+    # round trips to the master of one remote call of each kind (the benchmark's
+    # breakdown of where the time goes)
+    CONTROL_ROUND_TRIPS = {"put": 2, "get": 1}
 
     def __init__(
         self,
@@ -97,8 +106,10 @@ class StoreClient:
         fast_path: bool = True,
         pool_bytes: int = 32 << 20,
         pool_slots: int = 64,
+        tls: channels.TlsFiles | None = None,
     ) -> None:
         self.te = te
+        self.tls = tls  # None: the process's settings (channels.configure), as gRPC does
         self.master = master
         self.node_id = node_id
         self.rpc_timeout = rpc_timeout
@@ -147,7 +158,7 @@ class StoreClient:
             return None
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = make_channel(addr)
+            ch = self._channels[addr] = make_channel(addr, self.tls)
         return pbg.StoreMasterStub(ch)
 
     async def lend(self, size: int, timeout: float | None = None) -> None:
@@ -211,11 +222,16 @@ class StoreClient:
             stub = self.stub()
             hello = await stub.StoreHello(pb.StoreHelloRequest(), timeout=self.rpc_timeout)
             if hello.fast_address:
+                tls = self.tls or channels.current()  # TLS exactly when gRPC uses it
                 conn = await FastConn.connect(
-                    hello.fast_address, self.rpc_timeout, getattr(self.te, "poll_us", 200)
+                    hello.fast_address,
+                    self.rpc_timeout,
+                    getattr(self.te, "poll_us", 200),
+                    channels.ssl_client_context(tls),
+                    tls.server_name,
                 )
                 self._fast, self._fast_addr = conn, addr
-        except (TimeoutError, grpc.aio.AioRpcError, OSError) as e:
+        except (TimeoutError, grpc.aio.AioRpcError, OSError) as e:  # ssl.SSLError too
             log.debug("store fast path unavailable: %s", e)
         finally:
             self._fast_connecting = None
@@ -240,6 +256,8 @@ class StoreClient:
             log.warning("store fast call failed: %s", e)
             return None
         except CallError as e:
+            if e.status == grpc.StatusCode.UNIMPLEMENTED.value[0]:
+                return False  # an older master without this frame: gRPC serves it
             self.stats["master_errors"] += 1
             log.warning("store fast call refused: %s", e)
             return None
@@ -437,9 +455,9 @@ class StoreClient:
         if rest:
             sub = await self._put_placed(
                 [keys[i] for i in rest],
-                region_id,
-                [offsets[i] for i in rest],
                 [sizes[i] for i in rest],
+                region_id,
+                offsets=[offsets[i] for i in rest],
             )
             for i, v in zip(rest, sub):
                 ok[i] = v
@@ -447,12 +465,18 @@ class StoreClient:
         self.stats["put_failed"] += len(ok) - sum(ok)
         return ok
 
-    async def _put_placed(
-        self, keys: list[bytes], region_id: int, offsets: Sequence[int], sizes: Sequence[int]
-    ) -> list[bool]:
-        """PutStart -> write (transfer engine; a copy for a placement in the own
-        segment) -> PutEnd."""
-        same = all(s == sizes[0] for s in sizes)
+    async def _put_start(
+        self, keys: list[bytes], sizes: Sequence[int]
+    ) -> tuple[list[Loc], set[int]] | None:
+        """Places the absent keys: ([(key index, data address, region, node, offset,
+        size)], indices of the keys already present or being put); None on failure."""
+        body = await self._fast_call(wire.PUT_START, wire.pack_put_start(self.node_id, keys, sizes))
+        if body is None:
+            return None
+        if body is not False:
+            placed, present = wire.unpack_put_start_resp(body)
+            return placed, set(present)
+        same = all(z == sizes[0] for z in sizes)
         resp = await self._call(
             "PutStart",
             pb.PutStartRequest(
@@ -461,51 +485,101 @@ class StoreClient:
                 size=sizes[0] if same else 0,
                 sizes=[] if same else list(sizes),
             ),
+            fast=False,
         )
         if resp is None:
-            return [False] * len(keys)
+            return None
         where = {k: i for i, k in enumerate(keys)}
-        ok = {bytes(h) for h in resp.already_present}
-        by_peer: dict[str, list[pb.Placement]] = {}
-        failed: list[bytes] = []
-        for p in resp.placements:
-            if self._is_local(p.data_address, p.region_id):
-                src = self._region_view(region_id, offsets[where[p.hash]], p.size)
+        skipped = {bytes(h) for h in resp.already_present}
+        return (
+            [
+                (where[p.hash], p.data_address, p.region_id, p.node_id, p.offset, p.size)
+                for p in resp.placements
+            ],
+            {i for i, k in enumerate(keys) if k in skipped},
+        )
+
+    async def _put_end(self, keys: list[bytes], abort: bool = False) -> set[bytes] | None:
+        """Commits (or aborts) the keys' puts; -> the keys that failed (no pending put
+        any more), None when the master could not be asked."""
+        body = await self._fast_call(wire.PUT_END, wire.pack_put_end(keys, abort))
+        if body is None:
+            return None
+        if body is not False:
+            return {keys[i] for i in wire.unpack_put_end_resp(body)[1]}
+        resp = await self._call("PutEnd", pb.PutEndRequest(hashes=keys, abort=abort), fast=False)
+        return None if resp is None else {bytes(h) for h in resp.failed}
+
+    async def _put_placed(
+        self,
+        keys: list[bytes],
+        sizes: Sequence[int],
+        region_id: int,
+        offsets: Sequence[int] | None = None,
+        values: Sequence[memoryview] | None = None,
+    ) -> list[bool]:
+        """PutStart -> write (transfer engine; a copy for a placement in the own
+        segment) -> PutEnd: two round trips to the master whatever the batch.
+
+        The bytes come from ``offsets`` of region ``region_id`` (zero-copy), or from
+        ``values``, copied into the staging region ``region_id`` one by one after the
+        placements are known (present keys are not copied) while the writes of those
+        copied before are already on the wire (``PIPELINE_BYTES`` a write)."""
+        got = await self._put_start(keys, sizes)
+        if got is None:
+            return [False] * len(keys)
+        placed, present = got
+        pos = 0
+        inflight: list[tuple[asyncio.Future, list[int]]] = []
+        batch: dict[
+            str, tuple[list[Slice], list[int], list[int]]
+        ] = {}  # peer -> slices, idx, bytes
+
+        def issue(peer: str) -> None:
+            slices, idx, nbytes = batch.pop(peer)
+            inflight.append((asyncio.ensure_future(self._write(peer, slices)), idx))
+
+        for i, addr, region, _, off, size in placed:
+            if values is not None:
+                src_off, pos = pos, pos + size
+                copy_into(self._staging_view[src_off:pos], values[i])
+            else:
+                src_off = offsets[i]
+            if self._is_local(addr, region):
+                src = self._region_view(region_id, src_off, size)
                 if src is not None:
-                    self.segment.view[p.offset : p.offset + p.size] = src
+                    self.segment.view[off : off + size] = src
                     continue
-            by_peer.setdefault(p.data_address, []).append(p)
-
-        async def write(peer: str, ps: list[pb.Placement]) -> list[bytes]:
-            try:
-                await self.te.write(
-                    peer,
-                    [
-                        Slice(region_id, offsets[where[p.hash]], p.region_id, p.offset, p.size)
-                        for p in ps
-                    ],
-                )
-                return []
-            except (TransferError, OSError) as e:
-                log.warning("store put to %s failed (%s); aborting %d key(s)", peer, e, len(ps))
-                return [p.hash for p in ps]
-
-        if by_peer:
-            failed = [
-                h
-                for hs in await asyncio.gather(*(write(a, ps) for a, ps in by_peer.items()))
-                for h in hs
-            ]
-        bad_write = set(failed)
-        written = [p.hash for p in resp.placements if p.hash not in bad_write]
+            item = batch.setdefault(addr, ([], [], [0]))
+            item[0].append(Slice(region_id, src_off, region, off, size))
+            item[1].append(i)
+            item[2][0] += size
+            if values is not None and item[2][0] >= PIPELINE_BYTES:
+                issue(addr)
+        for peer in list(batch):
+            issue(peer)
+        failed: list[int] = []
+        for fut, idx in inflight:
+            if not await fut:
+                failed.extend(idx)
+        bad = set(failed)
+        written = [keys[i] for i, *_ in placed if i not in bad]
         if failed:
-            await self._call("PutEnd", pb.PutEndRequest(hashes=failed, abort=True))
+            await self._put_end([keys[i] for i in failed], abort=True)
+        ok = set(present)
         if written:
-            end = await self._call("PutEnd", pb.PutEndRequest(hashes=written))
-            if end is not None:
-                bad = set(end.failed)
-                ok.update(bytes(h) for h in written if h not in bad)
-        return [k in ok for k in keys]
+            lost = await self._put_end(written)
+            if lost is not None:
+                ok.update(i for i, *_ in placed if i not in bad and keys[i] not in lost)
+        return [i in ok for i in range(len(keys))]
+
+    async def _write(self, peer: str, slices: list[Slice]) -> bool:
+        try:
+            await self.te.write(peer, slices)
+            return True
+        except (TransferError, OSError) as e:
+            log.warning("store put to %s failed (%s); aborting %d key(s)", peer, e, len(slices))
+            return False
 
     async def get_into(
         self,
@@ -596,14 +670,12 @@ class StoreClient:
             rest = await self._put_local(keys, sizes, views.__getitem__, ok)
         if rest:
             async with self._staging_lock:
-                buf, region = self._stage(sum(sizes[i] for i in rest))
-                offs, pos = [], 0
-                for i in rest:
-                    copy_into(buf[pos : pos + sizes[i]], views[i])
-                    offs.append(pos)
-                    pos += sizes[i]
+                _, region = self._stage(sum(sizes[i] for i in rest))
                 sub = await self._put_placed(
-                    [keys[i] for i in rest], region, offs, [sizes[i] for i in rest]
+                    [keys[i] for i in rest],
+                    [sizes[i] for i in rest],
+                    region,
+                    values=[views[i] for i in rest],
                 )
             for i, v in zip(rest, sub):
                 ok[i] = v
@@ -619,6 +691,10 @@ class StoreClient:
             self._staging = bytearray(size)
             self._staging_region = self.te.register(self._staging)
         return memoryview(self._staging), self._staging_region
+
+    @property
+    def _staging_view(self) -> memoryview:
+        return memoryview(self._staging)
 
     async def get(self, key: bytes) -> bytes | None:
         return (await self.batch_get([key]))[0]
@@ -657,9 +733,19 @@ class StoreClient:
                 for loc in remote:
                     offs.append(pos)
                     pos += loc[5]
+                # per peer, runs of PIPELINE_BYTES: each run's values are copied out
+                # while the later runs are still on the wire
                 by_peer: dict[str, list[int]] = {}
+                runs: list[tuple[str, list[int]]] = []
+                run_bytes: dict[str, int] = {}
                 for j, loc in enumerate(remote):
-                    by_peer.setdefault(loc[1], []).append(j)
+                    js = by_peer.setdefault(loc[1], [])
+                    js.append(j)
+                    run_bytes[loc[1]] = run_bytes.get(loc[1], 0) + loc[5]
+                    if run_bytes[loc[1]] >= PIPELINE_BYTES:
+                        runs.append((loc[1], by_peer.pop(loc[1])))
+                        run_bytes[loc[1]] = 0
+                runs.extend(by_peer.items())
 
                 async def read(peer: str, js: list[int]) -> None:
                     try:
@@ -677,7 +763,7 @@ class StoreClient:
                         self.stats["read_failed"] += len(js)
                         log.warning("store read from %s failed (%s): a miss", peer, e)
 
-                await asyncio.gather(*(read(a, js) for a, js in by_peer.items()))
+                await asyncio.gather(*(read(a, js) for a, js in runs))
         if time.monotonic() > deadline:
             self.stats["lease_expired"] += 1
             out = [None] * len(keys)

@@ -8,19 +8,27 @@ answer that comes back inside the window costs no wake-up (tens of microseconds 
 VM, a third of a small get). Windows that run out make later calls skip polling
 (:class:`kvmesh.rdma.wire.PollBackoff`), so a slow or busy master costs little spinning;
 ``poll_us=0`` never spins.
+
+Under TLS (``ssl_ctx``, from :func:`kvmesh.services.common.channels.ssl_client_context`:
+the gRPC certificate and CA) the socket is an :class:`ssl.SSLSocket`, handshaken before
+the first call; reads and writes stay non-blocking and polled the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import time
 
 from kvmesh.rdma.wire import PollBackoff
+from kvmesh.services.common.channels import ssl_handshake
 from kvmesh.services.store_master.wire import HEAD, split_frames
 
 POLL_BACKOFF = 16
 _RECV_BYTES = 256 << 10
+# a non-blocking socket, plain or TLS, that has nothing more to give or take now
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class FastConnError(Exception):
@@ -51,7 +59,16 @@ class FastConn:
         self.loop.add_reader(self.fd, self._on_readable)
 
     @classmethod
-    async def connect(cls, addr: str, timeout: float = 3.0, poll_us: int = 200) -> FastConn:
+    async def connect(
+        cls,
+        addr: str,
+        timeout: float = 3.0,
+        poll_us: int = 200,
+        ssl_ctx: ssl.SSLContext | None = None,
+        server_name: str = "",
+    ) -> FastConn:
+        """Connects (TLS with ``ssl_ctx``, the server's certificate checked against
+        ``server_name`` or the address's host)."""
         host, port = addr.rsplit(":", 1)
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
@@ -63,6 +80,13 @@ class FastConn:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 async with asyncio.timeout(timeout):
                     await loop.sock_connect(sock, sa)
+                if ssl_ctx is not None:
+                    sock = ssl_ctx.wrap_socket(
+                        sock,
+                        server_hostname=server_name or host.strip("[]"),
+                        do_handshake_on_connect=False,
+                    )
+                    await ssl_handshake(sock, timeout)
                 return cls(sock, poll_us)
             except (TimeoutError, OSError) as e:
                 sock.close()
@@ -77,7 +101,7 @@ class FastConn:
         while not self.closed:
             try:
                 data = self.sock.recv(_RECV_BYTES)
-            except (BlockingIOError, InterruptedError):
+            except _WOULD_BLOCK:
                 return
             except OSError as e:
                 self._fail_all(FastConnError(f"connection lost: {e}"))
@@ -93,7 +117,7 @@ class FastConn:
     def _flush(self) -> None:
         try:
             n = self.sock.send(self.out)
-        except (BlockingIOError, InterruptedError):
+        except _WOULD_BLOCK:
             return
         except OSError as e:
             self._fail_all(FastConnError(f"connection lost: {e}"))
@@ -130,7 +154,7 @@ class FastConn:
         else:
             try:
                 n = self.sock.send(frame)
-            except (BlockingIOError, InterruptedError):
+            except _WOULD_BLOCK:
                 n = 0
             except OSError as e:
                 self._fail_all(FastConnError(f"connection lost: {e}"))

@@ -4,8 +4,10 @@ Served alongside gRPC on the same event loop and the same :class:`StoreMetadata`
 two paths see one state. A hot call whose answer needs no I/O (the usual case) is
 answered inside ``data_received``, without a task; one that must first promote a block
 from SSD or spill victims to make room runs as a task, and its answer may overtake
-earlier ones (responses carry the request id). Served only when gRPC runs without TLS:
-it has no authentication of its own, like plaintext gRPC.
+earlier ones (responses carry the request id). When gRPC runs TLS the path does too,
+with the same certificate and CA (:func:`kvmesh.services.common.channels.ssl_server_context`:
+mutual TLS when a CA is set), so a secure cluster keeps it; without TLS it has no
+authentication of its own, like plaintext gRPC.
 
 The loop drives the connections' non-blocking sockets itself (not asyncio transports)
 so that, after answering, it can busy-poll for the next call (``fast_poll_us``; see
@@ -19,6 +21,7 @@ import asyncio
 import logging
 import select
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Coroutine, Iterable
@@ -29,6 +32,12 @@ from google.protobuf.message import Message
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.rdma.wire import PollBackoff
+from kvmesh.services.common.channels import ssl_handshake
+from kvmesh.services.common.metrics import (
+    STORE_FAST_CALLS,
+    STORE_FAST_OVER_LIMIT,
+    STORE_FAST_REFUSED,
+)
 from kvmesh.services.store_master import wire
 from kvmesh.services.store_master.metadata import Block, Replica, StoreMetadata
 from kvmesh.services.store_master.validation import MAX_HASHES, check_keys
@@ -40,6 +49,11 @@ POLL_BACKOFF = 16  # most answers that start no spin after spins in which no cal
 # After a call that placed or located this many block bytes the client is busy copying
 # or transferring them for longer than a poll window: answering it starts no spin.
 QUIET_BYTES = 1 << 20
+HANDSHAKE_S = 10.0  # a TLS client that has not finished its handshake by then is dropped
+MAX_CONNS = 1024  # connections served or in their handshake at once; more are closed
+MAX_HANDSHAKES = 64  # TLS handshakes pending at once (each may hold HANDSHAKE_S); more closed
+# a non-blocking socket, plain or TLS, that has nothing more to give or take now
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 _Answer = tuple[int, bytes]  # (0 or a grpc.StatusCode value, body)
 _PB: dict[str, tuple[type[Message], str]] = {
@@ -51,6 +65,7 @@ _PB: dict[str, tuple[type[Message], str]] = {
 }
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
 class Backend(Protocol):
@@ -100,17 +115,28 @@ class _Context:
 class FastPathProtocol:
     """One connection's framing and calls; ``t`` is where answers are written."""
 
-    def __init__(self, servicer: Backend) -> None:
+    def __init__(self, servicer: Backend, tls: bool = False) -> None:
         self.s = servicer
         self.buf = bytearray()
         self.t: _Shim | None = None
         self.moved = 0  # block bytes the last call placed or located
+        self.calls = STORE_FAST_CALLS.labels(tls="true" if tls else "false")
 
     def data_received(self, data: bytes) -> None:
         frames, oversized = split_frames(self.buf, data)
+        if frames:
+            self.calls.inc(len(frames))
         out: list[bytes] = []
+        # a store-master that does not lead (a standby, a leader cut off from etcd)
+        # refuses every call here as its gRPC face does (StandbyGate): its metadata is
+        # not the cluster's, and connections made while it led must not go on using it
+        refusal = getattr(self.s, "refusal", None)
+        why = refusal() if refusal is not None and frames else ""
         for rid, method, body in frames:
             self.moved = 0
+            if why:
+                out.append(HEAD.pack(len(why), rid, _UNAVAILABLE) + why.encode())
+                continue
             try:
                 r = self.call(method, body)
             except (ValueError, IndexError, UnicodeDecodeError, struct.error) as e:
@@ -184,6 +210,23 @@ class FastPathProtocol:
                 return self._put_local_slow(rsize * rcount, args)
             status, reserved = s.put_local_plain(*args)
             return 0, wire.pack_put_local_resp(status, reserved)
+        if method == wire.PUT_START:
+            node, keys, sizes = wire.unpack_put_start(body)
+            if err := check_keys(keys, "PutStart"):
+                return _INVALID, err.encode()
+            total = sum(sizes)
+            self.moved = total  # the client writes them next
+            if s.meta.over_high(total):
+                return self._put_start_slow(total, node, keys, sizes)
+            return 0, self._put_start_resp(node, keys, sizes)
+        if method == wire.PUT_END:
+            keys, abort = wire.unpack_put_end(body)
+            if err := check_keys(keys, "PutEnd"):
+                return _INVALID, err.encode()
+            done, failed = s.meta.put_end_detail(keys, abort)
+            bad = set(failed)
+            idx = [] if abort else [i for i, k in enumerate(keys) if k in bad]
+            return 0, wire.pack_put_end_resp(len(done), idx)
         if method == wire.REMOVE:
             keys, _ = wire.unpack_keys(body, 0)
             if err := check_keys(keys, "Remove"):
@@ -205,6 +248,22 @@ class FastPathProtocol:
             self.moved += blk.size
             i += 1
         return wire.pack_get_resp(int(self.s.meta.lease_s * 1000), items)
+
+    def _put_start_resp(self, node: str, keys: list[bytes], sizes: list[int]) -> bytes:
+        placed, skipped = self.s.meta.put_start(node, keys, sizes)
+        where = {k: i for i, k in enumerate(keys)}
+        skip = set(skipped)
+        present = [i for i, k in enumerate(keys) if k in skip]
+        items = [
+            (where[b.hash], b.replicas[0].segment, b.replicas[0].offset, b.size) for b in placed
+        ]
+        return wire.pack_put_start_resp(items, present)
+
+    async def _put_start_slow(
+        self, need: int, node: str, keys: list[bytes], sizes: list[int]
+    ) -> _Answer:
+        await self.s.run_eviction(need)
+        return 0, self._put_start_resp(node, keys, sizes)
 
     async def _get_slow(
         self, keys: list[bytes], node: str, any_order: bool, cand: list[Block]
@@ -240,7 +299,7 @@ class _Shim:
             return
         try:
             n = self.sock.send(data)
-        except (BlockingIOError, InterruptedError):
+        except _WOULD_BLOCK:
             n = 0
         except OSError:
             self.close()
@@ -252,7 +311,7 @@ class _Shim:
     def _flush(self) -> None:
         try:
             n = self.sock.send(self.out)
-        except (BlockingIOError, InterruptedError):
+        except _WOULD_BLOCK:
             return
         except OSError:
             self.close()
@@ -288,12 +347,30 @@ class FastPathServer:
     ``QUIET_BYTES`` of blocks starts no spin: its client is busy moving them; and a
     spin in which no call came makes later answers skip it for a while
     (``PollBackoff``). Meanwhile other loop work (gRPC, timers) waits at most
-    ``SPIN_CAP_S``; ``poll_us=0`` never spins."""
+    ``SPIN_CAP_S``; ``poll_us=0`` never spins.
+
+    Limits: at most ``max_conns`` connections (served or in their TLS handshake) and
+    ``max_handshakes`` pending TLS handshakes at once; a connection beyond either is
+    closed as soon as it is accepted (counted in ``STORE_FAST_OVER_LIMIT``), so a flood
+    of idle or half-open clients cannot exhaust the store-master's descriptors or
+    memory. A client refused so falls back to gRPC, or connects again once slots free."""
 
     SPIN_CAP_S = 0.002
 
-    def __init__(self, servicer: Backend, listener: socket.socket, poll_us: int) -> None:
+    def __init__(
+        self,
+        servicer: Backend,
+        listener: socket.socket,
+        poll_us: int,
+        ssl_ctx: ssl.SSLContext | None = None,
+        max_conns: int = MAX_CONNS,
+        max_handshakes: int = MAX_HANDSHAKES,
+    ) -> None:
         self.s = servicer
+        self.max_conns, self.max_handshakes = max_conns, max_handshakes
+        self._warned_at = -1e9  # last over-limit warning (one per 10 s at most)
+        self.ssl = ssl_ctx  # TLS on every connection (handshake first) when set
+        self._handshakes: set[asyncio.Task] = set()
         self.loop = asyncio.get_running_loop()
         self.ls = listener
         self.poll_s = poll_us / 1e6
@@ -314,18 +391,68 @@ class FastPathServer:
                 self.loop.remove_reader(self.ls.fileno())
                 self._resume = self.loop.call_later(1.0, self._resume_accepts)
                 return
+            if len(self.conns) + len(self._handshakes) >= self.max_conns:
+                self._over_limit(sock, "connections", self.max_conns)
+                continue
+            if self.ssl is not None and len(self._handshakes) >= self.max_handshakes:
+                self._over_limit(sock, "handshakes", self.max_handshakes)
+                continue
             sock.setblocking(False)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-            shim = _Shim(self, sock)
-            proto = FastPathProtocol(self.s)
-            proto.t = shim
-            self.conns[shim.fd] = (shim, proto)
-            self.loop.add_reader(shim.fd, self._readable, shim.fd)
-            if self.ep is not None:
-                self.ep.register(shim.fd, select.EPOLLIN)
+            if self.ssl is None:
+                self._serve(sock)
+                continue
+            try:
+                tls = self.ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            except (OSError, ValueError) as e:
+                log.warning("fast path: TLS setup failed: %s", e)
+                sock.close()
+                continue
+            task = self.loop.create_task(self._handshake(tls))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    def _over_limit(self, sock: socket.socket, limit: str, n: int) -> None:
+        STORE_FAST_OVER_LIMIT.labels(limit=limit).inc()
+        sock.close()
+        now = time.monotonic()
+        if now - self._warned_at >= 10.0:
+            self._warned_at = now
+            log.warning(
+                "fast path: %d %s at once already (the limit); closing new connections "
+                "until some end (kvmesh_store_fast_over_limit_total counts them)",
+                n,
+                "connections" if limit == "connections" else "pending TLS handshakes",
+            )
+
+    async def _handshake(self, sock: ssl.SSLSocket) -> None:
+        try:
+            await ssl_handshake(sock, HANDSHAKE_S)
+        except (OSError, TimeoutError) as e:  # ssl.SSLError is an OSError
+            STORE_FAST_REFUSED.inc()
+            log.warning("fast path: TLS handshake refused or failed: %s", e)
+            sock.close()
+            return
+        except BaseException:
+            sock.close()
+            raise
+        self._serve(sock)
+
+    def _serve(self, sock: socket.socket) -> None:
+        """Starts serving an accepted (and, under TLS, handshaken) connection."""
+        shim = _Shim(self, sock)
+        proto = FastPathProtocol(self.s, tls=self.ssl is not None)
+        proto.t = shim
+        self.conns[shim.fd] = (shim, proto)
+        self.loop.add_reader(shim.fd, self._readable, shim.fd)
+        if self.ep is not None:
+            self.ep.register(shim.fd, select.EPOLLIN)
+        # a TLS record read during the handshake may already hold the first call
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            self.loop.call_soon(self._readable, shim.fd)
 
     def _resume_accepts(self) -> None:
         self._resume = None
@@ -341,7 +468,7 @@ class FastPathServer:
         while not shim.closed:
             try:
                 data = shim.sock.recv(_RECV_BYTES)
-            except (BlockingIOError, InterruptedError):
+            except _WOULD_BLOCK:
                 break
             except OSError:
                 shim.close()
@@ -395,6 +522,8 @@ class FastPathServer:
                     pass
 
     def close(self) -> None:
+        for task in list(self._handshakes):
+            task.cancel()
         if self._resume is not None:
             self._resume.cancel()
         self.loop.remove_reader(self.ls.fileno())
@@ -406,9 +535,16 @@ class FastPathServer:
 
 
 async def serve_fast_path(
-    servicer: Backend, host: str, port: int = 0, poll_us: int = 200
+    servicer: Backend,
+    host: str,
+    port: int = 0,
+    poll_us: int = 200,
+    ssl_ctx: ssl.SSLContext | None = None,
+    max_conns: int = MAX_CONNS,
+    max_handshakes: int = MAX_HANDSHAKES,
 ) -> tuple[FastPathServer, str]:
-    """Starts the listener; returns (server, "host:port")."""
+    """Starts the listener (TLS on every connection with ``ssl_ctx``); returns
+    (server, "host:port"). Limits as :class:`FastPathServer`."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     ls = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -419,4 +555,6 @@ async def serve_fast_path(
     except BaseException:
         ls.close()
         raise
-    return FastPathServer(servicer, ls, poll_us), f"{host}:{ls.getsockname()[1]}"
+    return FastPathServer(
+        servicer, ls, poll_us, ssl_ctx, max_conns, max_handshakes
+    ), f"{host}:{ls.getsockname()[1]}"

@@ -62,6 +62,9 @@ class StoreMetadata(ReplicaPolicy):
         self.segments: dict[str, Segment] = {}
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # LRU order: oldest first
         self.pins: set[bytes] = set()
+        # no pending put can have run out before this (every put_start lowers it; a
+        # scan sets it to the earliest deadline left): puts skip the O(blocks) scan
+        self._reclaim_at = math.inf
         self.stats = {
             "evictions": 0,
             "spills": 0,
@@ -208,9 +211,9 @@ class StoreMetadata(ReplicaPolicy):
                 break  # the store is full of leased/pending blocks: put what fits
             seg, off = seg_off
             blk = Block(h, sz, last_access=now, pinned=h in self.pins)
-            blk.replicas.append(
-                Replica(seg, off, DRAM, BlockState.PENDING, put_deadline=now + self.put_timeout_s)
-            )
+            deadline = now + self.put_timeout_s
+            self._reclaim_at = min(self._reclaim_at, deadline)
+            blk.replicas.append(Replica(seg, off, DRAM, BlockState.PENDING, put_deadline=deadline))
             self.blocks[h] = blk
             placed.append(blk)
         return placed, skipped
@@ -321,12 +324,18 @@ class StoreMetadata(ReplicaPolicy):
 
     def reclaim_abandoned(self) -> int:
         now = self.clock()
-        stale = [
+        if now <= self._reclaim_at:
+            return 0  # no pending put's deadline has passed
+        pending = [
             (b, r)
             for b in self.blocks.values()
             for r in b.replicas
-            if r.state is BlockState.PENDING and r.kind == "put" and r.put_deadline < now
+            if r.state is BlockState.PENDING and r.kind == "put"
         ]
+        stale = [(b, r) for b, r in pending if r.put_deadline < now]
+        self._reclaim_at = min(
+            (r.put_deadline for _, r in pending if r.put_deadline >= now), default=math.inf
+        )
         for b, r in stale:
             self.drop_replica(b, r)
         self.stats["puts_reclaimed"] += len(stale)

@@ -36,10 +36,13 @@ nodes recompute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import sys
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +53,9 @@ from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common import channels
 from kvmesh.services.common.channels import make_channel
 from kvmesh.services.common.config import ConfigError, load, option
-from kvmesh.services.common.registry import Membership, nodes_prefix
+from kvmesh.services.common.election import LeaderElection, leader_key
+from kvmesh.services.common.interceptors import wrap_handler
+from kvmesh.services.common.registry import Membership, node_key, nodes_prefix
 from kvmesh.services.common.service import Service, run, setup_logging
 from kvmesh.services.common.settings import ServiceConfig
 from kvmesh.services.store_master.fastpath import FastPathServer, serve_fast_path
@@ -78,7 +83,7 @@ class StoreMasterConfig(ServiceConfig):
     fast_path: bool = option(
         True,
         "also serve the hot calls on a raw-TCP control path "
-        "(advertised in StoreHello; only when gRPC runs without TLS)",
+        "(advertised in StoreHello; under TLS it speaks TLS with the gRPC certificate and CA)",
     )
     fast_port: int = option(0, "port of the raw-TCP control path (0 = any free port)")
     fast_poll_us: int = option(
@@ -87,6 +92,16 @@ class StoreMasterConfig(ServiceConfig):
         "microseconds: after answering, the event loop polls "
         "for the next call this long before sleeping (CPU for "
         "latency; 0 = never spin)",
+    )
+    fast_max_conns: int = option(
+        1024,
+        "most connections the raw-TCP control path holds at once (served or in their "
+        "TLS handshake); one more is closed on accept and its client uses gRPC",
+    )
+    fast_max_handshakes: int = option(
+        64,
+        "most TLS handshakes the raw-TCP control path has pending at once (each may "
+        "take 10 s); one more is closed on accept",
     )
 
     def validate(self) -> None:
@@ -103,6 +118,11 @@ class StoreMasterConfig(ServiceConfig):
             raise ConfigError(
                 f"fast_poll_us: {self.fast_poll_us} must be between 0 and 5000 "
                 f"(the event loop spins that long at most)"
+            )
+        if self.fast_max_conns < 1 or self.fast_max_handshakes < 1:
+            raise ConfigError(
+                f"fast_max_conns ({self.fast_max_conns}) and fast_max_handshakes "
+                f"({self.fast_max_handshakes}): must be >= 1"
             )
 
 
@@ -185,6 +205,9 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         self._evicting: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task] = set()
         self.fast_address = ""  # the raw-TCP control path, when it listens
+        # why store calls are refused now ("" to serve them): set by a store-master
+        # that campaigns, read by the fast path (the gRPC face has StandbyGate)
+        self.refusal: Callable[[], str] | None = None
 
     # -- node side -----------------------------------------------------------------------
     def node_stub(self, addr: str) -> pbg.StoreSegmentStub:
@@ -517,15 +540,90 @@ class StoreMaster(Service):
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self._reaper: asyncio.Task | None = None
         self._fast: FastPathServer | None = None  # the raw-TCP control path, when it listens
+        self.election: LeaderElection | None = None
+        self.lost_leadership = False
+        self.servicer.refusal = self.standby_refusal
+
+    def standby_refusal(self) -> str:
+        """Why store calls are refused now: this store-master does not lead ("" only
+        while it leads). Before it campaigns (its server listens before it registers)
+        leadership is unknown: refused too, or a standby-to-be would serve from its own
+        empty metadata."""
+        election = self.election
+        if election is None:
+            return (
+                f"store-master {self.node_id} is starting and has not joined the leader "
+                f"election yet: retry shortly, or call the leader registered in etcd"
+            )
+        if election.leading.is_set():
+            return ""
+        leader = election.leader
+        if leader == election.value:  # it led, and its keepalives stopped reaching etcd
+            return (
+                f"store-master {self.node_id} has lost contact with etcd and stood down "
+                f"(its lease may have lapsed; etcd key {election.key}): call the leader "
+                f"registered in etcd"
+            )
+        who = json.loads(leader).get("grpc", "?") if leader else "not elected yet"
+        return (
+            f"store-master {self.node_id} is a standby; the leader is {who} "
+            f"(etcd key {election.key}): call the leader"
+        )
+
+    def server_interceptors(self) -> list:
+        return [StandbyGate(self)]
+
+    async def register(self) -> None:
+        """Campaigns for leadership (see :mod:`kvmesh.services.common.election`): only
+        the leader's node key exists, so stores, nodes and the conductor follow it; a
+        standby serves gRPC (health included) but refuses store calls until it leads."""
+        cluster = self.cfg.cluster
+        self.election = LeaderElection(
+            self.etcd,
+            leader_key(cluster, self.role),
+            node_key(cluster, self.role, self.node_id),
+            self._info_bytes(),
+            ttl=self.cfg.lease_ttl,
+            on_lead=self._on_lead,
+            on_lost=self._on_lost,
+        )
+        self.registration = self.election
+        await self.election.start()
+
+    def _on_lead(self) -> None:
+        log.info("store-master %s leads; nodes mount and re-report to it", self.node_id)
+
+    def _on_lost(self) -> None:
+        # another store-master leads: its metadata, not ours, describes the segments now
+        log.error("store-master %s lost the leadership; exiting", self.node_id)
+        self.lost_leadership = True
+        self.request_stop()
 
     async def setup(self) -> None:
         pbg.add_StoreMasterServicer_to_server(self.servicer, self.server)
         # before the gRPC port opens, so every StoreHello already advertises it
-        if self.cfg.fast_path and not channels.current().enabled:
-            self._fast, self.servicer.fast_address = await serve_fast_path(
-                self.servicer, self.cfg.host, self.cfg.fast_port, self.cfg.fast_poll_us
+        if self.cfg.fast_path:
+            try:
+                self._fast, self.servicer.fast_address = await serve_fast_path(
+                    self.servicer,
+                    self.cfg.host,
+                    self.cfg.fast_port,
+                    self.cfg.fast_poll_us,
+                    channels.ssl_server_context(),  # TLS as gRPC has it: same cert and CA
+                    self.cfg.fast_max_conns,
+                    self.cfg.fast_max_handshakes,
+                )
+            except OSError:
+                raise channels.bind_error(
+                    f"{self.cfg.host}:{self.cfg.fast_port}",
+                    "the raw-TCP control path",
+                    "--fast-port",
+                ) from None
+            log.info(
+                "raw-TCP control path on %s%s",
+                self.servicer.fast_address,
+                " (TLS)" if self._fast.ssl is not None else "",
             )
-            log.info("raw-TCP control path on %s", self.servicer.fast_address)
 
     async def after_start(self) -> None:
         self.membership.add_listener(self._on_member)
@@ -567,7 +665,38 @@ class StoreMaster(Service):
         await self.servicer.close()
 
 
+class StandbyGate(grpc.aio.ServerInterceptor):
+    """A standby store-master refuses every store call with UNAVAILABLE naming the
+    leader (health and reflection still answer: it is alive and ready to take over)."""
+
+    def __init__(self, master: StoreMaster) -> None:
+        self.master = master
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith("/kvmesh.v1.StoreMaster/"):
+            return handler
+        message = self.master.standby_refusal()
+        if not message:
+            return handler
+
+        @contextlib.asynccontextmanager
+        async def refuse(ctx):
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, message)
+            yield  # pragma: no cover - abort raises
+
+        return wrap_handler(handler, refuse, request_deserializer=None)
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = load(StoreMasterConfig, argv, prog="kvmesh store-master", section="store-master")
     setup_logging(cfg.log_level, "store-master")
-    run(lambda: StoreMaster(cfg))
+    made: list[StoreMaster] = []
+
+    def build() -> StoreMaster:
+        made.append(StoreMaster(cfg))
+        return made[-1]
+
+    run(build)
+    if made and made[-1].lost_leadership:
+        sys.exit("store-master: another store-master leads now; restart this one as a standby")

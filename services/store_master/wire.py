@@ -11,7 +11,8 @@ Frames (little-endian)::
     response: u32 body_len | u32 req_id | u8 status | body   (status 0 = ok, else a
               grpc.StatusCode value and body = the error text in UTF-8)
 
-Methods with a compact body (the hot ones): GET (GetReplicas), EXISTS, PUT_LOCAL, REMOVE.
+Methods with a compact body (the hot ones): GET (GetReplicas), EXISTS, PUT_LOCAL, REMOVE,
+PUT_START and PUT_END (a remote put: place, write over the transfer engine, commit).
 Others carry the serialized protobuf request/response of the gRPC method (PB_BASE + i).
 Keys: u32 count | u16 key length (0 = each key is u16 length + bytes) | keys.
 Strings: u8 length + UTF-8.
@@ -51,7 +52,7 @@ def split_frames(buf: bytearray, data: bytes) -> tuple[list[tuple[int, int, byte
     return frames, False
 
 
-GET, EXISTS, PUT_LOCAL, REMOVE = 1, 2, 3, 4
+GET, EXISTS, PUT_LOCAL, REMOVE, PUT_START, PUT_END = 1, 2, 3, 4, 5, 6
 PB_BASE = 16
 PB_METHODS = ("PutStart", "PutEnd", "Pin", "Unpin", "Stats")
 
@@ -143,8 +144,12 @@ def pack_get_resp(lease_ms: int, got: Sequence[tuple[int, SegmentInfo, int, int]
 def unpack_get_resp(buf) -> tuple[int, list[tuple[int, str, int, str, int, int]]]:
     """-> (lease_ms, [(key index, data_address, region_id, node_id, offset, size)])."""
     (lease_ms,) = _U32.unpack_from(buf, 0)
-    (nseg,) = _U16.unpack_from(buf, 4)
-    pos = 6
+    return lease_ms, _unpack_placements(buf, 4)[0]
+
+
+def _unpack_placements(buf, pos: int) -> tuple[list[tuple[int, str, int, str, int, int]], int]:
+    (nseg,) = _U16.unpack_from(buf, pos)
+    pos += 2
     segs = []
     for _ in range(nseg):
         region, alen = _SEG.unpack_from(buf, pos)
@@ -154,11 +159,85 @@ def unpack_get_resp(buf) -> tuple[int, list[tuple[int, str, int, str, int, int]]
         segs.append((addr, region, node))
     (n,) = _U32.unpack_from(buf, pos)
     pos += 4
+    raw = bytes(buf[pos : pos + n * _REP.size])
+    if len(raw) != n * _REP.size:
+        raise ValueError("short placement list")
     out = []
-    for i, j, off, size in _REP.iter_unpack(bytes(buf[pos : pos + n * _REP.size])):
+    for i, j, off, size in _REP.iter_unpack(raw):
         addr, region, node = segs[j]
         out.append((i, addr, region, node, off, size))
-    return lease_ms, out
+    return out, pos + len(raw)
+
+
+# -- PUT_START: node_id | u64 size (0: one u64 size per key follows the keys) | keys
+#               [| u64 size*]
+#    ->  placements as in a GET answer (u16 n_segments | segments | u32 n | replicas)
+#        | u32 n_present | u32 key index* (keys present or being put: not placed)
+_U64 = struct.Struct("<Q")
+
+
+def pack_put_start(node_id: str, keys: list[bytes], sizes: Sequence[int]) -> bytes:
+    same = all(z == sizes[0] for z in sizes)
+    head = pack_str(node_id) + _U64.pack(sizes[0] if same else 0) + pack_keys(keys)
+    return head if same else head + struct.pack(f"<{len(sizes)}Q", *sizes)
+
+
+def unpack_put_start(buf) -> tuple[str, list[bytes], list[int]]:
+    """-> (node_id, keys, one size per key); ValueError on a truncated frame, trailing
+    bytes or a size of 0."""
+    node, pos = unpack_str(buf, 0)
+    (size,) = _U64.unpack_from(buf, pos)
+    keys, pos = unpack_keys(buf, pos + 8)
+    if size:
+        sizes = [size] * len(keys)
+    else:
+        raw = bytes(buf[pos : pos + 8 * len(keys)])
+        if len(raw) != 8 * len(keys):
+            raise ValueError("PutStart: one u64 size per key is missing")
+        sizes = list(struct.unpack(f"<{len(keys)}Q", raw))
+        pos += len(raw)
+    if pos != len(buf):
+        raise ValueError("PutStart frame has trailing bytes")
+    if any(z <= 0 for z in sizes):
+        raise ValueError("PutStart: size must be > 0")
+    return node, keys, sizes
+
+
+def pack_put_start_resp(
+    placed: Sequence[tuple[int, SegmentInfo, int, int]], present: list[int]
+) -> bytes:
+    """``placed``: (key index, segment, offset, size); ``present``: key indices."""
+    body = pack_get_resp(0, placed)[4:]
+    return body + _U32.pack(len(present)) + struct.pack(f"<{len(present)}I", *present)
+
+
+def unpack_put_start_resp(buf) -> tuple[list[tuple[int, str, int, str, int, int]], list[int]]:
+    """-> ([(key index, data_address, region_id, node_id, offset, size)], present)."""
+    placed, pos = _unpack_placements(buf, 0)
+    (n,) = _U32.unpack_from(buf, pos)
+    return placed, list(struct.unpack_from(f"<{n}I", buf, pos + 4))
+
+
+# -- PUT_END: u8 flags (1 abort) | keys  ->  u32 committed | u32 n | u32 failed key index*
+def pack_put_end(keys: list[bytes], abort: bool) -> bytes:
+    return _U8.pack(1 if abort else 0) + pack_keys(keys)
+
+
+def unpack_put_end(buf) -> tuple[list[bytes], bool]:
+    keys, pos = unpack_keys(buf, 1)
+    if pos != len(buf):
+        raise ValueError("PutEnd frame has trailing bytes")
+    return keys, bool(buf[0] & 1)
+
+
+def pack_put_end_resp(committed: int, failed: list[int]) -> bytes:
+    return _U32.pack(committed) + _U32.pack(len(failed)) + struct.pack(f"<{len(failed)}I", *failed)
+
+
+def unpack_put_end_resp(buf) -> tuple[int, list[int]]:
+    """-> (committed, indices of the keys that failed: no pending put any more)."""
+    committed, n = struct.unpack_from("<II", buf, 0)
+    return committed, list(struct.unpack_from(f"<{n}I", buf, 8))
 
 
 # -- EXISTS: flags(u8: 1 any_order) | keys  ->  u32 prefix | n bytes present (0/1)
