@@ -1,61 +1,109 @@
-"""Conductor decision benchmark: decisions per second and decision latency (p50, p99) of
-the real scheduler (services/conductor/policy.py) on one core, with 8, 64 and 256
-prefill nodes and 10^4 and 10^6 indexed blocks.
+"""Conductor decision benchmark: the conductor's scheduling loop, counted whole, on one core.
 
-Each decision is ``decide`` + ``commit`` for a request of 32 blocks (8,192 tokens at block
-size 256) whose prefix is held by some node in 70% of requests; completions are booked
-for requests 256 decisions old, so queues stay realistic. Goal (issue 6): >= 20,000
-decisions/s at 64 nodes and 10^6 blocks, p99 <= 1 ms.
+Each decision runs what a conductor runs per request: ``decide``, ``commit`` of an
+accepted decision, and the booking of completions (the prefill node's report feeding its
+time model, ``prefill_done`` with the TTFT seen and ``request_done``) for the request
+256 decisions older, with the garbage collector on. Requests have 32 blocks (8,192 tokens
+at block size 256), their prefix held by some node in 70% of them. The process is pinned
+to one core (``os.sched_setaffinity``).
 
-    python -m kvmesh.loadtest.bench_conductor [--quick]
+Headline: decisions per second of the loop's wall time, and the p50/p99 of one loop
+iteration (decision plus the booking it triggers); the median of ``--runs`` runs, with 8,
+64 and 256 prefill nodes and 10^4 and 10^6 indexed blocks. Goal (issues 6 and 15):
+>= 20,000 decisions/s at 64 nodes and 10^6 blocks, p99 <= 1 ms. The old headline (the
+sum of ``decide`` + ``commit`` latencies alone, GC off) is kept as a labelled secondary
+figure for comparison.
+
+``--baseline REV`` (a git revision, or a directory holding ``policy.py``, ``index.py``
+and ``estimator.py``) runs that version of the scheduler interleaved with this one, run
+for run, so a change is compared under the same machine load.
+
+    python -m kvmesh.loadtest.bench_conductor [--quick] [--baseline HEAD~1]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import random
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import types
 from collections import deque
 from pathlib import Path
 
-from kvmesh.services.conductor.estimator import DecodeModel, PrefillModel
-from kvmesh.services.conductor.policy import (
-    DecodeNodeState,
-    PolicyConfig,
-    PrefillNodeState,
-    Request,
-    Scheduler,
-)
-
 BS = 256
 BLOCKS_PER_REQUEST = 32
+PENDING = 256  # completions are booked for the request this many decisions older
 RESULTS = Path(__file__).parent / "results"
+GOAL_RATE, GOAL_P99_US = 20_000, 1000.0
+_MODULES = ("estimator", "index", "policy")
+_now_ns = time.perf_counter_ns  # the loop's clock (a test replaces it)
 
 
-def build(n_prefill: int, n_blocks: int, rng: random.Random) -> tuple[Scheduler, list[list[bytes]]]:
-    s = Scheduler(PolicyConfig(policy="kvmesh", colocate_below_tokens=512), rng=rng)
+def impl_here() -> types.SimpleNamespace:
+    """This tree's scheduler."""
+    return types.SimpleNamespace(
+        name="this tree",
+        **{m: importlib.import_module(f"kvmesh.services.conductor.{m}") for m in _MODULES},
+    )
+
+
+def impl_from(baseline: str) -> types.SimpleNamespace:
+    """Another version of the scheduler, loaded side by side: a git revision of this
+    repository, or a directory with its ``policy.py``, ``index.py`` and ``estimator.py``."""
+    pkg = f"_kvmesh_baseline_{len([k for k in sys.modules if k.startswith('_kvmesh_base')])}"
+    tmp = Path(tempfile.mkdtemp(prefix="kvmesh-bench-baseline-"))
+    for m in _MODULES:
+        src = Path(baseline) / f"{m}.py"
+        if Path(baseline).is_dir():
+            text = src.read_text()
+        else:
+            root = Path(__file__).resolve().parent.parent
+            text = subprocess.run(
+                ["git", "-C", str(root), "show", f"{baseline}:services/conductor/{m}.py"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        (tmp / f"{m}.py").write_text(text.replace("kvmesh.services.conductor.", f"{pkg}."))
+    package = types.ModuleType(pkg)
+    package.__path__ = [str(tmp)]
+    sys.modules[pkg] = package
+    return types.SimpleNamespace(
+        name=f"baseline {baseline}",
+        **{m: importlib.import_module(f"{pkg}.{m}") for m in _MODULES},
+    )
+
+
+def build(n_prefill: int, n_blocks: int, rng: random.Random, impl=None):
+    impl = impl or impl_here()
+    P, E = impl.policy, impl.estimator
+    s = P.Scheduler(P.PolicyConfig(policy="kvmesh", colocate_below_tokens=512), rng=rng)
     for i in range(n_prefill):
-        s.prefill[f"p{i}"] = PrefillNodeState(
+        s.prefill[f"p{i}"] = P.PrefillNodeState(
             f"p{i}",
             BS,
             block_nbytes=20 << 20,
             layer_nbytes=(20 << 20) // 80,
-            model=PrefillModel(20, 0.05, 2e-6),
+            model=E.PrefillModel(20, 0.05, 2e-6),
             bandwidth=20e6,
         )
     for i in range(max(2, n_prefill // 4)):
-        s.decode[f"d{i}"] = DecodeNodeState(
+        s.decode[f"d{i}"] = P.DecodeNodeState(
             f"d{i}",
             BS,
             100_000,
             100_000,
-            model=DecodeModel(20, 0.2, 1e-5),
-            prefill_model=PrefillModel(20, 0.05, 2e-6),
+            model=E.DecodeModel(20, 0.2, 1e-5),
+            prefill_model=E.PrefillModel(20, 0.05, 2e-6),
         )
     chains = []
     names = list(s.prefill)
@@ -68,13 +116,10 @@ def build(n_prefill: int, n_blocks: int, rng: random.Random) -> tuple[Scheduler,
     return s, chains
 
 
-def run(n_prefill: int, n_blocks: int, n_decisions: int, seed: int = 0) -> dict:
-    rng = random.Random(seed)
-    t0 = time.perf_counter()
-    s, chains = build(n_prefill, n_blocks, rng)
-    build_s = time.perf_counter() - t0
-    reqs = []
-    for i in range(n_decisions):
+def requests(chains: list[list[bytes]], n: int, rng: random.Random, impl=None) -> list:
+    Request = (impl or impl_here()).policy.Request
+    out = []
+    for i in range(n):
         if rng.random() < 0.7:
             chain = rng.choice(chains)
             k = rng.randint(BLOCKS_PER_REQUEST // 2, BLOCKS_PER_REQUEST)
@@ -85,14 +130,54 @@ def run(n_prefill: int, n_blocks: int, n_decisions: int, seed: int = 0) -> dict:
             hashes = [
                 rng.getrandbits(128).to_bytes(16, "little") for _ in range(BLOCKS_PER_REQUEST)
             ]
-        reqs.append(Request(f"r{i}", BLOCKS_PER_REQUEST * BS + 17, hashes, 256, 1e9, 1e9))
+        out.append(Request(f"r{i}", BLOCKS_PER_REQUEST * BS + 17, hashes, 256, 1e9, 1e9))
+    return out
+
+
+def book(s, r, d) -> None:
+    """What a conductor does when a request completes: the node's report feeds the time
+    model of the node that computed the prompt, the first token is booked with its TTFT
+    (here: as estimated), then the request's end."""
+    c = d.estimate
+    new, cached = r.n_tokens - c.cached_blocks * BS, c.cached_blocks * BS
+    if d.route == "disaggregated":
+        s.prefill[d.prefill_node].model.observe(new, cached, c.prefill_ms)
+    else:
+        s.decode[d.decode_node].prefill_model.observe(new, cached, c.prefill_ms)
+    s.prefill_done(r, d, new, cached, ttft_ms=c.ttft_ms)
+    s.request_done(r, d, 200)
+
+
+def loop(s, reqs: list) -> tuple[float, list[int], list, float]:
+    """The whole loop, GC on: wall seconds, each iteration's ns, the decisions, and the
+    CPU seconds the loop itself used (what foreign load on the core cannot inflate)."""
+    pending: deque = deque()
+    lat, decisions = [], []
+    now = _now_ns
+    gc.collect()
+    cpu0 = time.thread_time()
+    t_all = now()
+    for r in reqs:
+        t = now()
+        d = s.decide(r)
+        if d.accepted:
+            s.commit(r, d)
+            pending.append((r, d))
+            if len(pending) > PENDING:
+                book(s, *pending.popleft())
+        lat.append(now() - t)
+        decisions.append(d)
+    return (now() - t_all) / 1e9, lat, decisions, time.thread_time() - cpu0
+
+
+def decide_commit_only(s, reqs: list) -> list[int]:
+    """The old headline's measure: decide + commit latencies alone, GC off (booking
+    runs, untimed)."""
     pending: deque = deque()
     lat = []
-    accepted = 0
     gc.collect()
     gc.disable()
     try:
-        t_all = time.perf_counter()
         for r in reqs:
             t = time.perf_counter_ns()
             d = s.decide(r)
@@ -100,69 +185,174 @@ def run(n_prefill: int, n_blocks: int, n_decisions: int, seed: int = 0) -> dict:
                 s.commit(r, d)
             lat.append(time.perf_counter_ns() - t)
             if d.accepted:
-                accepted += 1
                 pending.append((r, d))
-                if len(pending) > 256:
-                    old_r, old_d = pending.popleft()
-                    s.prefill_done(old_r, old_d, old_r.n_tokens, 0, old_d.estimate.prefill_ms)
-                    s.request_done(old_r, old_d, 200)
-        total = time.perf_counter() - t_all
+                if len(pending) > PENDING:
+                    book(s, *pending.popleft())
     finally:
         gc.enable()
+    return lat
+
+
+def _pct(sorted_ns: list[int], q: float) -> float:
+    return sorted_ns[min(len(sorted_ns) - 1, int(len(sorted_ns) * q))] / 1000
+
+
+def run(
+    n_prefill: int, n_blocks: int, n_decisions: int, seed: int = 0, impl=None, old: bool = True
+) -> dict:
+    """One run: a fresh scheduler and index, the whole loop timed (the headline), then,
+    with ``old``, a second fresh scheduler timed the old way."""
+    impl = impl or impl_here()
+    t0 = time.perf_counter()
+    s, chains = build(n_prefill, n_blocks, random.Random(seed), impl)
+    build_s = time.perf_counter() - t0
+    reqs = requests(chains, n_decisions, random.Random(seed + 1), impl)
+    total, lat, decisions, cpu = loop(s, reqs)
     lat.sort()
-    return {
+    row = {
         "prefill_nodes": n_prefill,
         "decode_nodes": len(s.decode),
         "blocks": n_blocks,
         "decisions": n_decisions,
-        "accepted": accepted,
-        "decisions_per_s": n_decisions / sum(lat) * 1e9,
-        "loop_decisions_per_s": n_decisions / total,
-        "p50_us": lat[len(lat) // 2] / 1000,
-        "p99_us": lat[int(len(lat) * 0.99)] / 1000,
+        "accepted": sum(d.accepted for d in decisions),
+        "decisions_per_s": n_decisions / total,
+        "cpu_decisions_per_s": n_decisions / cpu if cpu > 0 else float("nan"),
+        "p50_us": _pct(lat, 0.5),
+        "p99_us": _pct(lat, 0.99),
+        "max_us": lat[-1] / 1000,
         "build_s": build_s,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+    if old:
+        s, chains = build(n_prefill, n_blocks, random.Random(seed), impl)
+        reqs = requests(chains, n_decisions, random.Random(seed + 1), impl)
+        old_lat = decide_commit_only(s, reqs)
+        old_lat.sort()
+        row["old_decide_commit_per_s"] = n_decisions / sum(old_lat) * 1e9
+        row["old_p50_us"], row["old_p99_us"] = _pct(old_lat, 0.5), _pct(old_lat, 0.99)
+    row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return row
+
+
+MEDIANS = (
+    "decisions_per_s",
+    "cpu_decisions_per_s",
+    "p50_us",
+    "p99_us",
+    "max_us",
+    "old_decide_commit_per_s",
+    "old_p50_us",
+    "old_p99_us",
+)
+
+
+def _median_row(reps: list[dict]) -> dict:
+    row = dict(reps[0])
+    for k in MEDIANS:
+        if k in row:
+            row[k] = statistics.median(r[k] for r in reps)
+    row["runs"] = len(reps)
+    row["runs_decisions_per_s"] = [round(r["decisions_per_s"]) for r in reps]
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="10^4 blocks only, fewer decisions")
     ap.add_argument("--decisions", type=int, default=20000)
+    ap.add_argument("--runs", type=int, default=3, help="runs per row (the median is shown)")
+    ap.add_argument("--nodes", default="8,64,256", help="prefill node counts")
+    ap.add_argument("--blocks", default="10000,1000000", help="indexed block counts")
+    ap.add_argument(
+        "--baseline", help="a git revision or directory: its scheduler runs interleaved"
+    )
+    ap.add_argument("--out", type=Path, default=RESULTS / "conductor.json")
     args = ap.parse_args()
     try:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
+        core = sorted(os.sched_getaffinity(0))[0]
+        os.sched_setaffinity(0, {core})
     except (AttributeError, OSError):
-        pass
-    sizes = [10_000] if args.quick else [10_000, 1_000_000]
+        core = None
+    sizes = [10_000] if args.quick else [int(b) for b in args.blocks.split(",")]
     n = 2000 if args.quick else args.decisions
-    rows = []
+    runs = 1 if args.quick else args.runs
+    impls = [impl_here()] + ([impl_from(args.baseline)] if args.baseline else [])
+    load_before = os.getloadavg()
+    print(f"one core ({core}); load average {load_before[0]:.2f}; median of {runs} run(s)")
     print(
-        f"{'prefill':>7} {'decode':>6} {'blocks':>9} {'decisions/s':>12} {'p50 us':>8} "
-        f"{'p99 us':>8} {'goal':>6} {'rss MiB':>8}"
+        f"{'version':>18} {'prefill':>7} {'decode':>6} {'blocks':>9} {'decisions/s':>12} "
+        f"{'p50 us':>8} {'p99 us':>8} {'goal':>6} {'CPU-s rate':>10} | {'old: d+c /s':>12} "
+        f"{'p99 us':>8}"
     )
+    rows = []
     for blocks in sizes:
-        for nodes in (8, 64, 256):
-            reps = [run(nodes, blocks, n, seed) for seed in range(3 if not args.quick else 1)]
-            row = dict(reps[0])
-            for k in ("decisions_per_s", "loop_decisions_per_s", "p50_us", "p99_us"):
-                row[k] = statistics.median(r[k] for r in reps)
-            goal = ""
-            if nodes == 64 and blocks == 1_000_000:
-                goal = (
-                    "met" if row["decisions_per_s"] >= 20000 and row["p99_us"] <= 1000 else "MISSED"
+        for nodes in [int(x) for x in args.nodes.split(",")]:
+            reps: dict[str, list[dict]] = {i.name: [] for i in impls}
+            for seed in range(runs):  # interleaved, run for run
+                for impl in impls:
+                    reps[impl.name].append(run(nodes, blocks, n, seed, impl))
+            for impl in impls:
+                row = _median_row(reps[impl.name])
+                row["version"] = impl.name
+                goal = ""
+                if nodes == 64 and blocks == 1_000_000:
+                    ok = row["decisions_per_s"] >= GOAL_RATE and row["p99_us"] <= GOAL_P99_US
+                    goal = "met" if ok else "MISSED"
+                row["goal"] = goal
+                rows.append(row)
+                print(
+                    f"{impl.name[:18]:>18} {nodes:>7} {row['decode_nodes']:>6} {blocks:>9} "
+                    f"{row['decisions_per_s']:>12,.0f} {row['p50_us']:>8.1f} "
+                    f"{row['p99_us']:>8.1f} {goal:>6} {row['cpu_decisions_per_s']:>10,.0f} | "
+                    f"{row['old_decide_commit_per_s']:>12,.0f} "
+                    f"{row['old_p99_us']:>8.1f}",
+                    flush=True,
                 )
-            row["goal"] = goal
-            rows.append(row)
-            print(
-                f"{nodes:>7} {row['decode_nodes']:>6} {blocks:>9} {row['decisions_per_s']:>12,.0f} "
-                f"{row['p50_us']:>8.1f} {row['p99_us']:>8.1f} {goal:>6} {row['peak_rss_mib']:>8.0f}",
-                flush=True,
-            )
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "conductor.json"
-    out.write_text(json.dumps({"rows": rows, "note": "median of 3 runs, one core"}, indent=2))
-    print(f"wrote {out}")
+    load_after = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "rows": rows,
+        "headline": "decisions_per_s, p50_us, p99_us: the whole loop (decide, commit, "
+        "booking of completions), GC on, wall time, one core; cpu_decisions_per_s: the same "
+        "loop over its own CPU time (thread_time), which time slices lost to foreign load "
+        "on the core do not count",
+        "secondary": "old_decide_commit_per_s, old_p50_us, old_p99_us: the old "
+        "headline, decide + commit latencies alone, GC off",
+        "note": f"median of {runs} run(s), one core; versions interleaved run for run",
+        "load_average_1m": {"before": load_before[0], "after": load_after[0]},
+        "cpus": os.cpu_count(),
+    }
+    args.out.write_text(json.dumps(doc, indent=2))
+    args.out.with_suffix(".md").write_text(markdown(doc))
+    print(f"load average {load_after[0]:.2f}; wrote {args.out} and its .md")
+
+
+def markdown(doc: dict) -> str:
+    """The results as a Markdown table: the headline first, the old measure after."""
+    load = doc.get("load_average_1m", {})
+    out = [
+        "# Conductor decisions per second, one core",
+        "",
+        f"`python -m kvmesh.loadtest.bench_conductor`; {doc['note']}; load average (1 min) "
+        f"{load.get('before', float('nan')):.2f} before, {load.get('after', float('nan')):.2f} "
+        f"after, on {doc.get('cpus')} shared CPUs.",
+        "",
+        f"- **Headline**: {doc['headline']}.",
+        f"- Secondary (for comparison only): {doc['secondary']}.",
+        "",
+        "| version | prefill | decode | blocks | **decisions/s** | p50 us | p99 us | goal "
+        "| per CPU-second | old: decide+commit/s, GC off | old p99 us | runs (decisions/s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        out.append(
+            f"| {r['version']} | {r['prefill_nodes']} | {r['decode_nodes']} | {r['blocks']:,} "
+            f"| **{r['decisions_per_s']:,.0f}** | {r['p50_us']:.1f} | {r['p99_us']:.1f} "
+            f"| {r['goal']} | {r.get('cpu_decisions_per_s', float('nan')):,.0f} "
+            f"| {r.get('old_decide_commit_per_s', float('nan')):,.0f} "
+            f"| {r.get('old_p99_us', float('nan')):.1f} "
+            f"| {', '.join(f'{x:,}' for x in r['runs_decisions_per_s'])} |"
+        )
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":

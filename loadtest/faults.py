@@ -24,6 +24,10 @@ Faults: SIGKILL of a prefill node, of a decode node, of the node holding the mos
 blocks; conductor, store-master and etcd restarts; a network cut and heal between a prefill
 node in its own network namespace (joined by a veth pair) and the rest of the cluster; KV
 bytes flipped on the data plane (``KVMESH_FAULT_CORRUPT_EVERY``, nodes run ``--checksum``).
+Two rows run a real ``kvmesh up`` process instead: SIGKILL of the launcher itself
+(``launcher-killed``: no child may survive it and the conductor's port must be free within
+5 s) and SIGKILL of its decode node (``node-killed-in-local-cluster``: the launcher restarts
+it, and a retried request succeeds within the lease TTL + 5 s).
 
 Results: ``loadtest/results/faults.md`` and ``faults.json`` (``overload.md/json``).
 """
@@ -35,9 +39,12 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +70,7 @@ from kvmesh.loadtest.fault_harness import (  # noqa: E402
 from kvmesh.loadtest.faults_netns import net_cut  # noqa: E402
 from kvmesh.protos import kvmesh_pb2 as pb  # noqa: E402
 from kvmesh.protos import kvmesh_pb2_grpc as pbg  # noqa: E402
+from kvmesh.services.launcher import listening_ports  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -236,6 +244,10 @@ def main_faults(faults: list[str], plan: Plan, workdir: str) -> list[dict]:
                 print(fmt_row(row), flush=True)
         finally:
             cluster.stop()
+    for f in [f for f in faults if f in LAUNCHER]:
+        print(f"-- {f}", flush=True)
+        rows.append(LAUNCHER[f](os.path.join(workdir, f), prompts, expect, plan))
+        print(fmt_row(rows[-1]), flush=True)
     if "byte-flip" in faults:
         print("-- byte-flip", flush=True)
         rows.append(byte_flip(os.path.join(workdir, "flip"), prompts, expect, plan))
@@ -243,6 +255,14 @@ def main_faults(faults: list[str], plan: Plan, workdir: str) -> list[dict]:
     if "net-cut" in faults:
         print("-- net-cut", flush=True)
         rows.append(net_cut(os.path.join(workdir, "netns"), prompts, expect, plan))
+        print(fmt_row(rows[-1]), flush=True)
+    if "store-master-failover" in faults:
+        print("-- store-master-failover", flush=True)
+        rows.append(store_master_failover(os.path.join(workdir, "failover"), prompts, expect, plan))
+        print(fmt_row(rows[-1]), flush=True)
+    if "conductor-killed" in faults:
+        print("-- conductor-killed", flush=True)
+        rows.append(conductor_killed(os.path.join(workdir, "conductors"), prompts, expect, plan))
         print(fmt_row(rows[-1]), flush=True)
     return rows
 
@@ -297,7 +317,374 @@ PLAIN = {
     "store-master-restart": _restart("store-master-0", "store-master-restart"),
     "etcd-restart": _restart("etcd", "etcd-restart"),
 }
-ALL = [*PLAIN, "byte-flip", "net-cut"]
+
+# -- `kvmesh up` as a real process ------------------------------------------------------------
+UP_LEASE_TTL = 10  # kvmesh up's services use the default lease TTL
+LAUNCHER_GOAL_S = 5.0
+
+
+class Up:
+    """``kvmesh up`` (1 prefill + 1 decode node, tiny model, block size 16) as a real
+    process; its children are found through /proc."""
+
+    def __init__(self, workdir: str, timeout: float = 180) -> None:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        self.workdir, self.log = workdir, os.path.join(workdir, "up.log")
+        cmd = [sys.executable, "-m", "kvmesh.services.cli", "up", "--port", "0"]
+        cmd += ["--http-port", "-1", "--block-size", "16", "--workdir", workdir]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        text = ""
+        while "Ctrl-C stops the cluster" not in text:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"kvmesh up did not start:\n{text[-2000:]}")
+            time.sleep(0.2)
+            text = Path(self.log).read_text(errors="replace")
+        m = re.search(r"conductor at (127\.0\.0\.1:\d+)", text)
+        assert m, text
+        self.conductor = m.group(1)
+        self.port = int(self.conductor.rsplit(":", 1)[1])
+
+    def children(self) -> dict[str, int]:
+        """name (``etcd`` or the service's node id) -> pid of each live child."""
+        out = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True
+        )
+        named = {}
+        for pid in map(int, out.stdout.split()):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            except OSError:
+                continue
+            name = argv[argv.index("--node-id") + 1] if "--node-id" in argv else "etcd"
+            named[name] = pid
+        return named
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie left for a reaper that is not ours counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens on ``port`` any more, and a new listener can bind it as a new
+    conductor would (SO_REUSEADDR, no SO_REUSEPORT)."""
+    with socket.socket() as c:
+        c.settimeout(1)
+        if c.connect_ex(("127.0.0.1", port)) == 0:
+            return False
+    with socket.socket(socket.AF_INET6) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("::", port))  # the wildcard (dual-stack): taken by any listener
+            return True
+        except OSError:
+            return False
+
+
+def launcher_killed(workdir: str, prompts, expect, plan: Plan, repeat: int = 3) -> dict:
+    """SIGKILL of ``kvmesh up`` (``repeat`` times, a fresh cluster each): the seconds
+    until every child has exited and until the conductor's port can be bound again."""
+    runs: list[dict] = []
+    for i in range(repeat):
+        up = Up(os.path.join(workdir, f"run{i}"))
+        kids = up.children()
+        try:
+            t = time.monotonic()
+            up.proc.kill()
+            up.proc.wait()
+            gone = wait_for(lambda: not any(map(alive, kids.values())), 30, 0.02)
+            free = wait_for(lambda: port_free(up.port), 30, 0.02)
+            left = [n for n, pid in kids.items() if alive(pid)]
+            runs.append(
+                {
+                    "children": len(kids),
+                    "all_gone_s": round(gone, 2) if gone is not None else None,
+                    "port_free_s": round(free, 2) if free is not None else None,
+                    "orphans": left,
+                    "took_s": round(time.monotonic() - t, 2),
+                }
+            )
+        finally:
+            for pid in kids.values():  # only should one have survived
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+    def worst(key: str) -> float | None:
+        vals = [r[key] for r in runs]
+        return None if None in vals else max(vals)
+
+    def median(key: str) -> float | None:
+        vals = [r[key] for r in runs]
+        return None if None in vals else statistics.median(vals)
+
+    gone_s, free_s = worst("all_gone_s"), worst("port_free_s")
+    met = (
+        all(not r["orphans"] and r["children"] == 5 for r in runs)
+        and gone_s is not None
+        and free_s is not None
+        and max(gone_s, free_s) <= LAUNCHER_GOAL_S
+    )
+    return {
+        "fault": "launcher-killed",
+        "requests": 0,
+        "cluster_whole_s": gone_s,
+        "recovered_in_ttl_plus_5": met,
+        "goal": f"no child of kvmesh up survives and its conductor port is free within "
+        f"{LAUNCHER_GOAL_S:g} s of its SIGKILL (worst of {repeat} runs)",
+        "all_gone_s_median": median("all_gone_s"),
+        "port_free_s_median": median("port_free_s"),
+        "all_gone_s_max": gone_s,
+        "port_free_s_max": free_s,
+        "runs": runs,
+        "whole_means": "every child of kvmesh up exited (worst run)",
+        "wrong": 0,
+        "hung": 0,
+        "failed_other": 0,
+    }
+
+
+def node_killed_in_local_cluster(workdir: str, prompts, expect, plan: Plan) -> dict:
+    """SIGKILL of the decode node of a ``kvmesh up`` cluster (its only one) under load:
+    the launcher restarts it and the clients' retries succeed again. The load goes on
+    for at least the lease TTL + 8 s after the kill (past the goal, so that requests
+    after the recovery are seen)."""
+    plan = Plan(**{**plan.__dict__, "after_s": max(plan.after_s, UP_LEASE_TTL + 8.0)})
+    up = Up(workdir)
+    try:
+
+        async def act(ld: Load, res: dict) -> None:
+            await asyncio.sleep(plan.before_s)
+            victim = up.children()["decode-0"]
+            res["t_fault"] = ld.now()
+            os.kill(victim, signal.SIGKILL)
+
+            def back() -> bool:  # a new decode-0, registered with its own address
+                pid = up.children().get("decode-0")
+                if pid in (None, victim):
+                    return False
+                try:
+                    with grpc.insecure_channel(up.conductor) as ch:
+                        s = pbg.ConductorStub(ch).ClusterStatus(
+                            pb.ClusterStatusRequest(), timeout=2
+                        )
+                except grpc.RpcError:
+                    return False
+                addr = next((n.grpc_address for n in s.nodes if n.node_id == "decode-0"), ":0")
+                return int(addr.rsplit(":", 1)[1]) in (listening_ports(pid) or ())
+
+            whole = await asyncio.to_thread(wait_for, back, 60, 0.1)
+            res["cluster_whole_s"] = round(whole, 2) if whole is not None else None
+            res["victim"] = "decode-0"
+            res["whole_means"] = "a new decode-0 process registered its address in etcd"
+            res["restart_logged"] = "decode-0 exited with -9; restarting" in Path(up.log).read_text(
+                errors="replace"
+            )
+            await asyncio.sleep(max(0.0, plan.after_s - (ld.now() - res["t_fault"])))
+
+        row = run_fault(up, "node-killed-in-local-cluster", prompts, expect, plan, act)
+    finally:
+        up.stop()
+    # kvmesh up runs its services with the default lease TTL, not the suite's
+    row["ttl_s"] = UP_LEASE_TTL
+    whole = row.get("cluster_whole_s")
+    row["recovered_in_ttl_plus_5"] = (
+        max(row["last_failure_s"], row["max_gap_s"]) <= UP_LEASE_TTL + 5
+        and whole is not None
+        and whole <= UP_LEASE_TTL + 5
+        and row["failed_retriable"] == 0
+    )
+    row["launcher_exit_code"] = up.proc.returncode
+    return row
+
+
+LAUNCHER = {
+    "launcher-killed": launcher_killed,
+    "node-killed-in-local-cluster": node_killed_in_local_cluster,
+}
+ALL = [*PLAIN, *LAUNCHER, "byte-flip", "net-cut", "store-master-failover", "conductor-killed"]
+TAKEOVER_SLACK_S = 2.0  # issue 17's goal: a standby leads within the lease TTL + 2 s
+
+
+async def store_leader(endpoint: str, cluster: str = "default") -> str:
+    """The node id of the elected store-master ("" while none leads)."""
+    from kvmesh.services.common.election import current_leader
+    from kvmesh.services.common.etcd import EtcdClient
+
+    async with EtcdClient(endpoint) as etcd:
+        return ((await current_leader(etcd, cluster, "store-master")) or {}).get("id", "")
+
+
+def store_master_failover(workdir: str, prompts, expect, plan: Plan) -> dict:
+    """Two store-masters (one leads, one stands by); the leader is SIGKILLed under load.
+    Takeover: from the kill until the standby holds the campaign key; the store is whole
+    again once the conductor sees store capacity on the new leader (the nodes re-mounted
+    and re-reported there)."""
+    cluster = new_cluster(workdir, store_masters=2)
+    try:
+
+        async def act(ld: Load, res: dict) -> None:
+            await asyncio.sleep(plan.before_s)
+            old = await store_leader(cluster.etcd_endpoint, cluster.cluster)
+            res["victim"] = old
+            res["t_fault"] = ld.now()
+            t = time.monotonic()
+            await asyncio.to_thread(cluster.stop_process, old, signal.SIGKILL)
+
+            async def led_by_other() -> bool:
+                return (await store_leader(cluster.etcd_endpoint, cluster.cluster)) not in ("", old)
+
+            took = None
+            while time.monotonic() - t < TTL + 15:
+                if await led_by_other():
+                    took = time.monotonic() - t
+                    break
+                await asyncio.sleep(0.05)
+            res["takeover_s"] = round(took, 2) if took is not None else None
+            res["new_leader"] = await store_leader(cluster.etcd_endpoint, cluster.cluster)
+
+            def whole() -> bool:
+                try:
+                    with grpc.insecure_channel(cluster.conductor) as ch:
+                        s = pbg.ConductorStub(ch).ClusterStatus(
+                            pb.ClusterStatusRequest(), timeout=2
+                        )
+                except grpc.RpcError:
+                    return False
+                masters = [n for n in s.nodes if n.role == "store-master" and n.reachable]
+                return [n.node_id for n in masters] == [
+                    res["new_leader"]
+                ] and s.store_bytes_total > 0
+
+            back = await asyncio.to_thread(wait_for, whole, 40, 0.2)
+            res["cluster_whole_s"] = round(time.monotonic() - t, 2) if back is not None else None
+            res["whole_means"] = "the standby leads and the nodes' segments are mounted on it"
+            await asyncio.sleep(max(0.0, plan.after_s - (ld.now() - res["t_fault"])))
+
+        row = run_fault(cluster, "store-master-failover", prompts, expect, plan, act)
+        took = row.get("takeover_s")
+        row["takeover_goal_s"] = TTL + TAKEOVER_SLACK_S
+        row["takeover_in_ttl_plus_2"] = took is not None and took <= TTL + TAKEOVER_SLACK_S
+        return row
+    finally:
+        cluster.stop()
+
+
+class _FailoverStub:
+    """A client's Conductor stub over several conductors, by the rule of
+    ``services.client``: its calls go to its home conductor until one fails UNAVAILABLE,
+    then to the next (the harness retries the request: a retriable status)."""
+
+    def __init__(self, stubs: list, home: int) -> None:
+        self.stubs, self.home = stubs, home % len(stubs)
+
+    def Generate(self, req, timeout=None):  # noqa: N802 (the stub's method name)
+        home = self.home
+
+        async def it():
+            try:
+                async for r in self.stubs[home].Generate(req, timeout=timeout):
+                    yield r
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and self.home == home:
+                    self.home = (home + 1) % len(self.stubs)
+                raise
+
+        return it()
+
+
+class _ConductorsLoad(Load):
+    """The fault harness's load, its clients spread over every conductor."""
+
+    def __init__(self, conductors: list[str], *a, **kw) -> None:
+        super().__init__(conductors[0], *a, **kw)
+        self.conductors = conductors
+
+    async def run(self, body) -> None:
+        self.t0 = time.perf_counter()
+        chans = [grpc.aio.insecure_channel(a) for a in self.conductors]
+        stubs = [pbg.ConductorStub(c) for c in chans]
+        clients = [
+            asyncio.create_task(self._client(_FailoverStub(stubs, k), k))
+            for k in range(self.concurrency)
+        ]
+        try:
+            await body(self)
+        finally:
+            self._stop.set()
+            await asyncio.gather(*clients, return_exceptions=True)
+            for c in chans:
+                await c.close()
+
+
+def conductor_killed(workdir: str, prompts, expect, plan: Plan) -> dict:
+    """Two conductors serve at once, the load's clients spread over both; conductor-0 is
+    SIGKILLed under load. Its clients' calls fail UNAVAILABLE and go to conductor-1.
+    Goal: zero wrong, zero failed (retries allowed), accepted requests inside the SLO
+    (the conductor's default TTFT/TBT SLO)."""
+    from kvmesh.loadtest.fault_harness import summarize
+    from kvmesh.services.conductor.server import ConductorConfig
+
+    cluster = new_cluster(workdir, conductors=2)
+    try:
+        res: dict = {}
+
+        async def act(ld: Load) -> None:
+            await asyncio.sleep(plan.before_s)
+            res["t_fault"] = ld.now()
+            res["victim"] = "conductor-0"
+            await asyncio.to_thread(cluster.stop_process, "conductor-0", signal.SIGKILL)
+            await asyncio.sleep(plan.after_s)
+
+        async def go() -> Load:
+            ld = _ConductorsLoad(
+                cluster.conductors,
+                prompts,
+                expect,
+                plan.max_tokens,
+                plan.concurrency,
+                plan.deadline_s,
+            )
+            await ld.run(act)
+            return ld
+
+        t = time.monotonic()
+        load = asyncio.run(go())
+        t_fault = res.pop("t_fault", 0.0)
+        row = summarize("conductor-killed", load, t_fault, res)
+        row["duration_s"] = round(time.monotonic() - t, 1)
+        row["ttl_s"] = TTL
+        cfg = ConductorConfig()
+        ok = [r for r in load.reqs if r.outcome == "ok" and r.ttft_s is not None]
+        ttfts = sorted(r.ttft_s * 1000 for r in ok)
+        row["conductors"] = 2
+        row["ttft_slo_ms"], row["tbt_slo_ms"] = cfg.ttft_slo_ms, cfg.tbt_slo_ms
+        row["accepted_ttft_p50_ms"] = round(ttfts[len(ttfts) // 2], 1) if ttfts else None
+        row["accepted_ttft_max_ms"] = round(ttfts[-1], 1) if ttfts else None
+        row["accepted_outside_slo"] = sum(
+            1
+            for r in ok
+            if r.ttft_s * 1000 > cfg.ttft_slo_ms
+            or any(x * 1000 > cfg.tbt_slo_ms for x in (r.tbt_s or ()))
+        )
+        row["retried_requests"] = sum(1 for r in load.reqs if len(r.attempts) > 1)
+        return row
+    finally:
+        cluster.stop()
 
 
 def byte_flip(workdir: str, prompts, expect, plan: Plan, every: int = 30) -> dict:
@@ -513,7 +900,16 @@ def fmt_row(r: dict) -> str:
 
 
 def write_report(rows: list[dict], plan: Plan, name: str = "faults") -> str:
+    """Writes ``<name>.md/json``. A run of some faults (``--only``) replaces their rows
+    in the last report and keeps the others."""
     RESULTS.mkdir(exist_ok=True)
+    try:
+        old = json.loads((RESULTS / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        old = []
+    new = {r["fault"]: r for r in rows}
+    rows = [new.pop(r["fault"], r) for r in old if isinstance(r, dict) and "fault" in r]
+    rows += list(new.values())
     lines = [
         f"# Fault suite (lease TTL {TTL} s; {plan.concurrency} closed-loop clients, "
         f"{plan.max_tokens} greedy tokens, request deadline {plan.deadline_s:.0f} s; "

@@ -65,16 +65,25 @@ def met_slo(r: dict, ttft_slo_ms: float, tbt_slo_ms: float) -> bool:
     return r["ttft_ms"] <= ttft_slo_ms and (tbt is None or tbt <= tbt_slo_ms)
 
 
+def _rejected(r: dict) -> bool:
+    """Refused by admission before any work: busy (RESOURCE_EXHAUSTED), or an SLO no node
+    could ever meet (INVALID_ARGUMENT, reason ``infeasible``)."""
+    status = r.get("status")
+    return status == "RESOURCE_EXHAUSTED" or (
+        status == "INVALID_ARGUMENT" and r.get("reject_reason") == "infeasible"
+    )
+
+
 def summarize(
     records: Iterable, *, ttft_slo_ms: float, tbt_slo_ms: float, duration_s: float | None = None
 ) -> dict:
     rs = [_d(r) for r in records]
     served = [r for r in rs if r.get("status") == "OK" and r.get("ttft_ms") is not None]
-    rejected = [r for r in rs if r.get("status") == "RESOURCE_EXHAUSTED"]
+    rejected = [r for r in rs if _rejected(r)]
     failed = [
         r
         for r in rs
-        if r.get("status") not in ("OK", "RESOURCE_EXHAUSTED")
+        if (r.get("status") != "OK" and not _rejected(r))
         or (r.get("status") == "OK" and r.get("ttft_ms") is None)
     ]
     ttft = [r["ttft_ms"] for r in served]

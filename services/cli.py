@@ -13,6 +13,8 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
+import signal
 import sys
 import time
 
@@ -28,7 +30,6 @@ from kvmesh.services.client import (
 from kvmesh.services.common.auth import api_key_from_env
 from kvmesh.services.common.channels import TlsFiles, configure
 from kvmesh.services.common.config import ConfigError
-from kvmesh.services.launcher import add_up_arguments, up
 
 DEFAULT_CONDUCTOR = "127.0.0.1:50051"
 
@@ -72,9 +73,29 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _status(args: argparse.Namespace) -> int:
+    live = args.watch or (not args.once and not args.json and sys.stdout.isatty())
+    if not live:
+        return await _status_frames(args, live)
+    # Ctrl-C / SIGTERM end the refreshes wherever they are (a call in flight included),
+    # at once: through the loop's own handler, which wakes it even when the signal lands
+    # on one of grpc's threads
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await _status_frames(args, live)
+    except asyncio.CancelledError:
+        return 0
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _status_frames(args: argparse.Namespace, live: bool) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    live = args.watch or (not args.once and not args.json and sys.stdout.isatty())
     while True:
         try:
             s = await cluster_status(args.conductor, api_key=args.api_key)
@@ -113,17 +134,65 @@ async def _health(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _int_in(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi] (the range of its protobuf field)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(
+                f"{value} is out of range: give an integer from {lo} to {hi}"
+            )
+        return value
+
+    return parse
+
+
+def _float_at_least(lo: float, above: bool = False):
+    """An argparse type: a finite number >= lo (> lo when ``above``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < lo or (above and value == lo):
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range: give a number {'>' if above else '>='} {lo:g}"
+            )
+        return value
+
+    return parse
+
+
 def add_client_arguments(p: argparse.ArgumentParser, api_key: bool = True) -> None:
-    """TLS (and API key) options of a client command."""
+    """TLS (and API key) options of a client command. The TLS defaults are the
+    ``KVMESH_TLS_*`` variables the services read, so a command run beside a service in
+    its environment (a systemd unit's ``ExecStartPost=kvmesh health``) speaks TLS as it."""
+    env = TlsFiles.from_env()
     p.add_argument(
-        "--tls-ca", default="", help="CA certificate (PEM) to verify the server (turns TLS on)"
+        "--tls-ca",
+        default=env.ca,
+        help="CA certificate (PEM) to verify the server (turns TLS on; default: $KVMESH_TLS_CA)",
     )
-    p.add_argument("--tls-cert", default="", help="client certificate (PEM) for mutual TLS")
-    p.add_argument("--tls-key", default="", help="private key (PEM) of --tls-cert")
+    p.add_argument(
+        "--tls-cert",
+        default=env.cert,
+        help="client certificate (PEM) for mutual TLS (default: $KVMESH_TLS_CERT)",
+    )
+    p.add_argument(
+        "--tls-key",
+        default=env.key,
+        help="private key (PEM) of --tls-cert (default: $KVMESH_TLS_KEY)",
+    )
     p.add_argument(
         "--tls-server-name",
-        default="",
-        help="name to check in the server's certificate instead of its address",
+        default=env.server_name,
+        help="name to check in the server's certificate instead of its address "
+        "(default: $KVMESH_TLS_SERVER_NAME)",
     )
     if api_key:
         p.add_argument(
@@ -148,21 +217,33 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     for role in roles:
         sub.add_parser(role, help=f"run one {role} service (see kvmesh {role} --help)")
-    add_up_arguments(sub.add_parser("up", help="run a whole cluster on this machine"))
+    up_parser = sub.add_parser("up", help="run a whole cluster on this machine")
+    if argv and argv[0] == "up":  # the launcher (etcd client, process control) only for up
+        from kvmesh.services.launcher import add_up_arguments
+
+        add_up_arguments(up_parser)
     g = sub.add_parser("generate", help="stream a completion from a running cluster")
     g.add_argument("prompt")
-    g.add_argument("--conductor", default=DEFAULT_CONDUCTOR, help="conductor host:port")
-    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument(
+        "--conductor",
+        default=DEFAULT_CONDUCTOR,
+        help="conductor host:port, or several comma-separated (tried in turn while one is down)",
+    )
+    g.add_argument("--max-tokens", type=_int_in(1, 2**31 - 1), default=32)
     g.add_argument("--model", default="")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--ttft-slo-ms", type=float, default=0.0, help="tighten the TTFT SLO")
+    g.add_argument("--temperature", type=_float_at_least(0), default=0.0)
+    g.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=0, help="RNG seed (0 to 2^64-1)")
+    g.add_argument(
+        "--ttft-slo-ms", type=_float_at_least(0), default=0.0, help="tighten the TTFT SLO"
+    )
     g.add_argument("--cache-salt", default="", help="tenant salt for prefix hashes")
-    g.add_argument("--timeout", type=float, default=300.0)
+    g.add_argument("--timeout", type=_float_at_least(0, above=True), default=300.0)
     g.add_argument("-v", "--verbose", action="store_true", help="print usage to stderr")
     add_client_arguments(g)
     st = sub.add_parser("status", help="list the nodes and their state")
-    st.add_argument("--conductor", default=DEFAULT_CONDUCTOR, help="conductor host:port")
+    st.add_argument(
+        "--conductor", default=DEFAULT_CONDUCTOR, help="conductor host:port[,host:port...]"
+    )
     st.add_argument("--json", action="store_true", help="machine-readable output")
     add_client_arguments(st)
     st.add_argument(
@@ -173,7 +254,12 @@ def main(argv: list[str] | None = None) -> None:
     st.add_argument(
         "--watch", action="store_true", help="refresh until interrupted (default on a terminal)"
     )
-    st.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    st.add_argument(
+        "--interval",
+        type=_float_at_least(0, above=True),
+        default=2.0,
+        help="seconds between refreshes",
+    )
     h = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
     h.add_argument("address", help="host:port of any kvmesh service's gRPC port")
     h.add_argument("--service", default="", help="service name to check ('' = the server)")
@@ -194,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "up":
         if importlib.util.find_spec("torch") is None:  # its nodes would fail one by one
             parser.error(ENGINE_MISSING)
+        from kvmesh.services.launcher import up
+
         sys.exit(up(args))
     if args.cmd == "generate":
         sys.exit(asyncio.run(_generate(args)))

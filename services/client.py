@@ -1,9 +1,22 @@
 """Talking to a running cluster's conductor: stream a completion, read and format the
-cluster's status. Shared by the ``kvmesh`` command line and ``kvmesh up``."""
+cluster's status. Shared by the ``kvmesh`` command line and ``kvmesh up``.
+
+Several conductors serve one cluster at once (each keeps the whole cache index and
+counts the others' work through the nodes' load reports), so a client takes several
+addresses (``"a:50051,b:50051"``, or a list), or one that a load balancer (a Kubernetes
+Service) spreads. The retry rule: a call that fails with ``UNAVAILABLE`` (the conductor
+is down, restarting or died mid-call) before any token came back is sent again to the
+next address (a single address is tried twice, for a Service to pick another pod), up to
+``len(addresses) + 1`` attempts; nothing reached the caller, and a conductor that dies
+frees what its request held on the nodes, so nothing is duplicated. Once a token has come
+back, or on any other status (bad input, early rejection), the error is the caller's.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from collections.abc import Sequence
 from typing import TextIO
 
 import grpc
@@ -14,8 +27,27 @@ from kvmesh.services.common.auth import bearer_metadata
 from kvmesh.services.common.channels import TlsFiles, make_channel
 
 
+def conductor_addresses(conductor: str | Sequence[str]) -> list[str]:
+    """``"a:1,b:2"`` or ``["a:1", "b:2"]`` -> ``["a:1", "b:2"]`` (blanks dropped);
+    ValueError if none is left."""
+    items = conductor.split(",") if isinstance(conductor, str) else list(conductor)
+    out = [a.strip() for a in items if a.strip()]
+    if not out:
+        raise ValueError("no conductor address given: pass HOST:PORT[,HOST:PORT...]")
+    return out
+
+
+def _attempts(addrs: list[str]) -> list[str]:
+    """The addresses to try, in order: each once, then the first again."""
+    return addrs + addrs[:1]
+
+
+def _retryable(e: grpc.aio.AioRpcError) -> bool:
+    return e.code() == grpc.StatusCode.UNAVAILABLE
+
+
 async def stream_completion(
-    conductor: str,
+    conductor: str | Sequence[str],
     req: pb.GenerateRequest,
     *,
     timeout: float = 300.0,
@@ -26,39 +58,64 @@ async def stream_completion(
     err: TextIO | None = None,
 ) -> int:
     """Writes the completion of ``req`` to ``out`` as it streams (its usage to ``err``
-    with ``verbose``); returns the exit status: 0, or 1 on a gRPC error (printed)."""
+    with ``verbose``); returns the exit status: 0, or 1 on a gRPC error (printed).
+    ``conductor``: one address or several (comma-separated or a list), tried in turn
+    by the module's retry rule (a retry is noted on ``err``)."""
     out = out or sys.stdout
     err = err or sys.stderr
-    async with make_channel(conductor, tls) as ch:
-        try:
-            last = None
-            async for r in pbg.ConductorStub(ch).Generate(
-                req, timeout=timeout, metadata=bearer_metadata(api_key)
-            ):
-                out.write(r.text)
-                out.flush()
-                last = r
-            out.write("\n")
-            if last is not None and verbose:
-                u = last.usage
-                print(
-                    f"[{last.finish_reason}] prompt={u.prompt_tokens} completion="
-                    f"{u.completion_tokens} cached={u.cached_tokens} computed={u.computed_tokens}",
-                    file=err,
-                )
-        except grpc.aio.AioRpcError as e:
-            print(f"\nerror: {e.code().name}: {e.details()}", file=err)
-            return 1
-    return 0
+    addrs = _attempts(conductor_addresses(conductor))
+    for i, addr in enumerate(addrs):
+        last = None
+        async with make_channel(addr, tls) as ch:
+            try:
+                async for r in pbg.ConductorStub(ch).Generate(
+                    req, timeout=timeout, metadata=bearer_metadata(api_key)
+                ):
+                    out.write(r.text)
+                    out.flush()
+                    last = r
+            except grpc.aio.AioRpcError as e:
+                if last is None and _retryable(e) and i + 1 < len(addrs):
+                    print(
+                        f"conductor {addr}: {e.code().name}; retrying on {addrs[i + 1]}",
+                        file=err,
+                    )
+                    await asyncio.sleep(0.1 * (i + 1))
+                    continue
+                print(f"\nerror: {e.code().name} (conductor {addr}): {e.details()}", file=err)
+                return 1
+        out.write("\n")
+        if last is not None and verbose:
+            u = last.usage
+            print(
+                f"[{last.finish_reason}] prompt={u.prompt_tokens} completion="
+                f"{u.completion_tokens} cached={u.cached_tokens} computed={u.computed_tokens}",
+                file=err,
+            )
+        return 0
+    return 1  # not reached: the last attempt returns
 
 
 async def cluster_status(
-    conductor: str, timeout: float = 5, *, api_key: str = "", tls: TlsFiles | None = None
+    conductor: str | Sequence[str],
+    timeout: float = 5,
+    *,
+    api_key: str = "",
+    tls: TlsFiles | None = None,
 ) -> pb.ClusterStatusResponse:
-    async with make_channel(conductor, tls) as ch:
-        return await pbg.ConductorStub(ch).ClusterStatus(
-            pb.ClusterStatusRequest(), timeout=timeout, metadata=bearer_metadata(api_key)
-        )
+    """The cluster's status from the first of the conductors that answers (a read: any
+    UNAVAILABLE moves on to the next address)."""
+    addrs = _attempts(conductor_addresses(conductor))
+    for i, addr in enumerate(addrs):
+        async with make_channel(addr, tls) as ch:
+            try:
+                return await pbg.ConductorStub(ch).ClusterStatus(
+                    pb.ClusterStatusRequest(), timeout=timeout, metadata=bearer_metadata(api_key)
+                )
+            except grpc.aio.AioRpcError as e:
+                if not _retryable(e) or i + 1 == len(addrs):
+                    raise
+    raise AssertionError("not reached")
 
 
 def format_status(s: pb.ClusterStatusResponse) -> str:

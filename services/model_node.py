@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -14,14 +15,15 @@ import torch
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import TransferEngine
-from kvmesh.services.common.channels import make_channel
-from kvmesh.services.common.config import parse_memory, parse_size
+from kvmesh.services.common.channels import bind_error, check_port, make_channel
+from kvmesh.services.common.config import parse_size
 from kvmesh.services.common.node_events import EventHub
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.service import Service
 from kvmesh.services.common.tokenizer import ByteTokenizer, HFTokenizer
 from kvmesh.services.engine.checkpoint import LoadedModel, load_model
 from kvmesh.services.engine.config import ModelConfig, dtype_name, resolve_dtype
+from kvmesh.services.engine.device import kv_memory_bytes, resolve_device
 from kvmesh.services.engine.kv_pool import KVPool
 from kvmesh.services.engine.model import LlamaModel
 from kvmesh.services.node_config import NodeConfig
@@ -30,6 +32,46 @@ from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store.segment import SegmentHost
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A prefill node that gave up a request (failed, or cancelled by the conductor) tells the
+# decode node, with an ordered notify ``drop:<prefill node id>\0<request id>`` sent once
+# every write of its KV handoff has ended, that it will never write those blocks again: the
+# decode node can then free a released reservation at once instead of fencing it.
+DROP_PREFIX = b"drop:"
+
+
+def drop_payload(node_id: str, request_id: str) -> bytes:
+    return DROP_PREFIX + node_id.encode() + b"\0" + request_id.encode()
+
+
+def parse_drop(payload: bytes) -> tuple[str, str] | None:
+    """(prefill node id, request id) of a ``drop`` notify; None if it is not one."""
+    if not payload.startswith(DROP_PREFIX) or b"\0" not in payload:
+        return None
+    node, _, rid = payload[len(DROP_PREFIX) :].partition(b"\0")
+    return node.decode(errors="replace"), rid.decode(errors="replace")
+
+
+async def to_the_end(aw: Awaitable[T]) -> T:
+    """Awaits ``aw`` until it has really ended, even if this task is cancelled meanwhile,
+    then re-raises the cancellation. For work that writes pool blocks behind the event
+    loop's back (a forward on a worker thread, a transfer landing in or reading from the
+    pool): cancelling the await would not stop it, and its blocks must not be freed, nor
+    the compute slot passed on, before it stops."""
+    fut = asyncio.ensure_future(aw)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            result = await asyncio.shield(fut)
+        except asyncio.CancelledError as e:
+            if fut.done():  # the work itself was cancelled, not this wait
+                raise
+            cancelled = e
+            continue
+        if cancelled is not None:
+            raise cancelled
+        return result
 
 
 class ModelNode(Service):
@@ -67,12 +109,22 @@ class ModelNode(Service):
         self._store_channels: dict[str, grpc.aio.Channel] = {}
 
     async def setup(self) -> None:
+        data_addr = f"{self.cfg.host}:{self.cfg.data_port}"
+        if self.cfg.data_port:  # before the model loads: a used port fails at once
+            check_port(data_addr, "the KV data plane", "--data-port")
         self.loaded = await asyncio.to_thread(load_model, self.cfg.model, self.dtype, self.cfg.seed)
         self.model, self.model_config = self.loaded.model, self.loaded.config
+        self.device = resolve_device(self.cfg.device)
+        if self.device.type != "cpu":  # weights first: the pool's share is of what is left
+            self.model.to(self.device)
         self.tokenizer = self.loaded.tokenizer
         self.fingerprint = self.loaded.fingerprint(dtype_name(self.dtype), self.cfg.block_size)
         self.pool = KVPool.from_memory(
-            self.model_config, parse_memory(self.cfg.kv_memory), self.cfg.block_size, self.dtype
+            self.model_config,
+            kv_memory_bytes(self.cfg.kv_memory, self.device),
+            self.cfg.block_size,
+            self.dtype,
+            device=self.device,
         )
         self.profile = await asyncio.to_thread(
             profile,
@@ -82,8 +134,12 @@ class ModelNode(Service):
             self.model_config.max_position_embeddings,
         )
         self.events = EventHub(self.pool, self.load_info)
-        await self.te.start()
-        self.pool_region = self.te.register(self.pool.kv)
+        try:
+            await self.te.start()
+        except OSError:  # taken since the check: PortInUse naming it, not a traceback
+            raise bind_error(data_addr, "the KV data plane", "--data-port") from None
+        # the pool itself on the CPU; its pinned host mirror on a GPU (engine/staging.py)
+        self.pool_region = self.te.register(self.pool.transfer_kv)
         seg_bytes = parse_size(self.cfg.segment_memory)
         if seg_bytes:
             ssd = parse_size(self.cfg.ssd_bytes) if self.cfg.ssd_dir else 0

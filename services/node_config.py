@@ -4,12 +4,13 @@ in the node layer rather than in the torch-free ``services/common``."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from kvmesh.services.common.config import ConfigError, option, parse_memory, parse_size
 from kvmesh.services.common.settings import DEV_SECRET, ServiceConfig, check_data_plane_secret
-from kvmesh.services.engine.config import PRESETS, resolve_dtype
+from kvmesh.services.engine.checkpoint import CheckpointError, resolve_model
+from kvmesh.services.engine.config import resolve_dtype
+from kvmesh.services.engine.device import DEVICES, resolve_device
 
 
 @dataclass
@@ -18,12 +19,31 @@ class NodeConfig(ServiceConfig):
 
     model: str = option(
         "tiny",
-        "model to serve: a random preset (tiny, small) or a Hugging Face "
-        "model directory (config.json, *.safetensors, tokenizer.json)",
+        "model to serve: a random preset (tiny, small), demo (a small trained "
+        "model shipped with kvmesh), a Hugging Face model directory "
+        "(config.json, *.safetensors, tokenizer.json) or a Hugging Face hub id "
+        "(org/name: the snapshot in the HF_HOME cache, downloaded there first "
+        "unless HF_HUB_OFFLINE=1)",
     )
     dtype: str = option("float32", "compute dtype: float32 or bfloat16 (never float16 on CPU)")
+    device: str = option(
+        "cpu",
+        "where the weights and the KV pool live and the model computes: cpu, cuda "
+        "(cuda:N; a start-up error without a CUDA device) or auto (CUDA where torch "
+        "sees it, else the CPU); on CUDA the transfer engine registers a pinned host "
+        "mirror of the pool (as much host memory again) and --kv-memory's share is of "
+        "free device memory",
+    )
     seed: int = option(0, "seed of a random preset's weights; all nodes must agree")
     block_size: int = option(256, "tokens per KV block (engine block = store block)")
+    prefill_chunk_tokens: int = option(
+        2048,
+        "a prompt with more new tokens than this is computed in chunks of at "
+        "most this many tokens (rounded down to whole blocks), each attending to "
+        "the KV of the chunks before it: a prefill's peak memory is bounded by "
+        "the chunk, not the prompt, and a decode node's batch steps between "
+        "its chunks",
+    )
     kv_memory: str = option(
         "256MiB",
         "memory for this node's KV pool: a size (2GiB) or a "
@@ -58,17 +78,25 @@ class NodeConfig(ServiceConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.model not in PRESETS and not os.path.isdir(self.model):
-            raise ConfigError(
-                f"model: {self.model!r} is neither a preset ({', '.join(PRESETS)}) "
-                "nor a model directory"
-            )
+        try:  # looks only: a hub id missing from the cache is downloaded at setup
+            resolve_model(self.model, download=False)
+        except CheckpointError as e:
+            raise ConfigError(str(e)) from None
         try:
             resolve_dtype(self.dtype)
         except ValueError as e:
             raise ConfigError(f"dtype: {e}") from None
+        try:
+            resolve_device(self.device)
+        except ValueError as e:
+            raise ConfigError(f"device: {e} (one of {', '.join(DEVICES)})") from None
         if not 1 <= self.block_size <= 4096:
             raise ConfigError(f"block_size: {self.block_size} must be between 1 and 4096")
+        if not self.block_size <= self.prefill_chunk_tokens <= 1 << 20:
+            raise ConfigError(
+                f"prefill_chunk_tokens: {self.prefill_chunk_tokens} must be between "
+                f"block_size ({self.block_size}) and {1 << 20}"
+            )
         if parse_memory(self.kv_memory) <= 0:
             raise ConfigError("kv_memory: must be > 0")
         parse_size(self.segment_memory)
@@ -87,3 +115,9 @@ class NodeConfig(ServiceConfig):
                 f"te_poll_us: {self.te_poll_us} must be between 0 and 5000 "
                 f"(the event loop spins that long at most)"
             )
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Tokens of one prefill chunk: ``prefill_chunk_tokens`` in whole blocks, so that
+        no block is written by two chunks."""
+        return self.prefill_chunk_tokens // self.block_size * self.block_size

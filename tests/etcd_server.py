@@ -9,9 +9,11 @@ a private temporary data dir), and :func:`free_port` for the tests' own fixtures
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from kvmesh.services.launcher import Etcd
 
-__all__ = ["EtcdServer", "etcd_server", "free_port"]
+__all__ = ["EtcdServer", "etcd_server", "free_port", "leader_port"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -29,6 +31,31 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def leader_port(
+    endpoint: str,
+    role: str,
+    proc: subprocess.Popen,
+    cluster: str = "default",
+    timeout: float = 60,
+) -> int:
+    """The gRPC port of ``role``'s leader (a store-master started with ``--port 0``), read
+    from its campaign key in etcd once it is elected; fails if ``proc`` exits first."""
+    from kvmesh.services.common.election import current_leader
+    from kvmesh.services.common.etcd import EtcdClient
+
+    async def poll() -> int:
+        async with EtcdClient(endpoint) as c, asyncio.timeout(timeout):
+            while True:  # bounded by the timeout
+                info = await current_leader(c, cluster, role)
+                if info and info.get("grpc"):
+                    return int(info["grpc"].rsplit(":", 1)[1])
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{role} exited with {proc.returncode} before leading")
+                await asyncio.sleep(0.1)
+
+    return asyncio.run(poll())
 
 
 class EtcdServer(Etcd):

@@ -11,6 +11,8 @@ from typing import Any
 
 import grpc
 
+from kvmesh.services.common.channels import make_server
+
 KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 METHOD = {kind: "".join(w.title() for w in kind.split("_")) for kind in KINDS}
 
@@ -51,7 +53,7 @@ async def serving(
     handlers: list[grpc.GenericRpcHandler], interceptors: list
 ) -> AsyncIterator[grpc.aio.Channel]:
     """A server on a loopback port chosen by the kernel, and a channel to it."""
-    server = grpc.aio.server(interceptors=interceptors)
+    server = make_server(interceptors)  # the options of every kvmesh server
     server.add_generic_rpc_handlers(tuple(handlers))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

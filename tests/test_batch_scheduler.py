@@ -238,3 +238,29 @@ async def test_a_batch_larger_than_max_batch_shares_the_steps():
     assert [len(step) for step in h.model.decodes] == [1] * 6
     assert firsts == [3, 33, 4, 34, 5, 35]  # round robin, not one request to its end
     assert h.pool.num_used == 0
+
+
+async def test_a_failed_victim_frees_its_blocks_before_anyone_else_is_preempted():
+    """The youngest cannot be recomputed: it fails and its blocks go back to the pool
+    at once, so the oldest's growth takes one of them and the middle request is not
+    preempted too (its blocks held until the failed RPC ended, the next miss did)."""
+    h = Harness(num_blocks=4)
+    pa, pb, pc = [0, 1, 2], [20], [40]
+    a = await h.start("a", pa, max_tokens=6)  # 1 block each; a grows at its 2nd step
+    b = await h.start("b", pb, max_tokens=3)  # b and c never grow
+    c = await h.start("c", pc, max_tokens=3)
+    held = Reservation("held", 0, h.pool.allocate(1))
+    c.res.prompt_ids = []  # cannot be rebuilt
+    assert h.pool.num_free == 0
+    h.run()
+    for r in (a, b, c):
+        h.sched.admit(r)
+    # nobody releases c's blocks for it: its stream's end is read only after the others
+    out_a, out_b = await asyncio.gather(h.collect(a), h.collect(b))
+    out_c = await h.collect(c)
+    await h.stop()
+    assert isinstance(out_c, MemoryError)
+    assert out_a == expected(pa, 6) and out_b == expected(pb, 3)
+    assert (a.preemptions, b.preemptions, h.sched.preemptions) == (0, 0, 0)
+    h.sched.free(held)
+    assert h.pool.num_used == 0

@@ -11,8 +11,7 @@ import subprocess
 import sys
 import time
 
-from kvmesh.services.common.tokenizer import ByteTokenizer
-from kvmesh.services.engine.model import LlamaModel
+from kvmesh.services.engine.checkpoint import load_model
 from tests.etcd_server import free_port
 
 
@@ -90,8 +89,9 @@ def test_up_generate_status_and_clean_stop(tmp_path):
 
 
 def test_generate_output_is_the_reference_text(tmp_path):
-    """`kvmesh up --demo` serves one prompt and stops; its tokens are the reference's. The
-    conductor binds any free port (--port 0) and the launcher reads it from etcd."""
+    """`kvmesh up --demo` serves one prompt with the shipped `demo` model (its default) and
+    stops; its tokens are the reference's, English words. The conductor binds any free
+    port (--port 0) and the launcher reads it from etcd."""
     out = subprocess.run(
         [
             sys.executable,
@@ -103,9 +103,9 @@ def test_generate_output_is_the_reference_text(tmp_path):
             "--block-size",
             "16",
             "--demo",
-            "Hi",
+            "Hello, kvmesh",
             "--max-tokens",
-            "5",
+            "12",
             "--workdir",
             str(tmp_path),
         ],
@@ -116,10 +116,13 @@ def test_generate_output_is_the_reference_text(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     bound = re.search(r"conductor at 127\.0\.0\.1:(\d+)", out.stdout)
     assert bound and int(bound.group(1)) > 0, out.stdout
-    tok = ByteTokenizer()
-    ref = LlamaModel.from_preset("tiny").reference_generate(tok.encode("Hi"), 5, tok.eos_id)
-    assert tok.decode(ref) in out.stdout
+    lm = load_model("demo")
+    tok = lm.tokenizer
+    ref = lm.model.reference_generate(tok.encode("Hello, kvmesh"), 12, tok.eos_id)
+    text = tok.decode(ref)
+    assert text in out.stdout
     assert f"completion={len(ref)}" in out.stderr
+    assert {"the", "and", "of"} & set(re.findall(r"[a-z]+", text)), text  # it speaks
 
 
 def _cli_without_torch(*args: str) -> subprocess.CompletedProcess:

@@ -94,7 +94,8 @@ def test_bad_input_is_invalid_argument(cluster, kw, fragment):
     assert generate(cluster.conductor, "still serving", max_tokens=2).tokens  # unharmed
 
 
-def test_tiny_ttft_slo_is_rejected_before_any_work(cluster):
+def test_a_ttft_slo_below_the_floor_is_invalid_before_any_work(cluster):
+    """No node could ever meet 0.01 ms: INVALID_ARGUMENT naming the floor, no retry."""
     from kvmesh.protos import kvmesh_pb2 as pb
 
     before = {n.node_id: n for n in status(cluster.conductor).nodes}
@@ -107,10 +108,12 @@ def test_tiny_ttft_slo_is_rejected_before_any_work(cluster):
             slo=pb.SLO(ttft_ms=0.01),
         )
     assert time.monotonic() - t0 < 2
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "estimated TTFT" in e.value.details() and "exceeds the TTFT SLO" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "TTFT SLO of 0.01 ms is below the floor" in e.value.details()
+    assert "ask for a TTFT SLO of at least" in e.value.details()
     trailing = dict(e.value.trailing_metadata() or ())
-    assert float(trailing["retry-after-ms"]) > 0
+    assert "retry-after-ms" not in trailing
+    assert trailing["kvmesh-reject-reason"] == "infeasible"
     after = {n.node_id: n for n in status(cluster.conductor).nodes}
     assert after["prefill-0"].computed_tokens_total == before["prefill-0"].computed_tokens_total
     assert after["decode-0"].kv_blocks_free == before["decode-0"].kv_blocks_free

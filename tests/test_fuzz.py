@@ -318,12 +318,18 @@ def test_oversized_messages(cluster, channel):
 
 # ------------------------------------------------------------------ HTTP
 
+# integers beyond every wire type (int32, uint32, int64, uint64) and strings holding lone
+# surrogates (legal JSON escapes, not UTF-8): each was a 500 once
+huge_ints = st.sampled_from([2**31, 2**32, 2**40, 2**63, 2**64, 2**70, 10**20, -(2**63) - 1])
+surrogates = st.text(alphabet=st.characters(categories=["Cs"]), min_size=1, max_size=3)
 json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(-(2**70), 2**70)
+    | huge_ints
     | st.floats(allow_nan=False)
-    | st.text(max_size=40),
+    | st.text(max_size=40)
+    | st.builds(lambda a, b: a + b, st.text(max_size=10), surrogates),
     lambda inner: (
         st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
     ),
@@ -358,12 +364,21 @@ KNOWN = [
 
 @st.composite
 def http_bodies(draw) -> bytes:
-    kind = draw(st.sampled_from(["fields", "json", "bytes", "truncated"]))
+    kind = draw(st.sampled_from(["fields", "json", "bytes", "truncated", "nested", "huge"]))
     if kind == "bytes":
         return draw(st.binary(max_size=200))
+    if kind == "nested":  # deeper than any parser's recursion, inside a field or bare
+        depth = draw(st.sampled_from([2_000, 100_000]))
+        nest = draw(st.sampled_from(["[", '{"a":']))
+        head = draw(st.sampled_from([b"", b'{"prompt": "hi", "messages": ']))
+        return head + nest.encode() * depth
     body = draw(st.dictionaries(st.sampled_from(KNOWN), json_values, max_size=8))
+    if kind == "huge":  # a known integer field far past its wire type
+        field = draw(st.sampled_from(["max_tokens", "top_k", "seed", "n", "ttft_slo_ms"]))
+        body[field] = draw(huge_ints)
+        body.setdefault("prompt", draw(st.one_of(st.text(max_size=20), st.lists(huge_ints))))
     if kind == "fields" and draw(st.booleans()):
-        body.setdefault("prompt", draw(st.text(max_size=50)))
+        body.setdefault("prompt", draw(st.one_of(st.text(max_size=50), surrogates)))
         body["max_tokens"] = draw(st.integers(-5, 3))
     if kind == "json":
         body = draw(json_values)
@@ -395,18 +410,50 @@ def test_fuzz_http(cluster, body, chat):
     path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         parsed = None
     if isinstance(parsed, dict):  # a valid request may run: keep it short
         for k in ("max_tokens", "max_completion_tokens"):
             v = parsed.get(k)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 3:
-                parsed[k] = 3
+            if isinstance(v, int) and not isinstance(v, bool) and 3 < v < 2**31:
+                parsed[k] = 3  # (values past int32 stay: they must be refused)
         parsed.setdefault("max_tokens", 3)
         parsed.setdefault("max_completion_tokens", parsed["max_tokens"])
         body = json.dumps(parsed).encode()
     code = _post(cluster.http_port, path, body)
     assert code in (200, 400, 401, 413, 429), (code, body[:200])
+
+
+@FUZZ
+@given(
+    body=http_bodies(),
+    lie=st.one_of(st.integers(-64, -1), st.integers(1, 64), st.sampled_from([2**31, 2**70])),
+)
+def test_fuzz_http_lying_content_length(cluster, body, lie):
+    """A Content-Length that says more (the client then stops sending) or less than the
+    body holds, or more than any body may: a clean 4xx, or the connection closed."""
+    _count("http lying Content-Length")
+    declared = max(0, len(body) + lie)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Length: {declared}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", cluster.http_port), timeout=30) as s:
+        s.settimeout(30)
+        try:
+            s.sendall(head + body)
+            s.shutdown(socket.SHUT_WR)
+            answer = b""
+            while len(answer) < 1 << 16:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+        except OSError:
+            return  # reset: the server dropped the connection
+    for status in re.findall(rb"HTTP/1\.1 (\d{3})", answer):
+        assert int(status) < 500 or int(status) == 503, answer[:300]
 
 
 def test_http_oversized_and_unauthenticated(cluster):

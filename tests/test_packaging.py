@@ -72,6 +72,9 @@ def test_wheel_holds_only_the_kvmesh_namespace(wheel):
         "kvmesh/loadtest/sim/core.py",
         "kvmesh/loadtest/traces/synthetic_trace.jsonl",
         "kvmesh/loadtest/traces/LICENSE",
+        "kvmesh/services/engine/demo/model.safetensors",
+        "kvmesh/services/engine/demo/tokenizer.json",
+        "kvmesh/services/engine/demo/config.json",
     ):
         assert required in names, required
     assert not any(n.startswith("kvmesh/tests/") for n in names)

@@ -13,6 +13,7 @@ from kvmesh.services.conductor.policy import (
     COLOCATED,
     DIRECT,
     DISAGG,
+    INFEASIBLE,
     SLO_MARGIN,
     DecodeNodeState,
     PolicyConfig,
@@ -92,11 +93,65 @@ def test_store_fetch_only_when_it_beats_recompute(bandwidth, fetched, ttft):
 
 
 def test_ttft_slo_rejects_with_estimate_and_retry_hint():
+    """An SLO an idle node meets (27 ms <= 0.85 x 40) but the queues break: retry later."""
     s = make()
-    d = s.decide(req(160, ttft=10.0))
+    for p in ("p0", "p1"):
+        s.prefill[p].enqueue("busy", 20.0)
+    d = s.decide(req(160, ttft=40.0))
     assert not d.accepted and d.reason == "ttft"
-    assert "estimated TTFT 27.0 ms" in d.message and "TTFT SLO of 10.0 ms" in d.message
+    assert "estimated TTFT 47.0 ms" in d.message and "TTFT SLO of 40.0 ms" in d.message
     assert d.retry_after_ms >= 50
+
+
+def test_a_ttft_slo_below_the_floor_is_infeasible_naming_the_floor():
+    """Even idle, the best node needs 27 ms: an SLO of 10 ms can never be met, so no
+    retry hint; the message names the floor and the SLO to ask for (27 / 0.85)."""
+    s = make()
+    for p in ("p0", "p1"):
+        s.prefill[p].enqueue("busy", 20.0)  # the queues do not count in the floor
+    d = s.decide(req(160, ttft=10.0))
+    assert not d.accepted and d.reason == INFEASIBLE and d.retry_after_ms == 0
+    assert "TTFT SLO of 10.0 ms is below the floor" in d.message, d.message
+    assert "27.0 ms" in d.message and "at least 31.8 ms" in d.message
+    assert "retry" not in d.message
+
+
+def test_a_tbt_slo_below_a_batch_of_one_is_infeasible():
+    """A step of a batch of one takes 5 + 1 = 6 ms: a 5 ms TBT SLO can never be met."""
+    d = make().decide(req(160, tbt=5.0))
+    assert not d.accepted and d.reason == INFEASIBLE
+    assert "TBT SLO of 5.0 ms is below the floor" in d.message
+    assert "at least 7.1 ms" in d.message, d.message
+
+
+def test_kv_beyond_the_largest_decode_node_is_infeasible():
+    """100 blocks of 16 hold 1600 tokens: 160 + 1600 never fit; a full node is a 429."""
+    s = make()
+    d = s.decide(req(160, max_tokens=1600))
+    assert not d.accepted and d.reason == INFEASIBLE
+    assert "KV for 1760 tokens" in d.message and "(1600)" in d.message
+    s.decode["d0"].report(free=2, total=100)
+    assert s.decide(req(160, max_tokens=64)).reason == "kv"
+
+
+def test_a_ttft_slo_spent_before_routing_is_reported_as_the_clients_slo():
+    """The budget left may be negative (a 0.001 ms SLO, time spent parsing): the message
+    names the SLO the client asked for, never "SLO of -0.3 ms"."""
+    s = make()
+    r = req(160, ttft=0.001 - 0.3)
+    r.ttft_spent_ms = 0.3
+    d = s.decide(r)
+    assert not d.accepted and d.reason == INFEASIBLE
+    assert "TTFT SLO of 0.001 ms is below the floor" in d.message, d.message
+    assert "-0." not in d.message
+    # within reach of an idle node, but queued: the spent time is named
+    for p in ("p0", "p1"):
+        s.prefill[p].enqueue("busy", 20.0)
+    r = req(160, ttft=40.0 - 0.3)
+    r.ttft_spent_ms = 0.3
+    d = s.decide(r)
+    assert not d.accepted and d.reason == "ttft"
+    assert "TTFT SLO of 40.0 ms (0.3 ms of it spent in the conductor" in d.message, d.message
 
 
 def test_slo_margin_has_one_default():
@@ -111,7 +166,8 @@ def test_slo_margin_leaves_room_for_estimate_error(margin, accepted):
     s = make()
     s.cfg.slo_margin = margin
     d = s.decide(req(160, ttft=30.0))  # estimate 27.0 ms: within 30, not within 0.85 x 30
-    assert d.accepted is accepted and d.reason == ("" if accepted else "ttft")
+    # idle nodes: what the margin refuses here, it always will
+    assert d.accepted is accepted and d.reason == ("" if accepted else INFEASIBLE)
 
 
 def test_predicted_decode_load_admits_what_plain_rejection_refuses():

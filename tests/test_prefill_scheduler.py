@@ -19,6 +19,8 @@ from kvmesh.rdma import TransferError
 from kvmesh.services.common.hashing import prefix_hashes
 from kvmesh.services.engine.config import ModelConfig
 from kvmesh.services.engine.kv_pool import KVPool, OutOfBlocks
+from kvmesh.services.engine.model import PrefillStopped
+from kvmesh.services.node_config import NodeConfig
 from kvmesh.services.prefill.queue import ComputeQueue
 from kvmesh.services.prefill.server import PrefillNode, PrefillServicer
 
@@ -149,6 +151,26 @@ class FakeModel:
         logits[(token_ids[-1].item() + 1) % VOCAB] = 1.0
         return logits
 
+    def forward_prefill_chunked(
+        self,
+        token_ids,
+        start_pos,
+        pool,
+        table,
+        chunk_tokens,
+        on_layer_done=None,
+        should_stop=None,
+    ):
+        """What the node calls: ``forward_prefill`` chunk by chunk, as the real model."""
+        n, logits = len(token_ids), None
+        for lo in range(0, n, chunk_tokens):
+            if lo and should_stop is not None and should_stop():
+                raise PrefillStopped(f"prefill stopped after {lo} of {n} new tokens")
+            a, b = start_pos + lo, start_pos + min(n, lo + chunk_tokens)
+            cb = None if on_layer_done is None else (lambda l, a=a, b=b: on_layer_done(l, a, b))
+            logits = self.forward_prefill(token_ids[lo : b - start_pos], a, pool, table, cb)
+        return logits
+
 
 class FakeTE:
     """Writes complete on the next loop turn (or fail); notify records its order."""
@@ -222,11 +244,22 @@ class FakeContext:
         raise grpc.RpcError(code, details)
 
 
+async def started(cond, task: asyncio.Task, timeout_s: float = 10.0) -> None:
+    """Waits (bounded) until ``cond()``; a task that ended first fails the test at once
+    with its own error (an AttributeError from a stale fake, say), not a timeout."""
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            if task.done():
+                await task  # raises what ended it
+                pytest.fail("the request ended before the condition held")
+            await asyncio.sleep(0.001)
+
+
 def make_node(num_blocks=16, model=None, te=None, store=None) -> PrefillNode:
     """A PrefillNode without a server: only what a Prefill call touches is set."""
     node = PrefillNode.__new__(PrefillNode)
     node.node_id = "prefill-0"
-    node.cfg = type("Cfg", (), {"block_size": BS})()
+    node.cfg = NodeConfig(block_size=BS)  # the real config: no stale stand-in
     node.pool = KVPool(CFG, num_blocks, BS)
     node.model = model or FakeModel()
     node.te = te or FakeTE()
@@ -376,8 +409,7 @@ async def test_a_request_cancelled_during_the_store_fetch_frees_its_blocks_once_
     store.have = {hashes[1]: block}
     store.get_gate = asyncio.Event()
     t = asyncio.create_task(node.prefill(request("b", tokens)))
-    while not store.gets:
-        await asyncio.sleep(0.001)
+    await started(lambda: bool(store.gets), t)
     assert node.pool.num_used == 2  # the local prefix block and the one being fetched
     t.cancel()
     await asyncio.sleep(0.02)
@@ -422,8 +454,7 @@ async def test_a_request_cancelled_while_computing_holds_its_blocks_and_the_slot
     model = BlockingModel()
     node = make_node(model=model)
     t = asyncio.create_task(node.prefill(request("a", PROMPT)))
-    while not model.started:
-        await asyncio.sleep(0.001)
+    await started(lambda: model.started > 0, t)
     used = node.pool.num_used
     assert used == 3
     t.cancel()

@@ -547,3 +547,37 @@ def test_etcd_tls_and_auth(secure_etcd):
 
     asyncio.run(main())
     assert proc.poll() is None
+
+
+def test_nodes_store_calls_take_the_tls_fast_path(cluster):
+    """In a mutual-TLS cluster the prefill node's store puts go over the store-master's
+    raw-TCP control path, which speaks TLS (``kvmesh_store_fast_calls_total{tls="true"}``
+    on the master), never plaintext and never refused."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _generate(cluster, "kopen", PROMPT * 3 + "fast path")
+    with _secure(cluster.conductor, cluster.client_tls()) as ch:
+        st = pbg.ConductorStub(ch).ClusterStatus(
+            pb.ClusterStatusRequest(), timeout=10, metadata=bearer_metadata("kopen")
+        )
+    master = next(n for n in st.nodes if n.role == "store-master")
+
+    def fast() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://{master.metrics_address}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for f in text_string_to_metric_families(text):
+            for s in f.samples:
+                if s.name == "kvmesh_store_fast_calls_total":
+                    out[s.labels["tls"]] = s.value
+                elif s.name == "kvmesh_store_fast_refused_total":
+                    out["refused"] = s.value
+        return out
+
+    deadline = time.monotonic() + 30  # the put follows the prefill asynchronously
+    got = fast()
+    while got.get("true", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        got = fast()
+    assert got.get("true", 0) > 0, got
+    assert got.get("false", 0) == 0 and got.get("refused", 0) == 0, got

@@ -197,7 +197,7 @@ def test_metrics_and_status(traced):
     assert len(r.tokens) == 5
     with pytest.raises(grpc.RpcError) as e:  # an SLO no node can meet: rejected early
         generate(cluster.conductor, PROMPT, max_tokens=4, slo={"ttft_ms": 0.001})
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # below the floor
     with pytest.raises(grpc.RpcError) as e:
         generate(cluster.conductor, "", max_tokens=4)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -208,6 +208,7 @@ def test_metrics_and_status(traced):
         assert n.metrics_address, f"{n.node_id} advertises no metrics port"
     assert st.requests_accepted >= 1 and st.requests_rejected >= 2
     assert st.rejected_by_reason.get("invalid_argument", 0) >= 1
+    assert st.rejected_by_reason.get("infeasible", 0) >= 1
     assert st.ttft_p50_ms > 0 and st.ttft_p99_ms >= st.ttft_p50_ms
     assert st.tbt_p50_ms > 0
     assert st.top_routes and st.top_routes[0].decode_node == nodes["decode"].node_id
@@ -283,7 +284,8 @@ def test_status_cli_once_and_json(traced):
     )
     data = json.loads(js.stdout)
     assert "ttft_p50_ms" in data and all(n.get("metrics_address") for n in data["nodes"])
-    # --watch refreshes until interrupted.
+    # --watch refreshes until interrupted. Each wait is on its condition (a frame, the
+    # exit), bounded generously: a busy machine makes it slow, not wrong.
     w = subprocess.Popen(
         [
             sys.executable,
@@ -308,16 +310,24 @@ def test_status_cli_once_and_json(traced):
         for line in w.stdout:
             lines.append(line)
 
+    def wait_frames(n: int, within: float) -> None:
+        deadline = time.monotonic() + within
+        while sum("kvmesh status" in line for line in lines) < n:
+            if w.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no frame {n} in {within:g} s: " + "".join(lines)[:500])
+            time.sleep(0.05)
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    deadline = time.monotonic() + 30  # until it has printed two frames (or died)
-    while sum("kvmesh status" in line for line in lines) < 2 and w.poll() is None:
-        if time.monotonic() > deadline:
+    try:
+        wait_frames(1, 120)  # the first output: start-up plus one ClusterStatus
+        wait_frames(2, 60)  # it refreshes
+        w.send_signal(signal.SIGINT)
+        w.wait(timeout=60)
+    finally:
+        if w.poll() is None:
             w.kill()
-            pytest.fail("no two frames in 30 s: " + "".join(lines)[:500])
-        time.sleep(0.05)
-    w.send_signal(signal.SIGINT)
-    w.wait(timeout=10)
+            w.wait()
     reader.join(10)
     text = "".join(lines)
     assert w.returncode == 0

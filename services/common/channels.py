@@ -23,8 +23,12 @@ here. ``--tls-server-name`` overrides the name checked against the server's cert
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
-from collections.abc import Sequence
+import socket
+import ssl
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +53,14 @@ class TlsFiles:
     @property
     def mutual(self) -> bool:
         return bool(self.ca and self.cert)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TlsFiles:
+        """What the services read from ``KVMESH_TLS_CERT``, ``KVMESH_TLS_KEY``,
+        ``KVMESH_TLS_CA`` and ``KVMESH_TLS_SERVER_NAME`` (the CLIs' defaults, so a
+        health check beside a service speaks to it as its peers do)."""
+        env = os.environ if env is None else env
+        return cls(*(env.get(f"KVMESH_TLS_{n}", "") for n in ("CERT", "KEY", "CA", "SERVER_NAME")))
 
     @classmethod
     def from_config(cls, cfg: Any) -> TlsFiles:
@@ -114,6 +126,64 @@ def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     )
 
 
+def ssl_server_context(tls: TlsFiles | None = None) -> ssl.SSLContext | None:
+    """The :mod:`ssl` twin of :func:`server_credentials`, for kvmesh's raw-TCP paths
+    (the store's control path): the same certificate, and with a CA a client
+    certificate signed by it is required (mutual TLS). None when this process serves
+    plaintext gRPC (no certificate). TLS 1.2 at least."""
+    tls = _current if tls is None else tls
+    if not tls.cert:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(tls.cert, tls.key)
+    if tls.ca:
+        ctx.load_verify_locations(tls.ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def ssl_client_context(tls: TlsFiles | None = None) -> ssl.SSLContext | None:
+    """The :mod:`ssl` twin of :func:`channel_credentials`: verify the server (name and
+    chain) against ``tls.ca`` (system roots when empty) and present our certificate
+    when we have one. None when TLS is off, as :func:`make_channel` goes plaintext."""
+    tls = _current if tls is None else tls
+    if not tls.enabled:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if tls.ca:
+        ctx.load_verify_locations(tls.ca)
+    else:
+        ctx.load_default_certs()
+    if tls.cert:
+        ctx.load_cert_chain(tls.cert, tls.key)
+    return ctx
+
+
+async def ssl_handshake(sock: ssl.SSLSocket, timeout: float) -> None:
+    """Completes the TLS handshake of a non-blocking ``sock`` (wrapped with
+    ``do_handshake_on_connect=False``) on the running loop, within ``timeout``;
+    raises :class:`ssl.SSLError` (a refused certificate, say) or ``TimeoutError``."""
+    loop = asyncio.get_running_loop()
+    fd = sock.fileno()
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                sock.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                add, remove = loop.add_reader, loop.remove_reader
+            except ssl.SSLWantWriteError:
+                add, remove = loop.add_writer, loop.remove_writer
+            ready = loop.create_future()
+            add(fd, _wake, ready)
+            try:
+                await ready
+            finally:
+                remove(fd)
+
+
 def make_channel(
     addr: str,
     tls: TlsFiles | None = None,
@@ -149,10 +219,78 @@ def make_sync_channel(addr: str, tls: TlsFiles | None = None) -> grpc.Channel:
     return grpc.secure_channel(addr, channel_credentials(tls), options=opts)
 
 
+# Options of every gRPC server of kvmesh (:func:`make_server`). grpc sets SO_REUSEPORT on
+# its listening sockets by default: a second server on a port in use (a second cluster,
+# a node started twice) would bind it too, and the kernel would then split new clients
+# between two unrelated servers. With it off, binding a used port fails (PortInUse).
+SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+
+
+class PortInUse(RuntimeError):
+    """A service cannot listen on a port (another process holds it, or the address is
+    not this machine's); the message names the address and says what to do."""
+
+
+def make_server(interceptors: Sequence[Any] | None = None) -> grpc.aio.Server:
+    """A ``grpc.aio`` server with :data:`SERVER_OPTIONS` (the only way kvmesh makes one)."""
+    return grpc.aio.server(options=list(SERVER_OPTIONS), interceptors=interceptors)
+
+
+def check_port(addr: str, what: str = "gRPC", option: str = "--port") -> None:
+    """Raises :class:`PortInUse`, saying why, when a listening socket cannot be bound on
+    ``addr`` now (a port in use, an address not this machine's); a check before a start
+    that would only fail later (``kvmesh up``), and the diagnosis of a failed bind."""
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+            s.bind((host, int(port)))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            why = (
+                "the port is already in use (another kvmesh cluster or service?); "
+                f"stop the process that holds it or choose another {option}"
+            )
+        else:
+            why = f"{e.strerror or e}"
+        raise PortInUse(f"cannot listen for {what} on {addr}: {why}") from None
+    except ValueError:
+        raise PortInUse(f"cannot listen for {what} on {addr}: not a host:port address") from None
+
+
+def bind_error(addr: str, what: str = "gRPC", option: str = "--port") -> PortInUse:
+    """The :class:`PortInUse` for a bind of ``addr`` that failed, saying why (grpc only
+    says that it failed)."""
+    try:
+        check_port(addr, what, option)
+    except PortInUse as e:
+        return e
+    return PortInUse(f"cannot listen for {what} on {addr}: it could not be bound")
+
+
 def add_server_port(server: Any, addr: str, tls: TlsFiles | None = None) -> int:
-    """Binds ``addr`` on ``server`` (TLS when a certificate is configured); returns the
-    port (0 when binding failed, as grpc does)."""
+    """Binds ``addr`` on ``server`` (TLS when a certificate is configured) and returns
+    the port; raises :class:`PortInUse`, naming ``addr``, when it cannot be bound (a
+    server from :func:`make_server` refuses a port that another socket holds)."""
     tls = _current if tls is None else tls
-    if tls.cert:
-        return server.add_secure_port(addr, server_credentials(tls))
-    return server.add_insecure_port(addr)
+    try:
+        if tls.cert:
+            port = server.add_secure_port(addr, server_credentials(tls))
+        else:
+            port = server.add_insecure_port(addr)
+    except RuntimeError:  # grpc >= 1.5x raises "Failed to bind to address ..."
+        port = 0
+    if port == 0:  # older grpc returns 0
+        raise bind_error(addr)
+    return port
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)

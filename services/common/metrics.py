@@ -148,9 +148,29 @@ LATE_HITS = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+# -- store-master: the raw-TCP control path ---------------------------------------------
+STORE_FAST_CALLS = Counter(
+    "kvmesh_store_fast_calls_total",
+    "calls served on the store-master's raw-TCP control path, by whether it runs TLS",
+    ["tls"],
+    registry=REGISTRY,
+)
+STORE_FAST_REFUSED = Counter(
+    "kvmesh_store_fast_refused_total",
+    "connections to the store-master's raw-TCP control path refused in the TLS "
+    "handshake (no or a wrong client certificate, plaintext, timeout)",
+    registry=REGISTRY,
+)
+STORE_FAST_OVER_LIMIT = Counter(
+    "kvmesh_store_fast_over_limit_total",
+    "connections to the store-master's raw-TCP control path closed on accept because "
+    "fast_max_conns connections or fast_max_handshakes pending TLS handshakes were open",
+    ["limit"],
+    registry=REGISTRY,
+)
 for _path in ("handoff", "store_get", "store_put"):
     TRANSFER_BYTES.labels(_path)
-for _r in ("ttft", "tbt", "kv", "no_nodes", "invalid_argument", "unavailable"):
+for _r in ("ttft", "tbt", "kv", "no_nodes", "infeasible", "invalid_argument", "unavailable"):
     REQUESTS_REJECTED.labels(_r)
 
 

@@ -7,6 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# The proto fields' wire types (protos/kvmesh.proto): what a value must fit before it is
+# set on a message (protobuf raises ValueError on anything wider). Front ends that take
+# numbers in a wider type (JSON) range-check against these, with a message to the caller.
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -45,7 +52,10 @@ class Sampling:
         if not 0 <= self.top_p <= 1:
             return f"sampling.top_p must be in [0, 1], got {self.top_p}"
         if not 0 <= self.top_k <= vocab_size:
-            return f"sampling.top_k must be in [0, {vocab_size}], got {self.top_k}"
+            return (
+                f"sampling.top_k must be an integer from 0 (off) to the vocabulary size "
+                f"{vocab_size}, got {self.top_k}"
+            )
         return None
 
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
 from kvmesh.services.common import channels, metrics, telemetry
+from kvmesh.services.common.election import LeaderElection
 from kvmesh.services.common.etcd import EtcdClient, EtcdError, etcd_credentials
 from kvmesh.services.common.health import Health
 from kvmesh.services.common.registry import Registration, node_key
@@ -54,13 +55,7 @@ class Service:
             else []
         )
         interceptors += self.server_interceptors()
-        self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.max_send_message_length", 64 << 20),
-            ],
-            interceptors=interceptors,
-        )
+        self.server = channels.make_server(interceptors)  # refuses a port in use
         self.health = Health(self.server, self.role)
         self.metrics_address = ""
         self._metrics_server = None
@@ -72,7 +67,7 @@ class Service:
         )
         self.grpc_address = ""
         self.http_address = ""  # set by a service that also serves HTTP (the conductor's API)
-        self.registration: Registration | None = None
+        self.registration: Registration | LeaderElection | None = None
         self._stop = asyncio.Event()
         self._shutting_down = False
 
@@ -97,6 +92,14 @@ class Service:
             info["http"] = self.http_address
         return info
 
+    async def register(self) -> None:
+        """Makes the node known in etcd once its server listens: a lease-backed
+        ``Registration`` of its node key (the store-master campaigns for leadership
+        instead)."""
+        key = node_key(self.cfg.cluster, self.role, self.node_id)
+        self.registration = Registration(self.etcd, key, self._info_bytes(), ttl=self.cfg.lease_ttl)
+        await self.registration.start()
+
     async def drain(self) -> None:
         """Finishes in-flight work after deregistering (transfers, streams)."""
 
@@ -105,16 +108,13 @@ class Service:
 
     # -- life --------------------------------------------------------------------------
     async def start(self) -> None:
-        await self.setup()
+        # the port first: a port in use fails the start before a model loads
         port = channels.add_server_port(self.server, f"{self.cfg.host}:{self.cfg.port}")
-        if port == 0:
-            raise RuntimeError(f"cannot bind gRPC port {self.cfg.host}:{self.cfg.port}")
         self.grpc_address = f"{self.cfg.host}:{port}"
+        await self.setup()
         self._start_metrics()
         await self.server.start()
-        key = node_key(self.cfg.cluster, self.role, self.node_id)
-        self.registration = Registration(self.etcd, key, self._info_bytes(), ttl=self.cfg.lease_ttl)
-        await self.registration.start()
+        await self.register()
         await self.after_start()
         await self.health.set_serving(True)
         log.info(
@@ -132,9 +132,9 @@ class Service:
             self._metrics_server, port = metrics.start_metrics_server(
                 self.cfg.host, self.cfg.metrics_port
             )
-        except OSError as e:
-            raise RuntimeError(
-                f"cannot bind the metrics port {self.cfg.host}:{self.cfg.metrics_port}: {e}"
+        except OSError:
+            raise channels.bind_error(
+                f"{self.cfg.host}:{self.cfg.metrics_port}", "/metrics", "--metrics-port"
             ) from None
         self.metrics_address = f"{self.cfg.host}:{port}"
         metrics.track(self)
@@ -147,6 +147,15 @@ class Service:
             await self.registration.update(self._info_bytes())
 
     def request_stop(self) -> None:
+        launcher = os.environ.get("KVMESH_LAUNCHER_PID", "")
+        if launcher.isdigit() and os.getppid() != int(launcher):
+            # the parent-death signal of a local cluster's launcher: etcd and the other
+            # services go with it, there is no one to deregister from or drain for; the
+            # kernel frees the ports at once (a first signal may come while the dying
+            # launcher's last threads still hold this process, then one more comes)
+            log.warning("%s %s: the launcher is gone; exiting now", self.role, self.node_id)
+            logging.shutdown()
+            os._exit(0)
         if self._stop.is_set():
             log.warning("%s already shutting down; ignoring the repeated signal", self.role)
             return
@@ -190,17 +199,37 @@ class Service:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
-        await self.start()
+        try:
+            await self.start()
+        except channels.PortInUse:
+            await self._abort_start()
+            raise
         await self._stop.wait()
         await self.shutdown()
+
+    async def _abort_start(self) -> None:
+        """Frees what a start that failed had taken (best effort: the process exits)."""
+        for step in (lambda: self.server.stop(None), self.teardown, self.etcd.close):
+            try:
+                async with asyncio.timeout(5):
+                    await step()
+            except Exception as e:  # a half-done setup may lack what teardown frees
+                log.debug("cleanup after the failed start: %r", e)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
 
 
 def run(factory: Callable[[], Service]) -> None:
     """The one place a service enters asyncio (on uvloop); the service is built inside
-    the loop so its gRPC server and events bind to it."""
+    the loop so its gRPC server and events bind to it. A port that cannot be bound ends
+    the process with exit status 1 and a message naming the port, not a traceback."""
     import uvloop
 
     async def main() -> None:
         await factory().run_forever()
 
-    uvloop.run(main())
+    try:
+        uvloop.run(main())
+    except channels.PortInUse as e:
+        sys.exit(f"error: {e}")

@@ -33,6 +33,10 @@ class Tokenizer(Protocol):
     eos_id: int  # the primary end-of-sequence id
     eos_ids: frozenset[int]  # every id that ends generation
     vocab_size: int
+    # the most UTF-8 bytes of input one token can stand for, when the tokenizer keeps
+    # every input byte (so a text of n bytes is at least ceil(n / max_token_bytes)
+    # tokens); None when no such bound is known (normalizers, stripping)
+    max_token_bytes: int | None
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
 
@@ -47,6 +51,7 @@ class ByteTokenizer:
     eos_id = 257
     eos_ids = frozenset({257})
     vocab_size = 258
+    max_token_bytes = 1
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Encode text to token ids, optionally prefixed with BOS."""
@@ -90,6 +95,33 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+LONG_TEXT = 1 << 14  # characters
+
+
+def _byte_level_bound(spec: dict, tok: Any) -> int | None:
+    """``max_token_bytes`` of a ``tokenizer.json``: known for byte-level BPE that keeps
+    every byte (no normalizer, a ByteLevel pre-tokenizer, nothing split off as removed, the
+    whole byte alphabet in the vocabulary, no added token that strips the text around
+    it), as the longest token in UTF-8 bytes; None for anything else."""
+    from tokenizers import pre_tokenizers
+
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if (
+        spec.get("normalizer") is not None
+        or (spec.get("model") or {}).get("type") != "BPE"
+        or not any(p.get("type") == "ByteLevel" for p in steps)
+        or any(p.get("type") not in ("ByteLevel", "Split", "Digits") for p in steps)
+        or any(p.get("behavior", "Isolated") == "Removed" for p in steps)
+        or any(a.get("lstrip") or a.get("rstrip") for a in spec.get("added_tokens") or [])
+    ):
+        return None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    if not set(pre_tokenizers.ByteLevel.alphabet()) <= vocab.keys():
+        return None
+    return max(len(t.encode("utf-8")) for t in vocab)
 
 
 class HFTokenizer:
@@ -152,10 +184,17 @@ class HFTokenizer:
             )
         self.eos_id = eos[0]
         self.eos_ids = frozenset(eos)
+        self.max_token_bytes = _byte_level_bound(json.loads(raw), self._tok)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of ``text``, prefixed with ``bos_id`` when ``add_bos`` and the model has one."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``, prefixed with ``bos_id`` when ``add_bos`` and the model has one.
+
+        A long text goes through ``encode_batch``, which lets go of the GIL while it
+        works: called from a thread, it leaves the caller's event loop running."""
+        if len(text) > LONG_TEXT:
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else list(ids)
 
     def decode(self, ids: Iterable[int]) -> str:

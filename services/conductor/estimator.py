@@ -21,8 +21,13 @@ class _Regression:
 
     def __init__(self, coef: Sequence[float], window: int = 256, refit_every: int = 8) -> None:
         self.coef = [float(c) for c in coef]
-        self._x: deque[tuple[float, ...]] = deque(maxlen=window)
-        self._y: deque[float] = deque(maxlen=window)
+        # the window, oldest first, as rows of a ring written twice (at i and i + window)
+        # so that it is always one contiguous slice: the refit reads it without a copy
+        self._window = window
+        self._xbuf = np.empty((2 * window, len(self.coef)), dtype=np.float64)
+        self._ybuf = np.empty(2 * window, dtype=np.float64)
+        self._head = 0  # where the next row goes
+        self._rows = 0  # rows held, up to window
         self._errors: deque[float] = deque(maxlen=window)
         self._refit_every = refit_every
         self._pending = 0
@@ -38,8 +43,11 @@ class _Regression:
         f = self._features(*args)
         if track_error and ms > 0:
             self._errors.append(abs(self._predict(f) - ms) / ms)
-        self._x.append(f)
-        self._y.append(ms)
+        i, w = self._head, self._window
+        self._xbuf[i] = self._xbuf[i + w] = f
+        self._ybuf[i] = self._ybuf[i + w] = ms
+        self._head = (i + 1) % w
+        self._rows = min(self._rows + 1, w)
         self.observations += 1
         self._pending += 1
         if self._pending >= self._refit_every or self.observations <= 4:
@@ -47,15 +55,19 @@ class _Regression:
 
     def fit(self) -> None:
         self._pending = 0
-        if len(self._y) < 2:
+        rows = self._rows
+        if rows < 2:
             return
-        x, y = np.asarray(self._x, dtype=np.float64), np.asarray(self._y, dtype=np.float64)
+        start = self._head if rows == self._window else 0
+        x, y = self._xbuf[start : start + rows], self._ybuf[start : start + rows]
         scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-        active = list(range(x.shape[1]))
+        full = list(range(x.shape[1]))
+        active = full
         coef = np.zeros(x.shape[1])
         # tiny active-set NNLS: drop features whose coefficient comes out negative
         while active:
-            sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
+            a = x / scale if active == full else x[:, active] / scale[active]
+            sol, *_ = np.linalg.lstsq(a, y, rcond=None)
             if (sol >= 0).all():
                 coef[active] = sol / scale[active]
                 break

@@ -26,6 +26,9 @@ class NodeFeeds:
         self._tasks: dict[str, asyncio.Task] = {}
         self.fingerprint_of: dict[str, str] = {}
         self.store_live = False
+        # per prefill node: a moving average of its observed prefill times (every
+        # conductor's requests), the cost of each other conductor's request it queues
+        self.prefill_ms: dict[str, float] = {}
 
     def on_member(self, event: str, key: str, value: bytes | None) -> None:
         parts = key.rstrip("/").split("/")
@@ -69,6 +72,7 @@ class NodeFeeds:
         self.sched.decode.pop(node_id, None)
         self.sched.index.drop_node(node_id)
         self.fingerprint_of.pop(node_id, None)
+        self.prefill_ms.pop(node_id, None)
         task = self._tasks.pop(node_id, None)
         if task:
             task.cancel()
@@ -104,8 +108,15 @@ class NodeFeeds:
             p = self.sched.prefill.get(n.node_id)
             if p is None:
                 return
+            avg = self.prefill_ms.get(n.node_id)
             for s in load.prefill_samples:
                 p.model.observe(s.new_tokens, s.cached_tokens, s.ms)
+                avg = s.ms if avg is None else 0.8 * avg + 0.2 * s.ms
+            if avg is not None:
+                self.prefill_ms[n.node_id] = avg
+            elif p.queue:  # nothing observed yet: our own requests' predicted mean
+                avg = sum(p.queue.values()) / len(p.queue)
+            p.report_queue(load.queue_depth + load.running, avg or 0.0)
             st = p
         else:
             d = self.sched.decode.get(n.node_id)
@@ -116,6 +127,8 @@ class NodeFeeds:
             for s in load.decode_samples:
                 d.model.observe(s.batch, s.kv_tokens, s.ms)
             d.report(load.kv_blocks_free, load.kv_blocks_total)
+            used = (load.kv_blocks_total - load.kv_blocks_free) * d.block_size
+            d.report_queue(load.queue_depth + load.running, used)
             st = d
         if bws:
             st.bandwidth = statistics.median(bws)

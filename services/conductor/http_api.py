@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API of the conductor (aiohttp, same process and event loop).
 
 Endpoints (``--http-port``; default 8000, 0 = any free port, -1 = off; the bound address
-is advertised in etcd as ``"http"`` and shown by ``kvmesh status``):
+is advertised in etcd as ``"http"`` and shown by ``kvmesh status``; HTTPS, and only HTTPS,
+with the service's ``--tls-cert``/``--tls-key``, no client certificate asked for):
 
   GET  /v1/models              the models this cluster serves
   POST /v1/completions         prompt: a string, a list of token ids, or a one-element
@@ -19,7 +20,8 @@ ignore_eos, cache_salt, request_id, ttft_slo_ms, tbt_slo_ms. Each choice also ca
 best_of, suffix, tools) are refused with 400.
 
 Errors follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: bad input
--> 400 ``invalid_request_error``; early rejection (the TTFT SLO cannot be met, or no KV
+-> 400 ``invalid_request_error`` (what is checked: ``http_request``), a body over 16 MiB
+-> 413, unknown paths 404 and methods 405 (the same shape); early rejection (the TTFT SLO cannot be met, or no KV
 room) -> 429 with ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``;
 no node for the model -> 503; a failure after streaming began ends the SSE stream with
 an ``error`` event. With conductor ``--api-keys`` every /v1 endpoint wants
@@ -43,17 +45,27 @@ import json
 import logging
 import math
 import os
+import ssl
+import sys
 import time
 import uuid
 from typing import Any
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.common import telemetry
 from kvmesh.services.common.auth import Unauthenticated, current_principal
+from kvmesh.services.common.channels import TlsFiles, bind_error
 from kvmesh.services.conductor.frontend import ConductorApi, Rejected, client_id
+from kvmesh.services.conductor.http_request import (
+    MAX_BODY_BYTES,
+    ApiError,
+    build,
+    read_body,
+)
 from kvmesh.services.conductor.observe import observed
 
 try:
@@ -70,42 +82,6 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-COMPLETION_MAX_TOKENS = 16
-CHAT_MAX_TOKENS = 256
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
 def from_rejected(e: Rejected) -> ApiError:
@@ -127,48 +103,12 @@ def from_rejected(e: Rejected) -> ApiError:
         )
     if e.code == grpc.StatusCode.UNAVAILABLE:
         return ApiError(503, e.message, "service_unavailable", code="service_unavailable")
+    if e.code == grpc.StatusCode.ALREADY_EXISTS:  # a request_id already in flight
+        return ApiError(409, e.message, "invalid_request_error", "request_id", "conflict")
     return ApiError(500, e.message, "server_error")
 
 
 # ------------------------------------------------------------------ chat templates
-
-
-def _text_content(content: Any, i: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if (
-                not isinstance(p, dict)
-                or p.get("type") != "text"
-                or not isinstance(p.get("text"), str)
-            ):
-                raise ApiError(
-                    400,
-                    f"messages[{i}].content: only text parts are supported",
-                    param=f"messages[{i}].content",
-                )
-            parts.append(p["text"])
-        return "".join(parts)
-    raise ApiError(
-        400,
-        f"messages[{i}].content must be a string or a list of text parts",
-        param=f"messages[{i}].content",
-    )
-
-
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] needs a string role", param=f"messages[{i}]")
-        out.append({"role": m["role"], "content": _text_content(m.get("content"), i)})
-    return out
 
 
 def render_default(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -247,36 +187,89 @@ def render_chat(messages: list[dict[str, str]], checkpoint: dict[str, Any] | Non
 # ------------------------------------------------------------------ the server
 
 
+class QuietClientErrors(logging.LoggerAdapter):
+    """aiohttp's server logger, except that malformed HTTP and a client gone in the middle
+    of its request are the client's doing: one INFO line each, not an ERROR with a stack
+    trace."""
+
+    def exception(self, msg: Any, *args: Any, exc_info: Any = True, **kw: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(exc, (HttpProcessingError, ConnectionError)):
+            self.logger.info("%s: %s", msg % args if args else msg, exc)
+            return
+        self.logger.exception(msg, *args, exc_info=exc_info, **kw)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own refusals (unknown path, wrong method, a body over the limit) in
+    OpenAI's error shape too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        if e.status == 413:
+            msg = f"the request body is larger than the {MAX_BODY_BYTES >> 20} MiB limit"
+        elif e.status in (404, 405):
+            msg = (
+                f"no {request.method} {request.path}: this API serves GET /v1/models, "
+                f"POST /v1/completions, POST /v1/chat/completions and GET /health"
+            )
+        else:
+            msg = e.text or e.reason
+        return ApiError(
+            e.status, msg, headers={"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        ).response()
+
+
 class HttpApi:
     """The HTTP server (module docstring) over the conductor ``conductor``."""
 
-    def __init__(self, conductor: ConductorApi, host: str, port: int) -> None:
+    def __init__(
+        self, conductor: ConductorApi, host: str, port: int, tls: TlsFiles | None = None
+    ) -> None:
         self.c = conductor
         self.host, self.port = host, port
+        self.tls = tls if tls is not None and tls.cert else None
+        self.scheme = "https" if self.tls else "http"
         self.address = ""
         self._runner: web.AppRunner | None = None
         self._templates: dict[str, dict | None] = {}
         self._templates_checked: set[str] = set()
 
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        """HTTPS with the service's own certificate (``--tls-cert/--tls-key``), so API keys
+        never cross in the clear. No client certificate is asked for, even with
+        ``--tls-ca``: HTTP clients authenticate with their bearer key."""
+        if self.tls is None:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.tls.cert, self.tls.key)
+        return ctx
+
     async def start(self) -> str:
-        app = web.Application(client_max_size=16 << 20)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
-        runner = self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            logger=QuietClientErrors(logging.getLogger("aiohttp.server"), {}),
+        )
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
+        site = web.TCPSite(runner, self.host, self.port, ssl_context=self._ssl_context())
         try:
             await site.start()
-        except OSError as e:
+        except OSError:
             await runner.cleanup()
-            raise RuntimeError(
-                f"cannot bind the HTTP API on {self.host}:{self.port}: {e}"
-            ) from None
+            raise bind_error(f"{self.host}:{self.port}", "the HTTP API", "--http-port") from None
         port = runner.addresses[0][1]
         self.address = f"{self.host}:{port}"
-        log.info("OpenAI-compatible HTTP API on http://%s/v1", self.address)
+        log.info("OpenAI-compatible HTTP API on %s://%s/v1", self.scheme, self.address)
         return self.address
 
     async def stop(self) -> None:
@@ -338,21 +331,11 @@ class HttpApi:
         ):
             try:
                 self._authenticate(request)
-                body = await self._json(request)
-                req, opts = self._build(body, chat)
+                body = await read_body(request)
+                req, opts = build(body, chat, self._render)
                 return await self._run(request, req, opts, chat)
             except ApiError as e:
                 return e.response()
-
-    @staticmethod
-    async def _json(request: web.Request) -> dict:
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "the request body must be JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
 
     def _model_path(self, model: str) -> str:
         for n in self.c.view.nodes():
@@ -384,106 +367,11 @@ class HttpApi:
                     path,
                 )
 
-    def _build(self, body: dict, chat: bool) -> tuple[pb.GenerateRequest, dict]:
-        def num(name: str, default, kind=float, lo=None, hi=None):
-            v = body.get(name)
-            if v is None:
-                return default
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or (kind is int and not float(v).is_integer())
-            ):
-                raise ApiError(
-                    400, f"{name} must be {'an integer' if kind is int else 'a number'}", param=name
-                )
-            if (lo is not None and v < lo) or (hi is not None and v > hi):
-                raise ApiError(400, f"{name} must be in [{lo}, {hi}]", param=name)
-            return kind(v)
-
-        for name in ("logprobs", "echo", "suffix", "tools", "functions", "top_logprobs"):
-            if body.get(name) not in (None, False, 0, []):
-                raise ApiError(400, f"{name} is not supported by kvmesh", param=name)
-        if num("n", 1, int) != 1 or num("best_of", 1, int) != 1:
-            raise ApiError(400, "only n=1 (and best_of=1) is supported", param="n")
-        model = body.get("model") or ""
-        if not isinstance(model, str):
-            raise ApiError(400, "model must be a string", param="model")
-        req = pb.GenerateRequest(model=model)
-        if chat:
-            messages = normalize_messages(body.get("messages"))
-            served = self.c.view.models()
-            name = model or (next(iter(served)) if len(served) == 1 else "")
-            req.prompt = render_chat(messages, self._chat_template(name) if name else None)
-            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-            req.max_tokens = (
-                CHAT_MAX_TOKENS
-                if max_tokens is None
-                else num(
-                    "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
-                    0,
-                    int,
-                )
-            )
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                req.prompt = prompt
-            elif (
-                isinstance(prompt, list)
-                and prompt
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-            ):
-                req.token_ids.extend(prompt)
-            else:
-                raise ApiError(
-                    400,
-                    "prompt must be a string or a list of token ids (one prompt per request)",
-                    param="prompt",
-                )
-            req.max_tokens = num("max_tokens", COMPLETION_MAX_TOKENS, int)
-        if req.max_tokens <= 0:
-            raise ApiError(400, "max_tokens must be > 0", param="max_tokens")
-        s = req.sampling
-        s.temperature = num("temperature", 1.0, float, 0, 2)
-        s.top_p = num("top_p", 1.0, float, 0, 1)
-        s.top_k = num("top_k", 0, int, 0)
-        seed = body.get("seed")
-        if seed is not None:
-            s.seed = num("seed", 0, int) & (2**64 - 1)
-        s.ignore_eos = bool(body.get("ignore_eos", False))
-        salt = body.get("cache_salt", "")
-        if not isinstance(salt, str):
-            raise ApiError(400, "cache_salt must be a string", param="cache_salt")
-        req.cache_salt = salt
-        rid = body.get("request_id", "")
-        req.request_id = rid if isinstance(rid, str) else ""
-        req.slo.ttft_ms = num("ttft_slo_ms", 0.0, float, 0)
-        req.slo.tbt_ms = num("tbt_slo_ms", 0.0, float, 0)
-        stop = body.get("stop")
-        if stop is None:
-            stops = []
-        elif isinstance(stop, str):
-            stops = [stop]
-        elif isinstance(stop, list) and all(isinstance(x, str) for x in stop) and len(stop) <= 4:
-            stops = list(stop)
-        else:
-            raise ApiError(
-                400, "stop must be a string or a list of at most 4 strings", param="stop"
-            )
-        stops = [x for x in stops if x]
-        so = body.get("stream_options") or {}
-        if not isinstance(so, dict):
-            raise ApiError(400, "stream_options must be an object", param="stream_options")
-        opts = {
-            "stream": bool(body.get("stream", False)),
-            "stops": stops,
-            "include_usage": bool(so.get("include_usage", False)),
-            "model": model,
-        }
-        return req, opts
+    def _render(self, messages: list[dict[str, str]], model: str) -> str:
+        """A chat's prompt: the model's template (the only model's when none is named)."""
+        served = self.c.view.models()
+        name = model or (next(iter(served)) if len(served) == 1 else "")
+        return render_chat(messages, self._chat_template(name) if name else None)
 
     async def _run(
         self, request: web.Request, req: pb.GenerateRequest, opts: dict, chat: bool

@@ -83,24 +83,39 @@ class CacheIndex:
     # -- queries ---------------------------------------------------------------------------
     def lookup(self, hashes: list[bytes]) -> Lookup:
         out = Lookup()
-        pool, per_node = self._pool, out.per_node
-        alive: set[str] | None = None
-        for i, h in enumerate(hashes):
-            holders = pool.get(h)
-            if not holders:
-                break
-            alive = set(holders) if alive is None else alive & holders
-            if not alive:
-                break
+        pool = self._pool
+        holders = pool.get(hashes[0]) if hashes else None
+        if holders:
+            # the nodes holding the first block, in the order of a copy of its holder set
+            # (the order candidates are tried in); each keeps the length at which it
+            # drops out, and only steps where some node drops out cost more than a lookup
+            alive = set(holders)
+            per_node = out.per_node = dict.fromkeys(alive, 1)
+            n = len(hashes)
+            i = 1
+            while i < n:
+                holders = pool.get(hashes[i])
+                if not holders:
+                    break
+                if not alive <= holders:
+                    gone = alive - holders
+                    for node in gone:
+                        per_node[node] = i
+                    alive -= gone
+                    if not alive:
+                        break
+                i += 1
             for node in alive:
-                per_node[node] = i + 1
+                per_node[node] = i
         store, ssd = self._store, self._ssd
         n = dram = 0
+        get = store.get
         for h in hashes:
-            if h not in store:
+            replicas = get(h)
+            if replicas is None:
                 break
             n += 1
-            if dram == n - 1 and store[h] > ssd.get(h, 0):
+            if dram == n - 1 and (not ssd or replicas > ssd.get(h, 0)):
                 dram = n
         out.store_prefix, out.store_dram_prefix = n, dram
         return out

@@ -43,6 +43,9 @@ from kvmesh.services.conductor.index import CacheIndex, Lookup
 
 POLICIES = ("random", "load", "cache", "cache-load", "kvmesh")
 DISAGG, COLOCATED, DIRECT = "disaggregated", "colocated", "decode-direct"
+# the rejection reason of a request no node could ever serve (an SLO below the floor, KV
+# beyond the largest node): the conductor answers INVALID_ARGUMENT, not "retry"
+INFEASIBLE = "infeasible"
 # admit only when the estimate is within this share of the SLO (room for estimate error);
 # the one default of both PolicyConfig.slo_margin and the conductor's --slo-margin
 SLO_MARGIN = 0.85
@@ -56,8 +59,13 @@ class Request:
     n_tokens: int
     hashes: list[bytes]
     max_tokens: int
-    ttft_slo_ms: float
+    ttft_slo_ms: float  # what is left of the TTFT SLO when admission starts
     tbt_slo_ms: float
+    ttft_spent_ms: float = 0.0  # of the SLO, spent in the conductor before admission
+
+
+def _ms(x: float) -> str:
+    return f"{x:.1f}" if x >= 0.1 else f"{x:.2g}"
 
 
 @dataclass
@@ -84,7 +92,7 @@ class Decision:
     estimate: Candidate | None = None
     tbt_ms: float = 0.0
     candidates: list[Candidate] = field(default_factory=list)
-    reason: str = ""  # when rejected: ttft, tbt, kv, no-nodes
+    reason: str = ""  # when rejected: ttft, tbt, kv, no-nodes, infeasible
     message: str = ""
     retry_after_ms: float = 0.0
 
@@ -118,8 +126,12 @@ class PrefillNodeState:
     model: PrefillModel = field(default_factory=PrefillModel)
     bandwidth: float = 1e6  # bytes per ms (1 GB/s) until measured
     queue: dict[str, float] = field(default_factory=dict)  # FIFO, as the node serves it
-    queue_ms: float = 0.0  # predicted time of everything queued
+    queue_ms: float = 0.0  # predicted time of everything queued (ours + foreign_ms)
     head_since: float = 0.0  # when the head of the queue started computing
+    # other conductors' work on the node: requests its load report counts beyond ours
+    # (see report_queue), at the node's observed time per prefill
+    foreign: int = 0
+    foreign_ms: float = 0.0
 
     def enqueue(self, rid: str, ms: float, now: float = 0.0) -> None:
         if not self.queue:
@@ -138,9 +150,19 @@ class PrefillNodeState:
     def remaining(self, now: float) -> float:
         """Predicted time until the queue drains: the head has been computing a while."""
         if not self.queue:
-            return 0.0
+            return self.foreign_ms
         head = next(iter(self.queue.values()))
         return self.queue_ms - min(head, max(0.0, now - self.head_since))
+
+    def report_queue(self, reported: int, per_request_ms: float) -> None:
+        """The node's load report: ``reported`` requests queued or computing there, from
+        every conductor. Ours are those in ``queue`` (some of which may not have reached
+        the node yet, or have left it), so the node holds at least ``reported -
+        len(queue)`` of other conductors': counted at ``per_request_ms`` each, never one
+        of ours twice."""
+        self.foreign = max(0, reported - len(self.queue))
+        self.foreign_ms = self.foreign * per_request_ms
+        self.queue_ms = sum(self.queue.values()) + self.foreign_ms
 
 
 @dataclass
@@ -158,7 +180,20 @@ class DecodeNodeState:
     )  # rid -> (end, kv, blocks)
     kv_tokens: int = 0
     reserved_blocks: int = 0  # reserved by us since the last report
+    unreported: set[str] = field(default_factory=set)  # requests counted in reserved_blocks
     local_queue_ms: float = 0.0  # colocated prefills queued here
+    # other conductors' requests on the node (reserved or decoding) beyond ours, from its
+    # load report (see report_queue), and their KV tokens
+    foreign: int = 0
+    foreign_kv: int = 0
+
+    def report_queue(self, reported: int, kv_used_tokens: int) -> None:
+        """The node's load report: ``reported`` requests reserved or decoding there, from
+        every conductor, holding ``kv_used_tokens``. Ours are those in ``work``, so the
+        node holds at least ``reported - len(work)`` of other conductors' requests; they
+        hold the used KV beyond ours (never one of ours counted twice)."""
+        self.foreign = max(0, reported - len(self.work))
+        self.foreign_kv = max(0, kv_used_tokens - self.kv_tokens) if self.foreign else 0
 
     def batch_at(self, t: float) -> int:
         return len(self.ends) - bisect.bisect_right(self.ends, t)
@@ -168,12 +203,16 @@ class DecodeNodeState:
         self.work[rid] = (end, kv, blocks)
         self.kv_tokens += kv
         self.reserved_blocks += blocks
+        self.unreported.add(rid)
 
     def finish(self, rid: str) -> None:
         w = self.work.pop(rid, None)
         if w is None:
             return
         end, kv, blocks = w
+        if rid in self.unreported:  # ended before a report counted its blocks as used
+            self.unreported.discard(rid)
+            self.reserved_blocks = max(0, self.reserved_blocks - blocks)
         i = bisect.bisect_left(self.ends, end)
         if i < len(self.ends) and self.ends[i] == end:
             self.ends.pop(i)
@@ -185,6 +224,7 @@ class DecodeNodeState:
     def report(self, free: int, total: int) -> None:
         """A load report from the node: its free blocks already count our reservations."""
         self.kv_blocks_free, self.kv_blocks_total, self.reserved_blocks = free, total, 0
+        self.unreported.clear()
 
 
 @dataclass
@@ -275,7 +315,8 @@ class Scheduler:
     ) -> Candidate:
         bs = d.block_size
         cached = min(local, usable) * bs
-        step = d.model.predict(len(d.ends), d.kv_tokens)  # a running step finishes first
+        # a running step (ours and other conductors' requests) finishes first
+        step = d.model.predict(len(d.ends) + d.foreign, d.kv_tokens + d.foreign_kv)
         prefill_ms = d.prefill_model.predict(n - cached, cached)
         return Candidate(
             route,
@@ -337,10 +378,15 @@ class Scheduler:
             return [self.rng.choice(nodes)]
         if self.cfg.policy == "load":
             return [min(nodes, key=lambda p: p.queue_ms)]
-        prefill = self.prefill
+        prefill, k = self.prefill, self.cfg.candidates
         pick = [prefill[nid] for nid in per_node if nid in prefill]
-        queued = [(p.queue_ms, p.node_id) for p in nodes if p.node_id not in per_node]
-        return pick + [prefill[nid] for _, nid in heapq.nsmallest(self.cfg.candidates, queued)]
+        others = [p for p in nodes if p.node_id not in per_node] if per_node else nodes
+        if len(others) > k > 0:  # only those queued no longer than the k-th least compete
+            cut = sorted([p.queue_ms for p in others])[k - 1]
+            queued = [(p.queue_ms, p.node_id) for p in others if p.queue_ms <= cut]
+        else:
+            queued = [(p.queue_ms, p.node_id) for p in others]
+        return pick + [prefill[nid] for _, nid in heapq.nsmallest(k, queued)]
 
     def _prefill_candidates(
         self, n: int, usable: int, look: Lookup | None, store_given: bool, now: float
@@ -374,10 +420,13 @@ class Scheduler:
     ) -> list[Candidate]:
         """kvmesh's fast paths, on each decode node: ``colocated`` for a short prompt (or
         when no prefill node is live), ``decode-direct`` when it holds most of the prefix."""
-        out = []
+        out: list[Candidate] = []
+        colocate = n < self.cfg.colocate_below_tokens or not self.prefill
+        if not colocate and not (usable and any(nid in self.decode for nid in per_node)):
+            return out  # no decode node holds any of the prefix: no fast path
         for d in self.decode.values():
             local = per_node.get(d.node_id, 0)
-            if n < self.cfg.colocate_below_tokens or not self.prefill:
+            if colocate:
                 out.append(self._colocated_candidate(d, n, usable, local, COLOCATED))
             elif usable and local >= self.cfg.direct_share * usable:
                 out.append(self._colocated_candidate(d, n, usable, local, DIRECT))
@@ -431,6 +480,7 @@ class Scheduler:
             now_batch = len(ends)
             batch = now_batch - (bisect.bisect_right(ends, at) if predict else 0)
             kv = d.kv_tokens * batch / now_batch if now_batch else 0
+            batch, kv = batch + d.foreign, kv + d.foreign_kv  # other conductors' requests
             a_, b_, k_ = d.model.coef
             tbt = a_ + b_ * (batch + 1) + k_ * (kv + n)
             if tbt > tbt_limit:
@@ -441,18 +491,59 @@ class Scheduler:
                 best_tbt, best_d = tbt, d
         return None if best_d is None else (best_d, best_tbt)
 
+    def _floor(self, r: Request, cands: list[Candidate]) -> str | None:
+        """Why no node could ever serve ``r``, even idle (None if an idle one could): the
+        prompt and output outgrow the largest decode node's KV, or an SLO lies below
+        what an idle node takes (the best TTFT estimate less its queue; the TBT of a
+        batch of one), the admission margin included. A retry cannot help."""
+        n_kv = r.n_tokens + r.max_tokens
+        if all(-(-n_kv // d.block_size) > d.kv_blocks_total for d in self.decode.values()):
+            most = max(d.kv_blocks_total * d.block_size for d in self.decode.values())
+            return (
+                f"{r.n_tokens} prompt tokens + max_tokens {r.max_tokens} need KV for "
+                f"{n_kv} tokens, more than the largest decode node holds ({most}); "
+                f"shorten the prompt or lower max_tokens"
+            )
+        margin = self.cfg.slo_margin
+        idle = min(cands, key=lambda c: c.ttft_ms - c.queue_ms)
+        ttft = idle.ttft_ms - idle.queue_ms
+        if ttft > (r.ttft_slo_ms + r.ttft_spent_ms) * margin:
+            return (
+                f"the TTFT SLO of {_ms(r.ttft_slo_ms + r.ttft_spent_ms)} ms is below the "
+                f"floor: even idle, the best node {idle.node} needs an estimated "
+                f"{ttft:.1f} ms for this prompt, and admission keeps a margin of "
+                f"{margin:g}; ask for a TTFT SLO of at least {ttft / margin:.1f} ms"
+            )
+        tbt = min(d.model.predict(1, r.n_tokens) for d in self.decode.values())
+        if tbt > r.tbt_slo_ms * margin:
+            return (
+                f"the TBT SLO of {_ms(r.tbt_slo_ms)} ms is below the floor: even alone on "
+                f"a decode node a step takes an estimated {tbt:.1f} ms, and admission "
+                f"keeps a margin of {margin:g}; ask for a TBT SLO of at least "
+                f"{tbt / margin:.1f} ms"
+            )
+        return None
+
     def _rejection(self, r: Request, cands: list[Candidate], misses: _Misses) -> Decision:
         """The early rejection: the reason, a message with the numbers behind it, and
-        when to retry."""
+        when to retry; or, when no node could ever serve it (``_floor``), ``infeasible``
+        without a retry."""
         best = min(cands, key=lambda c: c.ttft_ms)
+        floor = self._floor(r, cands)
+        if floor is not None:
+            return Decision(
+                False, candidates=cands, reason=INFEASIBLE, estimate=best, message=floor
+            )
         reason = misses.reason or "ttft"
         if reason == "ttft":
             msg = (
                 f"estimated TTFT {best.ttft_ms:.1f} ms (queue {best.queue_ms:.1f} + prefill "
                 f"{best.prefill_ms:.1f} + fetch {best.fetch_ms:.1f} + handoff "
                 f"{best.handoff_ms:.1f}) on the best node {best.node} exceeds the TTFT SLO "
-                f"of {r.ttft_slo_ms:.1f} ms"
+                f"of {_ms(r.ttft_slo_ms + r.ttft_spent_ms)} ms"
             )
+            if r.ttft_spent_ms >= 0.05:
+                msg += f" ({r.ttft_spent_ms:.1f} ms of it spent in the conductor before routing)"
             retry = max(best.ttft_ms - r.ttft_slo_ms * self.cfg.slo_margin, best.queue_ms, 50.0)
         elif reason == "tbt":
             tbt = misses.least_tbt if misses.least_tbt is not None else float("nan")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import time
 import uuid
@@ -32,6 +33,7 @@ import grpc
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.common import channels
 from kvmesh.services.common.auth import (
     ApiKeyInterceptor,
     ApiKeys,
@@ -57,6 +59,7 @@ from kvmesh.services.conductor.model_metrics import ModelErrorCollector
 from kvmesh.services.conductor.observe import admission_attributes, fill_status, observed
 from kvmesh.services.conductor.policy import (
     DISAGG,
+    INFEASIBLE,
     POLICIES,
     SLO_MARGIN,
     Decision,
@@ -67,6 +70,43 @@ from kvmesh.services.conductor.policy import (
 from kvmesh.services.conductor.text import TextStream
 
 log = logging.getLogger(__name__)
+
+# gRPC metadata the decode node reads (services.decode.server): on Reserve, this
+# conductor's id (its reservations are freed when it leaves the cluster); on Release, the
+# prefill nodes asked to write the reserved blocks (a JSON list)
+CONDUCTOR_MD = "kvmesh-conductor"
+WRITERS_MD = "kvmesh-prefill-writers"
+
+# prompts longer than this are tokenized off the event loop
+LONG_PROMPT_BYTES = 16 << 10
+
+
+async def tokenize_prompt(tok, prompt: str, max_tokens: int, ctx: int, cap: int) -> list[int]:
+    """The tokens of ``prompt`` (BOS first). A prompt whose bytes alone make more tokens
+    than the model's context ``ctx`` (less ``max_tokens``) or ``cap`` (--max-prompt-tokens,
+    0 = none) allows, even at the tokenizer's most bytes per token (``max_token_bytes``),
+    is refused (INVALID_ARGUMENT) before any tokenizing; a prompt that could fit is
+    tokenized, a long one in a thread, so the event loop (other requests, /health) runs
+    on meanwhile. The caller checks the exact count."""
+    nbytes = len(prompt.encode("utf-8"))
+    per_token = getattr(tok, "max_token_bytes", None)
+    if per_token:
+        least = -(-nbytes // per_token) + (tok.bos_id is not None)
+        said = f"the prompt is {nbytes} bytes, at least {least} tokens for this model"
+        if least + max_tokens > ctx:
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{said}, and max_tokens is {max_tokens}: together they exceed the model's "
+                f"context of {ctx} tokens; shorten the prompt or lower max_tokens",
+            )
+        if cap and least > cap:
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{said}; this cluster accepts at most {cap} prompt tokens",
+            )
+    if nbytes <= LONG_PROMPT_BYTES:
+        return tok.encode(prompt)
+    return await asyncio.to_thread(tok.encode, prompt)
 
 
 @dataclass
@@ -184,13 +224,16 @@ class Conductor(Service):
         self.http: HttpApi | None = None
         self.decisions: deque[dict] = deque(maxlen=1024)
         self._streams: collections.Counter[str] = collections.Counter()
+        self._ids_in_flight: set[tuple[str, str]] = set()  # (tenant, client's request_id)
+        self._background: set[asyncio.Task] = set()  # releases outliving their request
         self._draining = False  # no new requests
         self._abort_streams = False  # in-flight streams end with UNAVAILABLE
 
     async def setup(self) -> None:
         pbg.add_ConductorServicer_to_server(ConductorServicer(self), self.server)
         if self.cfg.http_port >= 0:
-            self.http = HttpApi(self, self.cfg.host, self.cfg.http_port)
+            # HTTPS with the gRPC port's certificate when TLS is on
+            self.http = HttpApi(self, self.cfg.host, self.cfg.http_port, channels.current())
             self.http_address = await self.http.start()
             self.membership.add_listener(self.http.on_member)
         self.membership.add_listener(self.feeds.on_member)
@@ -213,6 +256,8 @@ class Conductor(Service):
         if self.http is not None:
             await self.http.stop()
         METRICS_REGISTRY.unregister(self._model_metrics)
+        if self._background:  # reservations being released
+            await asyncio.wait(self._background, timeout=5)
         await self.feeds.close()
         await self.membership.stop()
         await self.view.close()
@@ -247,17 +292,8 @@ class Conductor(Service):
             tok = self._tokenizers[spec] = load_tokenizer(spec)
         return tok
 
-    def _tokens(self, req: pb.GenerateRequest, info: dict) -> list[int]:
+    async def _tokens(self, req: pb.GenerateRequest, info: dict) -> list[int]:
         bad = grpc.StatusCode.INVALID_ARGUMENT
-        if req.token_ids:
-            tokens = list(req.token_ids)
-            vocab = int(info.get("vocab_size", 0))
-            if any(t < 0 or t >= vocab for t in tokens):
-                raise Rejected(bad, f"token_ids must be in [0, {vocab}) for this model")
-        else:
-            tokens = self.tokenizer(info).encode(req.prompt) if req.prompt else []
-        if not tokens or (not req.token_ids and not req.prompt.strip()):
-            raise Rejected(bad, "the prompt is empty: give prompt text or token_ids")
         if req.max_tokens <= 0:
             raise Rejected(bad, f"max_tokens must be > 0, got {req.max_tokens}")
         if req.max_tokens > self.cfg.max_tokens_limit:
@@ -266,6 +302,15 @@ class Conductor(Service):
                 f"max_tokens is {req.max_tokens}; this cluster allows at most "
                 f"{self.cfg.max_tokens_limit}",
             )
+        if req.token_ids:
+            tokens = list(req.token_ids)
+            vocab = int(info.get("vocab_size", 0))
+            if any(t < 0 or t >= vocab for t in tokens):
+                raise Rejected(bad, f"token_ids must be in [0, {vocab}) for this model")
+        else:
+            tokens = await self._encode(req, info) if req.prompt else []
+        if not tokens or (not req.token_ids and not req.prompt.strip()):
+            raise Rejected(bad, "the prompt is empty: give prompt text or token_ids")
         if self.cfg.max_prompt_tokens and len(tokens) > self.cfg.max_prompt_tokens:
             raise Rejected(
                 bad,
@@ -283,9 +328,19 @@ class Conductor(Service):
         err = Sampling.from_proto(req.sampling).validate(int(info.get("vocab_size", 0)))
         if err:
             raise Rejected(bad, err)
-        if req.slo.ttft_ms < 0 or req.slo.tbt_ms < 0:
-            raise Rejected(bad, "slo values must be >= 0 (0 = the cluster default)")
+        if not (req.slo.ttft_ms >= 0 and req.slo.tbt_ms >= 0):  # NaN included
+            raise Rejected(
+                bad,
+                f"slo.ttft_ms and slo.tbt_ms must be numbers >= 0 (0 = the cluster "
+                f"default), got {req.slo.ttft_ms:g} and {req.slo.tbt_ms:g}",
+            )
         return tokens
+
+    async def _encode(self, req: pb.GenerateRequest, info: dict) -> list[int]:
+        ctx = int(info.get("max_context", 0))
+        return await tokenize_prompt(
+            self.tokenizer(info), req.prompt, req.max_tokens, ctx, self.cfg.max_prompt_tokens
+        )
 
     async def _store_prefix(self, hashes: list[bytes]) -> int | None:
         stub = self.view.store_stub()
@@ -327,7 +382,17 @@ class Conductor(Service):
                 f"ends",
                 (("retry-after-ms", "1000"), ("kvmesh-reject-reason", "client_streams")),
             )
+        # a client's request_id is unique among its tenant's requests in flight here
+        key = (current_principal.get().tenant, req.request_id)
+        if req.request_id and key in self._ids_in_flight:
+            raise Rejected(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {req.request_id!r} is already in flight; give each "
+                f"concurrent request its own request_id (or none: one is generated)",
+            )
         self._streams[client] += 1
+        if req.request_id:
+            self._ids_in_flight.add(key)
         try:
             async for resp in self._generate(req):
                 if self._abort_streams:
@@ -337,6 +402,7 @@ class Conductor(Service):
                     )
                 yield resp
         finally:
+            self._ids_in_flight.discard(key)
             self._streams[client] -= 1
             if not self._streams[client]:
                 del self._streams[client]
@@ -349,8 +415,10 @@ class Conductor(Service):
             for n in self.view.nodes("prefill") + self.view.nodes("decode")
             if n.fingerprint == fp
         )
-        tokens = self._tokens(req, info)
-        rid = req.request_id or uuid.uuid4().hex
+        tokens = await self._tokens(req, info)
+        # the id the nodes know the request by is unique (clients and tenants may repeat
+        # theirs); responses carry the client's
+        rid = f"{req.request_id}.{uuid.uuid4().hex[:12]}" if req.request_id else uuid.uuid4().hex
         bs = int(info["block_size"])
         hashes = prefix_hashes(
             bytes.fromhex(fp) + tenant_seed() + req.cache_salt.encode(), tokens, bs
@@ -359,11 +427,19 @@ class Conductor(Service):
         tbt_slo = min(req.slo.tbt_ms or self.cfg.tbt_slo_ms, self.cfg.tbt_slo_ms)
         # the time this request already spent here (parsing, hashing, lookups) counts too
         spent_ms = (time.perf_counter() - t_arrival) * 1000
-        r = Request(rid, len(tokens), hashes, req.max_tokens, ttft_slo - spent_ms, tbt_slo)
+        r = Request(
+            rid, len(tokens), hashes, req.max_tokens, ttft_slo - spent_ms, tbt_slo, spent_ms
+        )
         t_admit = time.time_ns()
         d = await self._decide(r, fp)
         record_span("conductor.admission", t_admit, attributes=admission_attributes(r, d))
         if not d.accepted:
+            if d.reason == INFEASIBLE:  # no node could ever serve it: a retry cannot help
+                raise Rejected(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    d.message,
+                    (("kvmesh-reject-reason", d.reason),),
+                )
             code = (
                 grpc.StatusCode.UNAVAILABLE
                 if d.reason == "no-nodes"
@@ -379,7 +455,8 @@ class Conductor(Service):
         self.sched.commit(r, d)
         estimate, decode_node = d.booked()
         record = {
-            "request_id": rid,
+            "request_id": req.request_id or rid,
+            "node_request_id": rid,
             "route": d.route,
             "prefill": d.prefill_node,
             "decode": decode_node,
@@ -410,6 +487,37 @@ class Conductor(Service):
         estimate, decode_node = d.booked()
         dnode = self._node("decode", decode_node)
         target = await self._reserve(dnode, rid, len(tokens), req.max_tokens)
+        writers: list[str] = []  # prefill nodes asked to write the reserved blocks
+        decoded: list[bool] = []  # set once the Decode call ended (and freed it)
+        try:
+            async for resp in self._serve_reserved(
+                r, d, req, tokens, t_arrival, record, info, dnode, target, writers, decoded
+            ):
+                yield resp
+        finally:
+            if not decoded:
+                # failed, or the client went away (a cancellation lands here, queued,
+                # prefilling, transferring or decoding): the reservation goes at once,
+                # in a task of its own that a second cancellation cannot stop; the decode
+                # node frees it now if every writer has said it is done, else after a fence
+                self._spawn(self._release(dnode, rid, writers))
+
+    async def _serve_reserved(
+        self,
+        r: Request,
+        d: Decision,
+        req: pb.GenerateRequest,
+        tokens: list[int],
+        t_arrival: float,
+        record: dict,
+        info: dict,
+        dnode: NodeInfo,
+        target: pb.KVTarget,
+        writers: list[str],
+        decoded: list[bool],
+    ):
+        rid, out_rid = r.request_id, req.request_id or r.request_id
+        estimate, _ = d.booked()
         tok = self.tokenizer(info)
         decoder = TextStream(tok, tuple(req.sampling.stop))
         eos_ids = frozenset(info.get("eos_ids") or [tok.eos_id])
@@ -423,20 +531,15 @@ class Conductor(Service):
             block_hashes=r.hashes,
         )
         if d.route == DISAGG:
-            try:
-                presp, pnode = await self._prefill(r, d, tokens, target, req)
-            except BaseException:  # cancellation included: free the KV reserved, re-raise
-                await self._release(dnode, rid)
-                raise
+            presp, pnode = await self._prefill(r, d, tokens, target, req, writers)
             route.prefill_node = pnode.node_id
             dreq.first_token = presp.first_token
             self._first_token_seen(r, d, presp, t_arrival, record)
             first = self._response(
-                rid, [presp.first_token], decoder, usage, presp, route, req, eos_ids
+                out_rid, [presp.first_token], decoder, usage, presp, route, req, eos_ids
             )
-            yield first
+            yield first  # the caller releases the reservation if this is the last
             if first.finish_reason:
-                await self._release(dnode, rid)
                 return
         else:
             dreq.prefill_here = True
@@ -446,11 +549,18 @@ class Conductor(Service):
                 if msg.HasField("prefill"):
                     self._first_token_seen(r, d, msg.prefill, t_arrival, record)
                     resp = self._response(
-                        rid, list(msg.token_ids), decoder, usage, msg.prefill, route, req, eos_ids
+                        out_rid,
+                        list(msg.token_ids),
+                        decoder,
+                        usage,
+                        msg.prefill,
+                        route,
+                        req,
+                        eos_ids,
                     )
                 else:
                     resp = self._response(
-                        rid,
+                        out_rid,
                         list(msg.token_ids),
                         decoder,
                         usage,
@@ -461,9 +571,11 @@ class Conductor(Service):
                         msg.finish_reason,
                         logprobs=list(msg.logprobs),
                     )
-                yield resp
                 if resp.finish_reason:
+                    decoded.append(True)  # the decode node has retired it
+                    yield resp
                     return
+                yield resp
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise Rejected(e.code(), e.details()) from None
@@ -522,12 +634,21 @@ class Conductor(Service):
     async def _reserve(self, d: NodeInfo, rid: str, n: int, max_tokens: int) -> pb.KVTarget:
         try:
             resp = await self.view.decode_stub(d).Reserve(
-                pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens), timeout=5
+                pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens),
+                timeout=5,
+                metadata=((CONDUCTOR_MD, self.node_id),),  # freed if this conductor dies
             )
             return resp.target
+        except asyncio.CancelledError:  # the client went away: the node may have reserved
+            self._spawn(self._release(d, rid, []))
+            raise
         except grpc.aio.AioRpcError as e:
             code = e.code()
-            if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            if code not in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.ALREADY_EXISTS,
+            ):
                 code = grpc.StatusCode.UNAVAILABLE
             raise Rejected(
                 code,
@@ -535,11 +656,22 @@ class Conductor(Service):
                 f"{n + max_tokens} tokens ({e.details()}); retry",
             ) from None
 
-    async def _release(self, d: NodeInfo, rid: str) -> None:
+    async def _release(self, d: NodeInfo, rid: str, writers: list[str]) -> None:
+        """Frees ``rid``'s reservation on ``d`` (a no-op once its Decode call owns it),
+        naming the prefill nodes that may write it (``writers``)."""
         try:
-            await self.view.decode_stub(d).Release(pb.ReleaseRequest(request_id=rid), timeout=5)
+            await self.view.decode_stub(d).Release(
+                pb.ReleaseRequest(request_id=rid),
+                timeout=5,
+                metadata=((WRITERS_MD, json.dumps(writers)),),
+            )
         except grpc.aio.AioRpcError as e:
             log.warning("releasing %s on %s failed: %s", rid, d.node_id, e.code())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _unless_gone(self, node: NodeInfo, call, poll_s: float = 0.25):
         """Awaits the unary ``call`` to ``node``, cancelling it with UNAVAILABLE once the
@@ -560,9 +692,10 @@ class Conductor(Service):
             if not task.done():
                 task.cancel()
 
-    async def _prefill(self, r: Request, d: Decision, tokens, target, req):
+    async def _prefill(self, r: Request, d: Decision, tokens, target, req, writers: list[str]):
         """Prefill on the chosen node; a node that fails is skipped for the next
-        disaggregated candidate (at most three tries)."""
+        disaggregated candidate (at most three tries). Each node asked is added to
+        ``writers`` before it is asked."""
         first = d.prefill_node
         if first is None:
             raise ValueError("only a disaggregated decision has a prefill node")
@@ -571,6 +704,7 @@ class Conductor(Service):
         for node_id in order[:3]:
             try:
                 node = self._node("prefill", node_id)
+                writers.append(node_id)
                 resp = await self._unless_gone(
                     node,
                     self.view.prefill_stub(node).Prefill(

@@ -9,8 +9,8 @@ the same position with the same next token, so no token changes.
 
 One model computation runs at a time (``compute``, a FIFO lock): a decode step, or one
 chunk of a prompt being computed here (colocated route, decode-direct, resume). A chunk
-holds at most ``step_token_budget`` minus the running batch's tokens, so running decodes
-never wait for more than one chunk.
+holds at most ``step_token_budget`` minus the running batch's tokens (and at most
+``prefill_chunk_tokens``), so running decodes never wait for more than one chunk.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from kvmesh.services.common.hashing import prefix_hashes
 from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.engine.kv_pool import OutOfBlocks
 from kvmesh.services.engine.sampling import sample_with_logprob
+from kvmesh.services.model_node import to_the_end
 
 log = logging.getLogger(__name__)
 _seq = itertools.count()
@@ -47,6 +48,15 @@ class Reservation:
     prompt_ids: list[int] = field(default_factory=list)  # to cache and to recompute
     hashes: list[bytes] = field(default_factory=list)  # of the prompt's full blocks
     generated: list[int] = field(default_factory=list)  # first token onwards
+    conductor: str = ""  # the conductor that reserved it: its reservations go with it
+    # prefill nodes that said they will never write these blocks again (``drop``), and
+    # those that may have been asked to (named at Release; None = unknown, fence them)
+    dropped: set[str] = field(default_factory=set)
+    writers: frozenset[str] | None = None
+
+    def writes_ended(self) -> bool:
+        """Whether no prefill node can write this reservation's blocks any more."""
+        return self.kv_ready.is_set() or (self.writers is not None and self.writers <= self.dropped)
 
 
 @dataclass(eq=False)
@@ -77,9 +87,11 @@ class BatchScheduler:
         on_step: Callable[[int, int, float], None],
         on_prompt: Callable[[int, int, float], None],
         counters: dict,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.model, self.pool, self.bs = model, pool, block_size
         self.max_batch, self.budget = max_batch, step_token_budget
+        self.prefill_chunk = prefill_chunk or step_token_budget  # most tokens of one chunk
         self.eos_ids = eos_ids
         self.on_step, self.on_prompt = on_step, on_prompt
         self.counters = counters
@@ -97,15 +109,19 @@ class BatchScheduler:
         logits, pos, n = None, start, len(tokens)
         t0 = time.perf_counter()
         while pos < n:
-            chunk = max(self.bs, self.budget - len(self.running))
+            chunk = min(self.prefill_chunk, max(self.bs, self.budget - len(self.running)))
             end = min(n, pos + chunk)
             async with self.compute:
-                logits = await asyncio.to_thread(
-                    self.model.forward_prefill,
-                    torch.tensor(tokens[pos:end], dtype=torch.long),
-                    pos,
-                    self.pool,
-                    table,
+                # a cancelled request (the client went away) frees its blocks only once
+                # the forward writing them has ended, and the slot passes on only then
+                logits = await to_the_end(
+                    asyncio.to_thread(
+                        self.model.forward_prefill,
+                        torch.tensor(tokens[pos:end], dtype=torch.long),
+                        pos,
+                        self.pool,
+                        table,
+                    )
                 )
             pos = end
         self.on_prompt(n - start, start, (time.perf_counter() - t0) * 1000)
@@ -203,7 +219,10 @@ class BatchScheduler:
                 except OutOfBlocks:
                     victim = max(self.running, key=lambda x: x.seq)
                     if self.chain(victim.res) is None:  # cannot be recomputed
+                        # it fails, and its blocks go back at once: left held until its
+                        # RPC ends, the next miss would preempt another (maybe the oldest)
                         self.running.remove(victim)
+                        self.free(victim.res)
                         victim.out.put_nowait(
                             MemoryError(
                                 f"the KV pool has no room to grow request "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -31,16 +32,26 @@ import grpc
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common.config import ConfigError, load, option
+from kvmesh.services.common.registry import nodes_prefix
 from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.decode.batch import BatchScheduler, Reservation, Running
 from kvmesh.services.engine.kv_pool import OutOfBlocks
 from kvmesh.services.engine.sampling import sample_with_logprob
-from kvmesh.services.model_node import ModelNode
+from kvmesh.services.model_node import ModelNode, parse_drop
 from kvmesh.services.node_config import NodeConfig
 
 log = logging.getLogger(__name__)
+
+# gRPC metadata a conductor sends: on Reserve, its node id (its reservations are freed
+# when it leaves the cluster); on Release, the prefill nodes it asked to write the KV
+CONDUCTOR_MD = "kvmesh-conductor"
+WRITERS_MD = "kvmesh-prefill-writers"
+
+
+def _metadata(context) -> dict[str, str]:
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
 @dataclass
@@ -86,12 +97,16 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 f"request {req.request_id} already holds a reservation",
             )
         total = req.prompt_tokens + req.max_tokens
-        if total > node.model_config.max_position_embeddings:
+        if total > (limit := node.model_config.max_position_embeddings):
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{total} tokens exceed the model context"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_tokens + max_tokens = {total} exceed the model's maximum position "
+                f"of {limit} tokens; shorten the prompt or lower max_tokens",
             )
         try:
-            res = node.reserve(req.request_id, req.prompt_tokens)
+            res = node.reserve(
+                req.request_id, req.prompt_tokens, _metadata(context).get(CONDUCTOR_MD, "")
+            )
         except OutOfBlocks:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -120,13 +135,32 @@ class DecodeServicer(pbg.DecodeNodeServicer):
         if err := sampling.validate(node.model_config.vocab_size):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         res.decoding = True
+        r: Running | None = None
+        try:
+            async for msg in self._decode(node, req, res, sampling, context):
+                if isinstance(msg, Running):
+                    r = msg
+                else:
+                    yield msg
+        finally:
+            # whatever ends the call (the last token, an error, the client going away while
+            # the prompt computes here, while the KV is awaited or mid-decode), the blocks
+            # go back: those of a request in the batch once its step has ended
+            if r is not None:
+                node.retire(r)
+            else:
+                node.release(req.request_id, res)
+
+    async def _decode(self, node: DecodeNode, req, res: Reservation, sampling, context):
+        """The body of ``Decode``: yields the responses, and the :class:`Running` request
+        once it joined the batch (the caller retires it)."""
         t_wait = time.time_ns()
         res.prompt_ids = list(req.prompt_token_ids)
         res.hashes = list(req.block_hashes)
         first, step = req.first_token, 1
         if req.prefill_here:
+            res.writers = frozenset()  # this node computes it: no other node writes its KV
             if err := node.check_prompt(req, res):
-                node.release(req.request_id)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
             first, presp = await node.prefill_here(res, sampling)
             record_span(
@@ -143,14 +177,12 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 finish_reason="" if req.max_tokens > 1 else "length",
             )
             if req.max_tokens <= 1:
-                node.release(req.request_id)
                 return
         else:
             try:
                 async with asyncio.timeout(node.cfg.kv_wait_s):
                     await res.kv_ready.wait()
             except TimeoutError:
-                node.release(req.request_id)
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"KV of request {req.request_id} did not arrive in "
@@ -169,6 +201,7 @@ class DecodeServicer(pbg.DecodeNodeServicer):
             frozenset(req.stop_token_ids) | sampling.stop_token_ids,
         )
         node.batch.admit(r)
+        yield r
         try:
             while True:
                 item = await r.out.get()
@@ -186,7 +219,6 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 if reason:
                     return
         finally:
-            node.retire(r)
             record_span(
                 "decode.generate",
                 t_decode,
@@ -198,7 +230,26 @@ class DecodeServicer(pbg.DecodeNodeServicer):
             )
 
     async def Release(self, req, context):
-        return pb.ReleaseResponse(released=self.node.release(req.request_id))
+        """Drops a reservation whose prefill failed or whose client went away; one being
+        decoded is left to its Decode call, which frees it as it ends. Its blocks are
+        fenced unless the caller names the prefill nodes it asked to write them (metadata
+        ``kvmesh-prefill-writers``, a JSON list) and each has said it is done (``drop``)."""
+        res = self.node.reservations.get(req.request_id)
+        if res is None or res.decoding:
+            return pb.ReleaseResponse(released=False)
+        raw = _metadata(context).get(WRITERS_MD)
+        if raw is not None:
+            try:
+                names = json.loads(raw)
+                if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                    raise ValueError
+            except ValueError:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{WRITERS_MD} must be a JSON list of prefill node ids, got {raw[:100]!r}",
+                )
+            res.writers = frozenset(names)
+        return pb.ReleaseResponse(released=self.node.release(req.request_id, res))
 
     async def Status(self, req, context):
         n = self.node
@@ -236,6 +287,7 @@ class DecodeNode(ModelNode):
             on_step=self.events.record_decode,
             on_prompt=self.events.record_prefill,
             counters=self.counters,
+            prefill_chunk=self.cfg.prefill_chunk,
         )
         self.te.add_notify_handler(self._on_notify)
         pbg.add_DecodeNodeServicer_to_server(DecodeServicer(self), self.server)
@@ -252,27 +304,58 @@ class DecodeNode(ModelNode):
             res = self.reservations.get(payload[3:].decode(errors="replace"))
             if res is not None:
                 res.kv_ready.set()
+        elif (drop := parse_drop(payload)) is not None:
+            node, rid = drop
+            res = self.reservations.get(rid)
+            if res is not None:
+                res.dropped.add(node)
+                return
+            for _, fenced in self._fenced:
+                if fenced.request_id == rid:
+                    fenced.dropped.add(node)
+                    if fenced.writes_ended():  # its last writer is done: no need to wait
+                        self._fenced = collections.deque(
+                            (t, f) for t, f in self._fenced if f is not fenced
+                        )
+                        self.batch.free(fenced)
+                    return
 
-    def reserve(self, request_id: str, prompt_tokens: int) -> Reservation:
+    def reserve(self, request_id: str, prompt_tokens: int, conductor: str = "") -> Reservation:
         """Blocks for the prompt and the first generated token; later ones come as the
         request grows (BatchScheduler)."""
         n = prompt_tokens // self.cfg.block_size + 1
-        res = Reservation(request_id, prompt_tokens, self.pool.allocate(n))
+        res = Reservation(request_id, prompt_tokens, self.pool.allocate(n), conductor=conductor)
         self.reservations[request_id] = res
         return res
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, res: Reservation | None = None) -> bool:
+        """Drops the reservation of ``request_id`` (only if it is ``res``, when given)."""
+        if res is not None and self.reservations.get(request_id) is not res:
+            return False
         res = self.reservations.pop(request_id, None)
         if res is None:
             return False
-        if not res.kv_ready.is_set() and res.blocks:
-            # its prefill failed or was abandoned: a cut-off prefill node may still land
-            # writes in these blocks when its link heals, so they are fenced until its TCP
-            # connections must have timed out (the transfer engine's user timeout is 20 s)
+        if not res.writes_ended() and res.blocks:
+            # its prefill failed or was abandoned and a prefill node may still write these
+            # blocks (one not known to be done, or cut off: its writes may land when its link
+            # heals), so they are fenced until its TCP connections must have timed out (the
+            # transfer engine's user timeout is 20 s), or until every writer says ``drop``
             self._fenced.append((time.monotonic() + self.cfg.fence_s, res))
             return True
         self.batch.free(res)
         return True
+
+    def _on_member(self, event: str, key: str, value: bytes | None) -> None:
+        super()._on_member(event, key, value)
+        prefix = f"{nodes_prefix(self.cfg.cluster)}conductor/"
+        if event != "leave" or not key.startswith(prefix):
+            return
+        # a conductor that died (its lease ended) will never decode what it reserved
+        gone = key[len(prefix) :]
+        for rid, res in list(self.reservations.items()):
+            if res.conductor == gone and not res.decoding:
+                log.warning("conductor %s left; freeing reservation %s", gone, rid)
+                self.release(rid, res)
 
     def load_info(self) -> dict:
         return {

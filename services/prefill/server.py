@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import grpc
 import torch
@@ -40,12 +40,12 @@ from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.engine.kv_pool import KVPool, OutOfBlocks
+from kvmesh.services.engine.model import PrefillStopped
 from kvmesh.services.engine.sampling import sample_with_logprob
-from kvmesh.services.model_node import ModelNode
+from kvmesh.services.model_node import ModelNode, drop_payload, to_the_end
 from kvmesh.services.node_config import NodeConfig
 from kvmesh.services.prefill.queue import ComputeQueue
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -78,27 +78,6 @@ class _Timing:
     end_ns: int
 
 
-async def _to_the_end(aw: Awaitable[T]) -> T:
-    """Awaits ``aw`` until it has really ended, even if this task is cancelled meanwhile,
-    then re-raises the cancellation. For work that writes pool blocks behind the event
-    loop's back (a forward on a worker thread, a transfer landing in or reading from the
-    pool): cancelling the await would not stop it, and its blocks must not be freed, nor
-    the compute slot passed on, before it stops."""
-    fut = asyncio.ensure_future(aw)
-    cancelled: asyncio.CancelledError | None = None
-    while True:
-        try:
-            result = await asyncio.shield(fut)
-        except asyncio.CancelledError as e:
-            if fut.done():  # the work itself was cancelled, not this wait
-                raise
-            cancelled = e
-            continue
-        if cancelled is not None:
-            raise cancelled
-        return result
-
-
 @dataclass
 class _Handoff:
     """The writes of one request's KV into the decode node's reserved blocks: the prefix
@@ -112,6 +91,7 @@ class _Handoff:
     first_new: int  # table[first_new:] are computed here, the blocks before are the prefix
     transfers: list = field(default_factory=list)
     layer_events: list = field(default_factory=list)
+    clean: bool = True  # no write failed (set when a failed request has settled)
 
     def send_prefix(self) -> None:
         if not self.first_new:
@@ -133,9 +113,15 @@ class _Handoff:
             )
         )
 
-    def send_layer(self, layer: int) -> None:
+    def send_layer(self, layer: int, lo: int, hi: int) -> None:
+        """Layer ``layer`` of the blocks holding positions ``lo..hi-1`` (one chunk of the
+        prefill: ``lo`` on a block boundary, ``hi`` too unless it ends the prompt)."""
         t, pool = self.target, self.pool
-        self.layer_events.append((f"layer {layer} sent", time.time_ns(), {"layer": layer}))
+        bs = pool.block_size
+        first, end = max(self.first_new, lo // bs), min(len(self.table), -(-hi // bs))
+        self.layer_events.append(
+            (f"layer {layer} sent", time.time_ns(), {"layer": layer, "from": lo, "to": hi})
+        )
         self.transfers.append(
             self.te.write(
                 t.data_address,
@@ -147,7 +133,7 @@ class _Handoff:
                         t.block_ids[i] * t.block_nbytes + layer * pool.layer_nbytes,
                         pool.layer_nbytes,
                     )
-                    for i in range(self.first_new, len(self.table))
+                    for i in range(first, end)
                 ],
             )
         )
@@ -159,11 +145,14 @@ class _Handoff:
             await tr
         await self.te.notify(self.target.data_address, b"kv:" + request_id.encode())
 
-    async def settle(self) -> None:
+    async def settle(self) -> bool:
         """Waits (through cancellations) until every write started has ended, landed or
-        failed: they read the pool blocks, which must not be reused before."""
-        if self.transfers:
-            await _to_the_end(asyncio.gather(*self.transfers, return_exceptions=True))
+        failed: they read the pool blocks, which must not be reused before. True if every
+        one landed (none can land later: the decode node may reuse its blocks at once)."""
+        if not self.transfers:
+            return True
+        ended = await to_the_end(asyncio.gather(*self.transfers, return_exceptions=True))
+        return not any(isinstance(e, BaseException) for e in ended)
 
 
 class PrefillServicer(pbg.PrefillNodeServicer):
@@ -197,11 +186,13 @@ class PrefillServicer(pbg.PrefillNodeServicer):
 
 class PrefillNode(ModelNode):
     role = "prefill"
+    test_hold_dir = ""  # test only: see _test_hold
 
     def __init__(self, cfg: PrefillConfig) -> None:
         super().__init__(cfg)
         self.compute = ComputeQueue()
         self.background: set[asyncio.Task] = set()
+        self.test_hold_dir = os.environ.get("KVMESH_TEST_HOLD_PREFILL", "")  # test only
 
     @property
     def queue_depth(self) -> int:
@@ -223,8 +214,11 @@ class PrefillNode(ModelNode):
         n, bs = len(req.token_ids), self.cfg.block_size
         if n == 0:
             return "Prefill: token_ids is empty"
-        if n > self.model_config.max_position_embeddings:
-            return f"Prefill: {n} tokens exceed the model context"
+        if n > (limit := self.model_config.max_position_embeddings):
+            return (
+                f"Prefill: {n} tokens exceed the model's maximum position of {limit} "
+                f"tokens; shorten the prompt"
+            )
         if any(t < 0 or t >= self.model_config.vocab_size for t in req.token_ids):
             return f"Prefill: token ids must be in [0, {self.model_config.vocab_size})"
         if len(req.block_hashes) > n // bs:
@@ -235,16 +229,63 @@ class PrefillNode(ModelNode):
         return Sampling.from_proto(req.sampling).validate(self.model_config.vocab_size)
 
     async def prefill(self, req: pb.PrefillRequest) -> pb.PrefillResponse:
-        """Waits for the compute slot (FIFO), then runs the request's prefill."""
+        """Waits for the compute slot (FIFO), then runs the request's prefill. A request
+        that fails or is cancelled (the client went away) at any stage, queued included,
+        tells the decode node once none of its writes can land any more (``drop``)."""
         t_queue = time.time_ns()
-        async with self.compute.turn() as waited:
-            kvm.PREFILL_QUEUE_SECONDS.observe(waited)
-            record_span(
-                "prefill.queue", t_queue, attributes={"kvmesh.queue_depth": self.queue_depth}
-            )
-            return await self._prefill_locked(req, waited * 1000)
+        handoffs: list[_Handoff] = []
+        try:
+            async with self.compute.turn() as waited:
+                kvm.PREFILL_QUEUE_SECONDS.observe(waited)
+                record_span(
+                    "prefill.queue", t_queue, attributes={"kvmesh.queue_depth": self.queue_depth}
+                )
+                return await self._prefill_locked(req, waited * 1000, handoffs)
+        except BaseException:  # cleanup only: re-raised
+            # _prefill_locked has settled its writes; a failed one might still land late
+            # (a cut-off link that heals), so then the decode node keeps its fence
+            if all(h.clean for h in handoffs):
+                self._spawn(self._drop(req))
+            raise
 
-    async def _prefill_locked(self, req: pb.PrefillRequest, queue_ms: float) -> pb.PrefillResponse:
+    async def _drop(self, req: pb.PrefillRequest) -> None:
+        """Tells the decode node this node will never write ``req``'s reserved blocks
+        again (an ordered notify: delivered after every write issued before it)."""
+        try:
+            await self.te.notify(
+                req.target.data_address, drop_payload(self.node_id, req.request_id)
+            )
+        except Exception as e:  # the decode node then frees them after its fence
+            log.info(
+                "could not tell %s that %s was dropped: %s", req.target.node_id, req.request_id, e
+            )
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _test_hold(self, stage: str, request_id: str) -> None:
+        """Test only: with ``KVMESH_TEST_HOLD_PREFILL=<dir>`` (unset in production), a
+        request reaching the stage named in ``<dir>/hold`` (``prefilling``: with the compute
+        slot, before the forward; ``transferring``: every layer's write issued, before the
+        KV-complete notify) appends ``<stage> <request id>`` to ``<dir>/held`` and waits
+        there until it is cancelled."""
+        if not self.test_hold_dir:
+            return
+        try:
+            with open(os.path.join(self.test_hold_dir, "hold")) as f:
+                if f.read().strip() != stage:
+                    return
+        except FileNotFoundError:
+            return
+        with open(os.path.join(self.test_hold_dir, "held"), "a") as f:
+            f.write(f"{stage} {request_id}\n")
+        await asyncio.Event().wait()
+
+    async def _prefill_locked(
+        self, req: pb.PrefillRequest, queue_ms: float, handoffs: list[_Handoff]
+    ) -> pb.PrefillResponse:
         """One request with the compute slot held: load its prefix, compute the rest while
         handing the KV off layer by layer, sample the first token, then keep the new full
         blocks (prefix cache, store). Every block it takes is given back whatever happens, but
@@ -258,13 +299,16 @@ class PrefillNode(ModelNode):
         table = self._allocate_table(len(p.tokens), prefix)
         start = len(prefix) * bs
         handoff = _Handoff(self.te, self.pool, self.pool_region, req.target, table, len(prefix))
+        handoffs.append(handoff)
         try:
             handoff.send_prefix()
+            await self._test_hold("prefilling", req.request_id)
             logits, timing = await self._compute(p.tokens, start, table, handoff.send_layer)
             first, first_lp = sample_with_logprob(logits, Sampling.from_proto(req.sampling), 0)
+            await self._test_hold("transferring", req.request_id)
             await handoff.finish(req.request_id)
         except BaseException:  # cleanup only (a failure or a cancellation): re-raised
-            await handoff.settle()  # _compute has ended: it waits for its thread
+            handoff.clean = await handoff.settle()  # _compute has ended: it waits for its thread
             self.pool.free(table)
             raise
         prefill_ms = (time.perf_counter() - t0) * 1000
@@ -323,24 +367,36 @@ class PrefillNode(ModelNode):
             raise
 
     async def _compute(
-        self, tokens: list[int], start: int, table: list[int], on_layer: Callable[[int], None]
+        self,
+        tokens: list[int],
+        start: int,
+        table: list[int],
+        on_layer: Callable[[int, int, int], None],
     ) -> tuple[torch.Tensor, _Timing]:
-        """KV of ``tokens[start:]`` into ``table`` (off the event loop); ``on_layer(l)``
-        runs on the loop as each layer's KV is written, all before this returns. Returns
-        the logits of the last token."""
+        """KV of ``tokens[start:]`` into ``table`` (off the event loop), in chunks of
+        ``prefill_chunk`` tokens so that a long prompt's memory stays bounded;
+        ``on_layer(l, lo, hi)`` runs on the loop as layer ``l`` of positions ``lo..hi-1``
+        is written, all before this returns. Returns the logits of the last token. A
+        cancelled request (the client went away) stops at the next chunk boundary."""
         loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
         new = torch.tensor(tokens[start:], dtype=torch.long)
         tc, t_compute = time.perf_counter(), time.time_ns()
-        logits = await _to_the_end(
-            asyncio.to_thread(
-                self.model.forward_prefill,
-                new,
-                start,
-                self.pool,
-                table,
-                lambda layer: loop.call_soon_threadsafe(on_layer, layer),
+        try:
+            logits = await to_the_end(
+                asyncio.to_thread(
+                    self.model.forward_prefill_chunked,
+                    new,
+                    start,
+                    self.pool,
+                    table,
+                    self.cfg.prefill_chunk,
+                    lambda layer, lo, hi: loop.call_soon_threadsafe(on_layer, layer, lo, hi),
+                    lambda: task.cancelling() > 0,  # read from the worker thread: a count
+                )
             )
-        )
+        except PrefillStopped:  # only ever after a cancellation: the thread has ended
+            raise asyncio.CancelledError() from None
         timing = _Timing(tc, (time.perf_counter() - tc) * 1000, t_compute, time.time_ns())
         await asyncio.sleep(0)  # run the layer callbacks queued before the result
         return logits, timing
@@ -388,9 +444,7 @@ class PrefillNode(ModelNode):
             return
         keep = [table[i] for i in to_put]
         self.pool.ref(keep)
-        task = asyncio.create_task(self._put([p.hashes[i] for i in to_put], keep))
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        self._spawn(self._put([p.hashes[i] for i in to_put], keep))
 
     async def _fetch(self, chain: list[bytes], chain_tokens: list[tuple], have: int) -> list[int]:
         """Pulls the longest present run of ``chain[have:]`` from the store into new pool
@@ -409,7 +463,7 @@ class PrefillNode(ModelNode):
         except OutOfBlocks:
             return []
         try:
-            got = await _to_the_end(
+            got = await to_the_end(
                 store.get_into(
                     hashes[:n],
                     self.pool_region,

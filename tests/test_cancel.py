@@ -1,0 +1,209 @@
+"""A client that goes away frees the decode node's KV at once, at every stage of its
+request: queued on the prefill node, prefilling, transferring its KV, decoding.
+
+A real cluster (etcd, services in their own processes, the tiny model, disaggregated
+route). The prefill node holds a request at a chosen stage through its test-only hook
+(``KVMESH_TEST_HOLD_PREFILL``, off unless set), so each stage is reached
+deterministically; the client then cancels its call, and the decode node's free KV blocks
+(its Status) must come back to where they were well before the old 31 s (the fence a
+released reservation used to sit out whatever its prefill node had done)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import grpc
+import pytest
+
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.launcher import LocalCluster
+from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, node
+
+_LETTERS = "".join(chr(97 + i % 26) for i in range(2992))
+
+
+def long_prompt() -> str:
+    """3,001 tokens (188 blocks of 16), none of them cached anywhere: each prompt starts
+    with its own 8 characters, so the cluster cannot serve it from a cached prefix (nor
+    take the decode-direct route, which would not reach the prefill node)."""
+    return uuid.uuid4().hex[:8] + _LETTERS
+
+
+FREED_WITHIN_S = 10.0  # well under the old 31 s, with room for a loaded machine
+
+
+@pytest.fixture(scope="module")
+def hold_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hold"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, hold_dir):
+    old = os.environ.get("KVMESH_TEST_HOLD_PREFILL")
+    os.environ["KVMESH_TEST_HOLD_PREFILL"] = hold_dir
+    c = LocalCluster(
+        str(tmp_path_factory.mktemp("cluster")), node_args=NODE_ARGS, conductor_args=DISAGG_ONLY
+    )
+    try:
+        c.start()  # its processes take the hook from this environment
+    finally:
+        if old is None:
+            del os.environ["KVMESH_TEST_HOLD_PREFILL"]
+        else:
+            os.environ["KVMESH_TEST_HOLD_PREFILL"] = old
+    yield c
+    c.stop()
+
+
+class Hold:
+    """The prefill node's test hook: which stage holds requests, and who is held."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def at(self, stage: str) -> None:
+        with open(os.path.join(self.path, "hold"), "w") as f:
+            f.write(stage)
+
+    def held(self) -> list[str]:
+        try:
+            with open(os.path.join(self.path, "held")) as f:
+                return f.read().split("\n")[:-1]
+        except FileNotFoundError:
+            return []
+
+    def wait_held(self, n: int, call, timeout: float = 60) -> None:
+        """Until ``n`` requests have been held, the last being ``call`` (still running)."""
+        deadline = time.monotonic() + timeout
+        while len(self.held()) < n:
+            assert not call.done(), f"{call.code()}: {call.details()}"
+            assert time.monotonic() < deadline, f"{len(self.held())} of {n} requests held"
+            time.sleep(0.02)
+
+
+@pytest.fixture
+def hold(hold_dir):
+    h = Hold(hold_dir)
+    for name in ("hold", "held"):
+        try:
+            os.remove(os.path.join(hold_dir, name))
+        except FileNotFoundError:
+            pass
+    yield h
+    h.at("")
+
+
+def free_blocks(c: LocalCluster) -> int:
+    return node(c.conductor, "decode-0").kv_blocks_free
+
+
+def wait_free(c: LocalCluster, want: int, within: float = FREED_WITHIN_S) -> int:
+    """Polls the decode node's free blocks until they are ``want`` (bounded)."""
+    deadline = time.monotonic() + within
+    got = free_blocks(c)
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        got = free_blocks(c)
+    return got
+
+
+def wait_until(pred, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def start(channel: grpc.Channel, max_tokens: int = 8, **kw):
+    """A Generate call of a long prompt running in the background (cancel() ends it, as a
+    client would)."""
+    req = pb.GenerateRequest(prompt=long_prompt(), max_tokens=max_tokens, **kw)
+    return pbg.ConductorStub(channel).Generate(req, timeout=120)
+
+
+def test_cancel_while_prefilling_and_while_queued_frees_the_reservation(cluster, hold):
+    before = free_blocks(cluster)
+    hold.at("prefilling")
+    with grpc.insecure_channel(cluster.conductor) as ch:
+        a = start(ch)  # holds the prefill node's compute slot
+        hold.wait_held(1, a)
+        with_a = free_blocks(cluster)
+        assert with_a < before  # a's reservation on the decode node
+        b = start(ch)  # waits behind a: queued
+        wait_until(lambda: node(cluster.conductor, "prefill-0").queue_depth == 1)
+        assert free_blocks(cluster) < with_a
+        b.cancel()
+        assert wait_free(cluster, with_a) == with_a  # queued: b's blocks are back
+        a.cancel()
+        assert wait_free(cluster, before) == before  # prefilling: a's too
+        with pytest.raises(grpc.RpcError) as e:
+            next(a)
+        assert e.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_cancel_while_transferring_frees_the_reservation(cluster, hold):
+    before = free_blocks(cluster)
+    hold.at("transferring")  # every layer's KV write issued, not yet marked complete
+    with grpc.insecure_channel(cluster.conductor) as ch:
+        a = start(ch)
+        hold.wait_held(1, a)
+        assert free_blocks(cluster) < before
+        a.cancel()
+        assert wait_free(cluster, before) == before
+
+
+def test_cancel_while_decoding_frees_the_blocks(cluster, hold):
+    before = free_blocks(cluster)
+    with grpc.insecure_channel(cluster.conductor) as ch:
+        a = start(ch, max_tokens=1000, sampling=pb.SamplingParams(ignore_eos=True))
+        first = next(a)  # the first token: the request is decoding now
+        assert first.token_ids
+        a.cancel()
+    assert wait_free(cluster, before) == before
+
+
+def test_start_cancel_loop_leaves_room_for_others(cluster, hold):
+    """More start+cancel rounds of long prompts than the decode node's KV holds at once:
+    none is refused, the KV comes back, and another client's long prompt is served."""
+    before = free_blocks(cluster)
+    total = node(cluster.conductor, "decode-0").kv_blocks_total
+    rounds = total // 188 + 3
+    hold.at("prefilling")
+    with grpc.insecure_channel(cluster.conductor) as ch:
+        for i in range(rounds):
+            call = start(ch)
+            hold.wait_held(i + 1, call)  # a refused round would never be held
+            call.cancel()
+    assert wait_free(cluster, before) == before
+    hold.at("")
+    got = generate(cluster.conductor, long_prompt(), max_tokens=4)
+    assert got.finish_reason == "length" and len(got.tokens) == 4
+
+
+def test_a_request_id_in_flight_is_already_exists_and_free_again_once_it_ends(cluster, hold):
+    """Issue 18 item 9: a colliding request_id was refused with UNAVAILABLE "retry" (the
+    decode node's reservation clashed); now ALREADY_EXISTS at once, and the id is free
+    again when the first request ends."""
+    hold.at("prefilling")
+    with grpc.insecure_channel(cluster.conductor) as ch:
+        a = start(ch, request_id="same-id")
+        hold.wait_held(1, a)
+        with pytest.raises(grpc.RpcError) as e:
+            generate(cluster.conductor, "hello", max_tokens=2, request_id="same-id")
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS, e.value.details()
+        assert "same-id" in e.value.details() and "in flight" in e.value.details()
+        a.cancel()
+    hold.at("")
+    deadline = time.monotonic() + 10
+    while True:  # the conductor sees the cancellation a moment after the client
+        try:
+            got = generate(cluster.conductor, "hello", max_tokens=2, request_id="same-id")
+            break
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert got.finish_reason == "length"
