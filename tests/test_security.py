@@ -13,9 +13,11 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import time
@@ -280,13 +282,16 @@ def test_api_key_grpc(cluster):
 
 
 def test_api_key_http(cluster):
-    url = f"http://127.0.0.1:{cluster.http_port}/v1/completions"
+    """Under --tls the HTTP face speaks HTTPS only, so bearer keys never cross in clear."""
+    base = f"127.0.0.1:{cluster.http_port}"
+    url = f"https://{base}/v1/completions"
+    ctx = ssl.create_default_context(cafile=cluster.client_tls().ca)
     body = json.dumps({"prompt": "hi there", "max_tokens": 2}).encode()
 
     def post(headers):
         req = urllib.request.Request(url, body, {"Content-Type": "application/json", **headers})
         try:
-            with urllib.request.urlopen(req, timeout=30) as r:
+            with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
@@ -298,10 +303,16 @@ def test_api_key_http(cluster):
         assert "nope" not in out["error"]["message"]
     code, out = post({"Authorization": "Bearer ka"})
     assert code == 200 and out["usage"]["completion_tokens"] == 2
-    req = urllib.request.Request(f"http://127.0.0.1:{cluster.http_port}/v1/models")
+    req = urllib.request.Request(f"https://{base}/v1/models")
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=10)
+        urllib.request.urlopen(req, timeout=10, context=ctx)
     assert e.value.code == 401
+    # plaintext HTTP gets no answer at all: the key in its header never reaches a handler
+    plain = urllib.request.Request(
+        f"http://{base}/v1/completions", body, {"Authorization": "Bearer ka"}
+    )
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        urllib.request.urlopen(plain, timeout=10)
 
 
 def test_tenant_isolation(cluster):
