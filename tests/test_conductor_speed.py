@@ -151,10 +151,10 @@ def test_decisions_equal_the_recorded_stream():
 
 def _reference_lookup(idx: CacheIndex, hashes: list[bytes]) -> tuple[dict, int, int]:
     per_node = {}
-    first = idx._pool.get(hashes[0]) if hashes else None
-    for node in set(first or ()):
+    first = idx.holders(hashes[0]) if hashes else set()
+    for node in first:
         k = 0
-        while k < len(hashes) and node in idx._pool.get(hashes[k], ()):
+        while k < len(hashes) and node in idx.holders(hashes[k]):
             k += 1
         per_node[node] = k
     n = 0
@@ -186,6 +186,10 @@ def test_lookup_equals_a_plain_reference():
         assert look.per_node == per_node
         assert list(look.per_node) == list(per_node)  # the order candidates are tried in
         assert (look.store_prefix, look.store_dram_prefix) == (n, dram)
+    for chain in chains:  # every block removed from every node: no holder left behind
+        for node in nodes:
+            idx.removed(node, chain)
+    assert len(idx) == 0 and all(idx.holds(node) == 0 for node in nodes)
 
 
 def _reference_fit(rows: list, ys: list, coef: list[float]) -> list[float]:
