@@ -826,7 +826,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="model of every node: a preset (tiny, small, demo), a Hugging Face model "
+        help="model of every node: a preset (tiny, small, medium, demo), a Hugging Face model "
         "directory or hub id (org/name); default: demo with --demo, else tiny",
     )
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")

@@ -19,7 +19,7 @@ class NodeConfig(ServiceConfig):
 
     model: str = option(
         "tiny",
-        "model to serve: a random preset (tiny, small), demo (a small trained "
+        "model to serve: a random preset (tiny, small, medium), demo (a small trained "
         "model shipped with kvmesh), a Hugging Face model directory "
         "(config.json, *.safetensors, tokenizer.json) or a Hugging Face hub id "
         "(org/name: the snapshot in the HF_HOME cache, downloaded there first "

@@ -132,7 +132,9 @@ def test_local_directory_and_names_win_over_the_hub(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert resolve_model(HUB_ID) == str(local)
     assert resolve_model("tiny") == "tiny"
-    with pytest.raises(CheckpointError, match=r"tiny, small, llama-1b, demo.*hub id \(org/name\)"):
+    with pytest.raises(
+        CheckpointError, match=r"tiny, small, medium, llama-1b, demo.*hub id \(org/name\)"
+    ):
         resolve_model("no such model")
 
 

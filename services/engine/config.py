@@ -138,6 +138,22 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     ),
+    # ~11M parameters, byte vocabulary: the evaluation's model (python -m kvmesh.loadtest).
+    # Its prefill costs real compute next to its KV bytes on one CPU core (~0.5 ms per
+    # prompt token in float32, 6 KiB of KV per token) while a decode step stays ~10 ms.
+    "medium": ModelConfig(
+        vocab_size=320,
+        hidden_size=384,
+        num_layers=6,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
     # A Llama shape of ~1.1B parameters (2.2 GB in bfloat16): the GPU check's model
     # (scripts/gpu-check.sh). Too large for the CPU tests; random weights like the rest.
     "llama-1b": ModelConfig(
