@@ -23,6 +23,7 @@ import grpc
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.client import (
     cluster_status,
+    conductor_addresses,
     format_endpoints,
     format_status,
     stream_completion,
@@ -151,6 +152,17 @@ def _int_in(lo: int, hi: int):
     return parse
 
 
+def _conductors(text: str) -> str:
+    """An argparse type: one conductor address or several, comma-separated (checked by
+    ``client.conductor_addresses``: an empty list or a malformed address is an error
+    naming it, not a traceback)."""
+    try:
+        conductor_addresses(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _float_at_least(lo: float, above: bool = False):
     """An argparse type: a finite number >= lo (> lo when ``above``)."""
 
@@ -226,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("prompt")
     g.add_argument(
         "--conductor",
+        type=_conductors,
         default=DEFAULT_CONDUCTOR,
         help="conductor host:port, or several comma-separated (tried in turn while one is down)",
     )
@@ -242,7 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     add_client_arguments(g)
     st = sub.add_parser("status", help="list the nodes and their state")
     st.add_argument(
-        "--conductor", default=DEFAULT_CONDUCTOR, help="conductor host:port[,host:port...]"
+        "--conductor",
+        type=_conductors,
+        default=DEFAULT_CONDUCTOR,
+        help="conductor host:port[,host:port...]",
     )
     st.add_argument("--json", action="store_true", help="machine-readable output")
     add_client_arguments(st)

@@ -26,14 +26,45 @@ from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common.auth import bearer_metadata
 from kvmesh.services.common.channels import TlsFiles, make_channel
 
+# gRPC target names that carry their own scheme (``dns:///svc:50051``, ``unix:/run/x``)
+_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def check_address(addr: str) -> str:
+    """``addr`` if it is ``HOST:PORT`` (``[v6]:PORT``) with a port in 1..65535, or a gRPC
+    target with its own scheme (``dns:///HOST:PORT``, ``unix:PATH``); else ValueError
+    naming what is wrong (grpc would take ``HOST`` as port 443, and a port past 65535
+    modulo 65536)."""
+    if addr.startswith(_SCHEMES):
+        if addr.split(":", 1)[1].strip("/"):
+            return addr
+        raise ValueError(f"conductor address {addr!r} names no target after its scheme")
+    if any(c.isspace() for c in addr):
+        raise ValueError(f"conductor address {addr!r} contains a space; give HOST:PORT")
+    host, sep, port = addr.rpartition(":")
+    if not sep or (host.count(":") and not host.startswith("[")):
+        raise ValueError(
+            f"conductor address {addr!r} has no port; give HOST:PORT (e.g. 127.0.0.1:50051)"
+        )
+    if not host or host == "[]":
+        raise ValueError(f"conductor address {addr!r} has no host; give HOST:PORT")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"conductor address {addr!r}: the port must be a number in 1..65535, got {port!r}"
+        )
+    return addr
+
 
 def conductor_addresses(conductor: str | Sequence[str]) -> list[str]:
     """``"a:1,b:2"`` or ``["a:1", "b:2"]`` -> ``["a:1", "b:2"]`` (blanks dropped);
-    ValueError if none is left."""
+    ValueError if none is left or one is malformed (:func:`check_address`)."""
     items = conductor.split(",") if isinstance(conductor, str) else list(conductor)
-    out = [a.strip() for a in items if a.strip()]
+    out = [check_address(a.strip()) for a in items if a.strip()]
     if not out:
-        raise ValueError("no conductor address given: pass HOST:PORT[,HOST:PORT...]")
+        raise ValueError(
+            f"no conductor address in {conductor!r}: give HOST:PORT[,HOST:PORT...] "
+            "(e.g. 127.0.0.1:50051)"
+        )
     return out
 
 
