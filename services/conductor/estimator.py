@@ -10,10 +10,32 @@
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
+
+_gelsd: Any
+try:  # the LAPACK routine behind np.linalg.lstsq, without its ~30 us of wrapping
+    from numpy.linalg import _umath_linalg
+
+    _gelsd = _umath_linalg.lstsq
+except (ImportError, AttributeError):  # pragma: no cover - another numpy layout
+    _gelsd = None
+_EPS = float(np.finfo(np.float64).eps)
+
+
+def _lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``np.linalg.lstsq(a, y, rcond=None)[0]`` for a float64 ``a`` of shape (m, n) and
+    ``y`` of shape (m,): the same LAPACK call with the same cut-off, so the same bits."""
+    if _gelsd is None:  # pragma: no cover
+        return np.linalg.lstsq(a, y, rcond=None)[0]
+    m, n = a.shape
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore", under="ignore"):
+        sol = _gelsd(a, y[:, None], _EPS * max(n, m), signature="ddd->ddid")[0]
+    return sol[:, 0]
 
 
 class _Regression:
@@ -24,8 +46,13 @@ class _Regression:
         # the window, oldest first, as rows of a ring written twice (at i and i + window)
         # so that it is always one contiguous slice: the refit reads it without a copy
         self._window = window
-        self._xbuf = np.empty((2 * window, len(self.coef)), dtype=np.float64)
-        self._ybuf = np.empty(2 * window, dtype=np.float64)
+        # (written through flat ``array``s, a few times faster per number than numpy's
+        # item assignment; ``_xbuf``/``_ybuf`` are numpy views of the same memory)
+        nf = self._nf = len(self.coef)
+        self._xraw = array("d", bytes(8 * 2 * window * nf))
+        self._yraw = array("d", bytes(8 * 2 * window))
+        self._xbuf = np.frombuffer(self._xraw, dtype=np.float64).reshape(2 * window, nf)
+        self._ybuf = np.frombuffer(self._yraw, dtype=np.float64)
         self._head = 0  # where the next row goes
         self._rows = 0  # rows held, up to window
         self._errors: deque[float] = deque(maxlen=window)
@@ -37,15 +64,19 @@ class _Regression:
         raise NotImplementedError
 
     def _predict(self, f: tuple[float, ...]) -> float:
+        if len(f) == 3:  # sum()'s order, unrolled
+            c = self.coef
+            return c[0] * f[0] + c[1] * f[1] + c[2] * f[2]
         return sum(c * x for c, x in zip(self.coef, f))
 
     def add(self, args: tuple[float, ...], ms: float, track_error: bool = True) -> None:
         f = self._features(*args)
         if track_error and ms > 0:
             self._errors.append(abs(self._predict(f) - ms) / ms)
-        i, w = self._head, self._window
-        self._xbuf[i] = self._xbuf[i + w] = f
-        self._ybuf[i] = self._ybuf[i + w] = ms
+        i, w, nf = self._head, self._window, self._nf
+        xr, j = self._xraw, i * nf
+        xr[j : j + nf] = xr[j + w * nf : j + (w + 1) * nf] = array("d", f)
+        self._yraw[i] = self._yraw[i + w] = ms
         self._head = (i + 1) % w
         self._rows = min(self._rows + 1, w)
         self.observations += 1
@@ -60,14 +91,15 @@ class _Regression:
             return
         start = self._head if rows == self._window else 0
         x, y = self._xbuf[start : start + rows], self._ybuf[start : start + rows]
-        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+        scale = np.abs(x).max(axis=0)
+        np.maximum(scale, 1e-12, out=scale)
         full = list(range(x.shape[1]))
         active = full
         coef = np.zeros(x.shape[1])
         # tiny active-set NNLS: drop features whose coefficient comes out negative
         while active:
             a = x / scale if active == full else x[:, active] / scale[active]
-            sol, *_ = np.linalg.lstsq(a, y, rcond=None)
+            sol = _lstsq(a, y)
             if (sol >= 0).all():
                 coef[active] = sol / scale[active]
                 break
