@@ -28,7 +28,7 @@ import torch
 from kvmesh.services.common.hashing import prefix_hashes
 from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.engine.kv_pool import OutOfBlocks
-from kvmesh.services.engine.sampling import sample_with_logprob
+from kvmesh.services.engine.sampler_device import sample_batch
 from kvmesh.services.model_node import to_the_end
 
 log = logging.getLogger(__name__)
@@ -285,10 +285,11 @@ class BatchScheduler:
             deferred, self._deferred = self._deferred, []
             for res in deferred:
                 self.free(res)
-        for i, r in enumerate(batch):
+        # the whole batch sampled where its logits are, one host sync (sampler_device)
+        drawn = sample_batch(logits, [r.sampling for r in batch], [r.step for r in batch])
+        for r, (tok, lp) in zip(batch, drawn, strict=True):
             if r not in self.running:  # left (client gone) while the step ran
                 continue
-            tok, lp = sample_with_logprob(logits[i], r.sampling, step=r.step)
             r.token, r.position, r.step = tok, r.position + 1, r.step + 1
             r.res.generated.append(tok)
             r.remaining -= 1

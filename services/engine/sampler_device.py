@@ -1,0 +1,129 @@
+"""Sampling a whole decode batch where its logits are (the GPU, or the CPU), with one
+host sync per step: the sampled ids and their log-probabilities come back in a single
+device-to-host copy (:func:`fetch`).
+
+It draws the same tokens as :func:`kvmesh.services.engine.sampling.sample` row by row,
+on the CPU bit for bit (tests/test_sampler_device.py compares):
+
+* greedy rows (temperature 0): ``argmax`` of the logits;
+* sampled rows: temperature, top-k and top-p as :func:`sampling._probs` computes them,
+  batched (each row's own parameters as a column of values), then the draw
+  ``torch.multinomial(probs, 1, generator=g)`` makes for one sample: ``argmax(probs / q)``
+  with ``q ~ Exp(1)`` per vocabulary entry, drawn from the request's own seeded CPU
+  generator (``make_generator(s, step)``). The noise is drawn on the host, where it does
+  not depend on any device value, and goes to the device in one non-blocking copy, so a
+  seeded request draws the same numbers on a CPU node and on a GPU node; the GPU's own
+  softmax may round differently, so across devices tokens are equal where no two
+  candidates are within rounding of each other.
+
+A row whose distribution is not a distribution (NaN or inf after a temperature close to
+0, which :func:`sampling.sample` refuses with an error) takes the greedy token: the
+limit of a temperature going to 0.
+
+Nothing in :func:`sample_on_device` reads a device value on the host: the choices of
+code path depend only on the requests' parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from kvmesh.services.common.sampling_params import Sampling
+
+from .sampling import make_generator
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a sync: pinned and non-blocking on CUDA."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _noise(samplings: Sequence[Sampling], steps: Sequence[int], rows: list[int], vocab: int):
+    """``Exp(1)`` noise [len(rows), vocab] float32 on the host, row ``j`` from request
+    ``rows[j]``'s generator: the numbers ``torch.multinomial`` would draw for it."""
+    q = torch.empty((len(rows), vocab), dtype=torch.float32)
+    for j, i in enumerate(rows):
+        q[j].exponential_(1, generator=make_generator(samplings[i], steps[i]))
+    return q
+
+
+def _sampled_probs(
+    logits: torch.Tensor, samplings: Sequence[Sampling], rows: list[int]
+) -> torch.Tensor:
+    """:func:`sampling._probs` of each row of ``logits`` [n, vocab] (float32), request
+    ``rows[j]``'s parameters for row ``j``."""
+    dev = logits.device
+    params = [samplings[i] for i in rows]
+    temps = _to(torch.tensor([[s.temperature] for s in params], dtype=torch.float32), dev)
+    x = logits.float() / temps
+    ks = [s.top_k for s in params]
+    kmax = max(ks)
+    if kmax:
+        kth = torch.topk(x, kmax, dim=-1).values
+        k = _to(torch.tensor([[max(v, 1) - 1] for v in ks], dtype=torch.long), dev)
+        on = _to(torch.tensor([[v > 0] for v in ks]), dev)
+        kth = torch.where(on, kth.gather(1, k), float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    pj = [j for j, s in enumerate(params) if 0 < s.top_p < 1]
+    if pj:
+        idx = _to(torch.tensor(pj, dtype=torch.long), dev)
+        sub = probs.index_select(0, idx)
+        top_p = _to(torch.tensor([[params[j].top_p] for j in pj], dtype=torch.float32), dev)
+        sorted_p, order = torch.sort(sub, dim=-1, descending=True)
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+        mask = torch.zeros_like(sub, dtype=torch.bool).scatter(1, order, keep)
+        sub = sub.masked_fill(~mask, 0)
+        sub = sub / sub.sum(dim=-1, keepdim=True)
+        probs = probs.index_copy(0, idx, sub)
+    return probs
+
+
+def sample_on_device(
+    logits: torch.Tensor, samplings: Sequence[Sampling], steps: Sequence[int]
+) -> torch.Tensor:
+    """Tokens and log-probabilities for a batch, left on ``logits``' device.
+
+    ``logits`` [B, vocab] (any float dtype); ``samplings[i]`` and ``steps[i]`` (the
+    token's index in request ``i``'s output, as :func:`sampling.sample` takes it) for
+    row ``i``. Returns float64 [B, 2]: the token id (exact in float64) and its
+    log-probability under the raw logits (``log_softmax`` before temperature, top-k and
+    top-p, as :func:`sampling.sample_with_logprob` reports it). No host sync."""
+    b, vocab = logits.shape
+    if not (b == len(samplings) == len(steps)):
+        raise ValueError(
+            f"logits has {b} rows for {len(samplings)} samplings and {len(steps)} steps"
+        )
+    dev = logits.device
+    tok = torch.argmax(logits, dim=-1)
+    rows = [i for i, s in enumerate(samplings) if s.temperature != 0]
+    if rows:
+        idx = _to(torch.tensor(rows, dtype=torch.long), dev)
+        probs = _sampled_probs(logits.index_select(0, idx), samplings, rows)
+        q = _to(_noise(samplings, steps, rows, vocab), dev)
+        drawn = torch.argmax(probs / q, dim=-1)
+        ok = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)
+        tok = tok.index_copy(0, idx, torch.where(ok, drawn, tok.index_select(0, idx)))
+    lp = torch.log_softmax(logits.float(), dim=-1).gather(1, tok[:, None])[:, 0]
+    return torch.stack((tok.double(), lp.double()), dim=1)
+
+
+def fetch(packed: torch.Tensor) -> list[tuple[int, float]]:
+    """The one host sync of a step: ``(token, logprob)`` per row of
+    :func:`sample_on_device`'s result (a NaN log-probability reads as ``-inf``)."""
+    out = []
+    for t, lp in packed.cpu().tolist():
+        out.append((int(t), lp if not math.isnan(lp) else float("-inf")))
+    return out
+
+
+def sample_batch(
+    logits: torch.Tensor, samplings: Sequence[Sampling], steps: Sequence[int]
+) -> list[tuple[int, float]]:
+    """:func:`sample_on_device` then :func:`fetch`: a batch's ``(token, logprob)``s."""
+    return fetch(sample_on_device(logits, samplings, steps))
