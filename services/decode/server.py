@@ -15,7 +15,9 @@ A request's life here:
      later recomputed (see ``batch.py``);
   4. it leaves on EOS, a stop token or max_tokens (or when the client goes away); its
      full blocks stay in the prefix cache for the conversation's next turn, the rest go
-     back to the pool. ``Release`` drops a reservation whose prefill failed.
+     back to the pool. ``Release`` drops a reservation whose prefill failed (or whose
+     client went away); one that overtakes its ``Reserve`` makes the node refuse that
+     ``Reserve`` when it comes (``early_release``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.decode.batch import BatchScheduler, Reservation, Running
+from kvmesh.services.decode.early_release import EarlyReleases
 from kvmesh.services.engine.kv_pool import OutOfBlocks
 from kvmesh.services.engine.sampling import sample_with_logprob
 from kvmesh.services.model_node import ModelNode, parse_drop
@@ -95,6 +98,14 @@ class DecodeServicer(pbg.DecodeNodeServicer):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request {req.request_id} already holds a reservation",
+            )
+        if node.released_early.released(req.request_id):
+            # its Release (the client went away) overtook this Reserve: nothing may be
+            # held for it, or the blocks would wait for the reaper
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"request {req.request_id} was released before this Reserve arrived "
+                f"(its client went away); nothing is reserved",
             )
         total = req.prompt_tokens + req.max_tokens
         if total > (limit := node.model_config.max_position_embeddings):
@@ -235,6 +246,9 @@ class DecodeServicer(pbg.DecodeNodeServicer):
         fenced unless the caller names the prefill nodes it asked to write them (metadata
         ``kvmesh-prefill-writers``, a JSON list) and each has said it is done (``drop``)."""
         res = self.node.reservations.get(req.request_id)
+        if res is None and req.request_id:
+            # its Reserve may still be on its way: it will be refused (early_release)
+            self.node.released_early.note(req.request_id)
         if res is None or res.decoding:
             return pb.ReleaseResponse(released=False)
         raw = _metadata(context).get(WRITERS_MD)
@@ -267,6 +281,7 @@ class DecodeNode(ModelNode):
         super().__init__(cfg)
         self.cfg: DecodeConfig = cfg
         self.reservations: dict[str, Reservation] = {}
+        self.released_early = EarlyReleases(cfg.reservation_timeout_s)
         self.batch: BatchScheduler | None = None
         self._fenced: collections.deque[tuple[float, Reservation]] = collections.deque()
         self._tasks: list[asyncio.Task] = []
