@@ -192,6 +192,54 @@ def test_lookup_equals_a_plain_reference():
     assert len(idx) == 0 and all(idx.holds(node) == 0 for node in nodes)
 
 
+def test_least_queued_order_follows_every_change():
+    """The least-queued pick (an order kept current, queue_order.py) equals a sort of
+    every node, through enqueues, dequeues, load reports, direct writes, and nodes that
+    join, leave or are replaced, whatever the dict method used."""
+    P = bench.impl_here().policy
+    rng = random.Random(5)
+    s = P.Scheduler(P.PolicyConfig(policy="kvmesh", candidates=3))
+
+    def node(i: int) -> object:
+        return P.PrefillNodeState(f"p{i}", BS, 1 << 20, 1 << 17, queue_ms=rng.choice((0.0, 5.0)))
+
+    for i in range(10):
+        s.prefill[f"p{i}"] = node(i)
+    rid = 0
+    for step in range(3000):
+        nodes = list(s.prefill.values())
+        p = rng.choice(nodes)
+        op = rng.randrange(10)
+        if op < 4:
+            rid += 1
+            p.enqueue(f"r{rid}", rng.choice((1.0, 2.5, 7.0)), step)
+        elif op < 7 and p.queue:
+            p.dequeue(rng.choice(list(p.queue)), step)
+        elif op == 7:
+            p.report_queue(rng.randrange(4), 3.0)
+        elif op == 8:
+            p.queue_ms = rng.choice((0.0, 1.0, 5.0))
+        else:  # membership: join, leave, replace, by each dict method
+            i = rng.randrange(14)
+            how = rng.randrange(5)
+            if how == 0:
+                s.prefill[f"p{i}"] = node(i)
+            elif how == 1 and len(s.prefill) > 4:
+                s.prefill.pop(rng.choice(list(s.prefill)))
+            elif how == 2 and len(s.prefill) > 4:
+                del s.prefill[rng.choice(list(s.prefill))]
+            elif how == 3:
+                s.prefill.update({f"p{i}": node(i)})
+            else:
+                s.prefill.setdefault(f"p{i}", node(i))
+        holders = dict.fromkeys(rng.sample(list(s.prefill), rng.randrange(3)), 1)
+        got = [q.node_id for q in s._prefill_nodes(holders)]
+        others = sorted(
+            (q.queue_ms, q.node_id) for q in s.prefill.values() if q.node_id not in holders
+        )
+        assert got == list(holders) + [nid for _, nid in others[:3]], step
+
+
 def _reference_fit(rows: list, ys: list, coef: list[float]) -> list[float]:
     """The refit as it was: arrays rebuilt from a deque of rows."""
     x, y = np.asarray(rows, dtype=np.float64), np.asarray(ys, dtype=np.float64)

@@ -37,9 +37,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.services.conductor.estimator import DecodeModel, ErrorTracker, PrefillModel
 from kvmesh.services.conductor.index import CacheIndex, Lookup
+from kvmesh.services.conductor.queue_order import NodeMap, QueueOrder
 
 POLICIES = ("random", "load", "cache", "cache-load", "kvmesh")
 DISAGG, COLOCATED, DIRECT = "disaggregated", "colocated", "decode-direct"
@@ -165,6 +167,22 @@ class PrefillNodeState:
         self.queue_ms = sum(self.queue.values()) + self.foreign_ms
 
 
+def _get_queue_ms(self: Any) -> float:
+    return self._queue_ms
+
+
+def _set_queue_ms(self: Any, ms: float) -> None:
+    self._queue_ms = ms
+    for order in self._orders:  # the schedulers' least-queued orders holding this node
+        order.moved(self)
+
+
+# ``queue_ms`` tells the orders of the nodes by queued time (queue_order.py) that it
+# moved; the dataclass's __init__ already sets it through this property
+PrefillNodeState._orders = ()  # type: ignore[attr-defined]
+PrefillNodeState.queue_ms = property(_get_queue_ms, _set_queue_ms)  # type: ignore[assignment]
+
+
 @dataclass
 class DecodeNodeState:
     node_id: str
@@ -255,7 +273,9 @@ class Scheduler:
         self.index = index if index is not None else CacheIndex()
         self.clock = clock
         self.rng = rng or random.Random(0)
-        self.prefill: dict[str, PrefillNodeState] = {}
+        # a dict that counts its changes, for the least-queued order (``_prefill_nodes``)
+        self.prefill: dict[str, PrefillNodeState] = NodeMap()
+        self._queue_order = QueueOrder()
         self.decode: dict[str, DecodeNodeState] = {}
         self.ttft_error = ErrorTracker()
         # per route: TTFT the models do not explain (RPC hops), learned from actual TTFTs
@@ -373,13 +393,17 @@ class Scheduler:
         """The prefill nodes worth an estimate: one, by the policy's rule, for ``random``
         and ``load``; else those holding part of the prefix and the ``cfg.candidates``
         least queued others."""
-        nodes = list(self.prefill.values())
         if self.cfg.policy == "random":
-            return [self.rng.choice(nodes)]
+            return [self.rng.choice(list(self.prefill.values()))]
         if self.cfg.policy == "load":
-            return [min(nodes, key=lambda p: p.queue_ms)]
+            return [min(self.prefill.values(), key=lambda p: p.queue_ms)]
         prefill, k = self.prefill, self.cfg.candidates
         pick = [prefill[nid] for nid in per_node if nid in prefill]
+        if type(prefill) is NodeMap:  # the order kept current (queue_order.py)
+            order = self._queue_order
+            order.sync(prefill)
+            return pick + order.least(prefill, k, per_node)
+        nodes = list(prefill.values())
         others = [p for p in nodes if p.node_id not in per_node] if per_node else nodes
         if len(others) > k > 0:  # only those queued no longer than the k-th least compete
             cut = sorted([p.queue_ms for p in others])[k - 1]
