@@ -27,6 +27,7 @@ import torch
 
 from kvmesh.services.common.hashing import prefix_hashes
 from kvmesh.services.common.sampling_params import Sampling
+from kvmesh.services.engine.cuda_graphs import DecodeRunner
 from kvmesh.services.engine.kv_pool import OutOfBlocks
 from kvmesh.services.engine.sampler_device import sample_batch
 from kvmesh.services.model_node import to_the_end
@@ -88,6 +89,7 @@ class BatchScheduler:
         on_prompt: Callable[[int, int, float], None],
         counters: dict,
         prefill_chunk: int | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model, self.pool, self.bs = model, pool, block_size
         self.max_batch, self.budget = max_batch, step_token_budget
@@ -102,6 +104,9 @@ class BatchScheduler:
         self._wake = asyncio.Event()
         self._in_step: list[Running] = []
         self._deferred: list[Reservation] = []
+        # on a GPU: padded batch buckets, static inputs, CUDA graphs (cuda_graphs.py)
+        on_cpu = pool.kv.device.type == "cpu"
+        self.decoder = None if on_cpu else DecodeRunner(model, pool, max_batch, cuda_graphs)
 
     # -- prompt computation ----------------------------------------------------------------
     async def compute_prompt(self, tokens: list[int], start: int, table: list[int]):
@@ -266,9 +271,12 @@ class BatchScheduler:
         try:
             async with self.compute:
                 tc = time.perf_counter()
-                logits = await asyncio.to_thread(
-                    self.model.forward_decode, tokens, positions, tables, self.pool
-                )
+                if self.decoder is None:
+                    logits = await asyncio.to_thread(
+                        self.model.forward_decode, tokens, positions, tables, self.pool
+                    )
+                else:
+                    logits = await asyncio.to_thread(self.decoder.step, tokens, positions, tables)
                 self.on_step(
                     len(batch), sum(positions) + len(batch), (time.perf_counter() - tc) * 1000
                 )

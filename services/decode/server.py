@@ -75,6 +75,12 @@ class DecodeConfig(NodeConfig):
         "batch plus a chunk of a prompt computed here",
     )
 
+    cuda_graphs: bool = option(
+        True,
+        "with --device cuda: replay the decode step from CUDA graphs captured per "
+        "batch-size bucket (--no-cuda-graphs: run the same fixed-shape step eagerly)",
+    )
+
     def validate(self) -> None:
         super().validate()
         if self.max_batch < 1:
@@ -303,6 +309,7 @@ class DecodeNode(ModelNode):
             on_prompt=self.events.record_prefill,
             counters=self.counters,
             prefill_chunk=self.cfg.prefill_chunk,
+            cuda_graphs=self.cfg.cuda_graphs,
         )
         self.te.add_notify_handler(self._on_notify)
         pbg.add_DecodeNodeServicer_to_server(DecodeServicer(self), self.server)

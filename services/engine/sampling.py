@@ -48,6 +48,10 @@ def sample_with_logprob(logits: torch.Tensor, s: Sampling, step: int = 0) -> tup
     """Like :func:`sample`, plus the chosen token's log-probability under the model's
     distribution (``log_softmax`` of the raw logits, i.e. before temperature/top-k/top-p,
     as OpenAI-style ``logprobs`` report it)."""
+    if logits.device.type != "cpu":  # one sync, and a CPU generator's noise (not CUDA's)
+        from .sampler_device import sample_batch
+
+        return sample_batch(logits.reshape(1, -1), [s], [step])[0]
     tok = sample(logits, s, step)
     lp = float(torch.log_softmax(logits.float().reshape(-1), dim=-1)[tok])
     return tok, (lp if not math.isnan(lp) else float("-inf"))
