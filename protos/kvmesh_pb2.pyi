@@ -655,8 +655,16 @@ class DecodeSample(_message.Message):
     ms: float
     def __init__(self, batch: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
 
+class StoreFetchSample(_message.Message):
+    __slots__ = ("bytes", "ms")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    ms: float
+    def __init__(self, bytes: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+
 class NodeLoad(_message.Message):
-    __slots__ = ("queue_depth", "running", "kv_blocks_free", "kv_blocks_total", "prefill_samples", "decode_samples", "bandwidth_bytes_per_s")
+    __slots__ = ("queue_depth", "running", "kv_blocks_free", "kv_blocks_total", "prefill_samples", "decode_samples", "bandwidth_bytes_per_s", "store_fetches")
     class BandwidthBytesPerSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -671,6 +679,7 @@ class NodeLoad(_message.Message):
     PREFILL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DECODE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STORE_FETCHES_FIELD_NUMBER: _ClassVar[int]
     queue_depth: int
     running: int
     kv_blocks_free: int
@@ -678,7 +687,8 @@ class NodeLoad(_message.Message):
     prefill_samples: _containers.RepeatedCompositeFieldContainer[PrefillSample]
     decode_samples: _containers.RepeatedCompositeFieldContainer[DecodeSample]
     bandwidth_bytes_per_s: _containers.ScalarMap[str, float]
-    def __init__(self, queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefill_samples: _Optional[_Iterable[_Union[PrefillSample, _Mapping]]] = ..., decode_samples: _Optional[_Iterable[_Union[DecodeSample, _Mapping]]] = ..., bandwidth_bytes_per_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    store_fetches: _containers.RepeatedCompositeFieldContainer[StoreFetchSample]
+    def __init__(self, queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefill_samples: _Optional[_Iterable[_Union[PrefillSample, _Mapping]]] = ..., decode_samples: _Optional[_Iterable[_Union[DecodeSample, _Mapping]]] = ..., bandwidth_bytes_per_s: _Optional[_Mapping[str, float]] = ..., store_fetches: _Optional[_Iterable[_Union[StoreFetchSample, _Mapping]]] = ...) -> None: ...
 
 class NodeEvent(_message.Message):
     __slots__ = ("seq", "reset", "stored", "removed", "load")

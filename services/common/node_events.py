@@ -23,6 +23,7 @@ class _Subscriber:
     removed: list[bytes] = field(default_factory=list)
     prefill: list[tuple[int, int, float]] = field(default_factory=list)
     decode: list[tuple[int, int, float]] = field(default_factory=list)
+    fetches: list[tuple[int, float]] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -56,6 +57,13 @@ class EventHub:
             if len(sub.decode) < MAX_PENDING:
                 sub.decode.append((batch, kv_tokens, ms))
 
+    def record_store_fetch(self, nbytes: int, ms: float) -> None:
+        """A fetch from the cluster store: what the conductor's fetch-versus-recompute
+        decision learns the store path's real cost from."""
+        for sub in self._subs:
+            if len(sub.fetches) < MAX_PENDING:
+                sub.fetches.append((nbytes, ms))
+
     def _load(self, sub: _Subscriber) -> pb.NodeLoad:
         info = self.load()
         load = pb.NodeLoad(
@@ -70,9 +78,10 @@ class EventHub:
         load.decode_samples.extend(
             pb.DecodeSample(batch=b, kv_tokens=k, ms=ms) for b, k, ms in sub.decode
         )
+        load.store_fetches.extend(pb.StoreFetchSample(bytes=b, ms=ms) for b, ms in sub.fetches)
         for peer, bw in info.get("bandwidth", {}).items():
             load.bandwidth_bytes_per_s[peer] = bw
-        sub.prefill, sub.decode = [], []
+        sub.prefill, sub.decode, sub.fetches = [], [], []
         return load
 
     async def stream(self, interval_s: float):

@@ -112,6 +112,8 @@ class NodeFeeds:
             for s in load.prefill_samples:
                 p.model.observe(s.new_tokens, s.cached_tokens, s.ms)
                 avg = s.ms if avg is None else 0.8 * avg + 0.2 * s.ms
+            for f in load.store_fetches:
+                p.store_fetch.observe(f.bytes, f.ms)
             if avg is not None:
                 self.prefill_ms[n.node_id] = avg
             elif p.queue:  # nothing observed yet: our own requests' predicted mean

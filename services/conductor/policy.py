@@ -8,8 +8,9 @@ Estimate for a prefill node p (design §2.4):
     TTFT(p) = queue(p) + prefill(p, new, cached) + fetch(p) + handoff(p)
 - queue(p): the summed predicted prefill time of what the conductor has queued on p;
 - cached: p's own longest prefix (cache index) plus store blocks worth fetching: the
-  store run is fetched only if bytes / bandwidth(p) is less than the prefill time it
-  saves (the paper's bandwidth inequality, with measured bandwidth);
+  store run is fetched only if its fetch time is less than the prefill time it saves
+  (the paper's bandwidth inequality), the fetch time fitted from p's own store fetches
+  (``store_fetch``: the store's remote path, not the engine's raw bandwidth);
 - handoff: the last layer's KV of the new blocks (the rest overlaps with compute).
 
 Decode choice predicts each decode node's batch at the moment the prefill would end
@@ -41,6 +42,7 @@ from typing import Any
 
 from kvmesh.services.conductor.estimator import DecodeModel, ErrorTracker, PrefillModel
 from kvmesh.services.conductor.index import CacheIndex, Lookup
+from kvmesh.services.conductor.store_fetch import StoreFetchModel
 from kvmesh.services.conductor.queue_order import NodeMap, QueueOrder
 
 POLICIES = ("random", "load", "cache", "cache-load", "kvmesh")
@@ -127,6 +129,8 @@ class PrefillNodeState:
     layer_nbytes: int
     model: PrefillModel = field(default_factory=PrefillModel)
     bandwidth: float = 1e6  # bytes per ms (1 GB/s) until measured
+    # the store's remote path as this node's fetches measured it (not the engine's bandwidth)
+    store_fetch: StoreFetchModel = field(default_factory=StoreFetchModel)
     queue: dict[str, float] = field(default_factory=dict)  # FIFO, as the node serves it
     queue_ms: float = 0.0  # predicted time of everything queued (ours + foreign_ms)
     head_since: float = 0.0  # when the head of the queue started computing
@@ -307,7 +311,7 @@ class Scheduler:
                     0, min(store_prefix if dram_prefix is None else dram_prefix, usable) - local
                 )
                 fetch_ms = (
-                    k * p.block_nbytes / p.bandwidth
+                    p.store_fetch.predict_ms(k * p.block_nbytes, p.bandwidth)
                     + on_ssd * p.block_nbytes / self.cfg.ssd_bytes_per_ms
                 )
                 saved = m.predict(n - local * bs, local * bs) - m.predict(

@@ -343,9 +343,9 @@ class PrefillNode(ModelNode):
             pool.free(local)
             raise
         if fetched:
-            kvm.observe_transfer(
-                "store_get", len(fetched) * pool.block_nbytes, time.perf_counter() - tp
-            )
+            nbytes, dt = len(fetched) * pool.block_nbytes, time.perf_counter() - tp
+            kvm.observe_transfer("store_get", nbytes, dt)
+            self.events.record_store_fetch(nbytes, dt * 1000.0)
         record_span(
             "prefill.prefix_fetch",
             t_prefix,
