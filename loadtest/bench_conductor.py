@@ -29,6 +29,7 @@ import importlib
 import json
 import os
 import random
+import re
 import resource
 import statistics
 import subprocess
@@ -45,7 +46,6 @@ PENDING = 256  # completions are booked for the request this many decisions olde
 RESULTS = Path(__file__).parent / "results"
 GOAL_RATE, GOAL_P99_US = 20_000, 1000.0
 _MODULES = ("estimator", "index", "policy")
-_HELPERS = ("queue_order",)  # imported by those in some versions: copied where present
 _now_ns = time.perf_counter_ns  # the loop's clock (a test replaces it)
 
 
@@ -59,26 +59,27 @@ def impl_here() -> types.SimpleNamespace:
 
 def impl_from(baseline: str) -> types.SimpleNamespace:
     """Another version of the scheduler, loaded side by side: a git revision of this
-    repository, or a directory with its ``policy.py``, ``index.py`` and ``estimator.py``."""
+    repository, or a directory with its ``policy.py``, ``index.py`` and ``estimator.py``
+    (and the conductor modules they import)."""
     pkg = f"_kvmesh_baseline_{len([k for k in sys.modules if k.startswith('_kvmesh_base')])}"
     tmp = Path(tempfile.mkdtemp(prefix="kvmesh-bench-baseline-"))
-    for m in _MODULES + _HELPERS:
-        src = Path(baseline) / f"{m}.py"
+    todo, done = list(_MODULES), set()
+    while todo:  # the three, and the conductor modules they import, at that version
+        m = todo.pop()
+        if m in done:
+            continue
+        done.add(m)
         if Path(baseline).is_dir():
-            if m in _HELPERS and not src.exists():
-                continue
-            text = src.read_text()
+            text = (Path(baseline) / f"{m}.py").read_text()
         else:
             root = Path(__file__).resolve().parent.parent
-            got = subprocess.run(
+            text = subprocess.run(
                 ["git", "-C", str(root), "show", f"{baseline}:services/conductor/{m}.py"],
-                check=m in _MODULES,
+                check=True,
                 capture_output=True,
                 text=True,
-            )
-            if got.returncode:
-                continue
-            text = got.stdout
+            ).stdout
+        todo += re.findall(r"kvmesh\.services\.conductor\.(\w+)", text)
         (tmp / f"{m}.py").write_text(text.replace("kvmesh.services.conductor.", f"{pkg}."))
     package = types.ModuleType(pkg)
     package.__path__ = [str(tmp)]

@@ -38,12 +38,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from kvmesh.services.conductor.estimator import DecodeModel, ErrorTracker, PrefillModel
 from kvmesh.services.conductor.index import CacheIndex, Lookup
-from kvmesh.services.conductor.store_fetch import StoreFetchModel
 from kvmesh.services.conductor.queue_order import NodeMap, QueueOrder
+from kvmesh.services.conductor.store_fetch import StoreFetchModel
 
 POLICIES = ("random", "load", "cache", "cache-load", "kvmesh")
 DISAGG, COLOCATED, DIRECT = "disaggregated", "colocated", "decode-direct"
@@ -53,9 +54,10 @@ INFEASIBLE = "infeasible"
 # admit only when the estimate is within this share of the SLO (room for estimate error);
 # the one default of both PolicyConfig.slo_margin and the conductor's --slo-margin
 SLO_MARGIN = 0.85
+_TTFT = attrgetter("ttft_ms")
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """What admission needs to know about a request."""
 
@@ -72,7 +74,7 @@ def _ms(x: float) -> str:
     return f"{x:.1f}" if x >= 0.1 else f"{x:.2g}"
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
     """One estimated way to serve a request."""
 
@@ -87,7 +89,7 @@ class Candidate:
     fetch_blocks: int = 0  # pulled from the store
 
 
-@dataclass
+@dataclass(slots=True)
 class Decision:
     accepted: bool
     route: str = DISAGG
@@ -113,7 +115,7 @@ class Decision:
         return self.estimate, self.decode_node
 
 
-@dataclass
+@dataclass(slots=True)
 class _Misses:
     """Why the candidates tried so far were turned down, for the rejection."""
 
@@ -369,8 +371,18 @@ class Scheduler:
         usable = min(len(r.hashes), (n - 1) // bs)  # the last token is always computed
         look = self._lookup(r.hashes[:usable], store_prefix)
         cands = self._prefill_candidates(n, usable, look, store_prefix is not None, now)
-        if self.cfg.policy == "kvmesh":
-            cands += self._decode_node_candidates(n, usable, look.per_node if look else {})
+        fast = (
+            self._decode_node_candidates(n, usable, look.per_node if look else {})
+            if self.cfg.policy == "kvmesh"
+            else []
+        )
+        # the fast paths skip the transfer tax (a short prompt; a prefix the decode node
+        # already holds): they are tried first, the others only if they break an SLO;
+        # each kind by TTFT (a stable sort: ties keep their order)
+        cands.sort(key=_TTFT)
+        if fast:
+            fast.sort(key=_TTFT)
+            cands = fast + cands
         if not cands or not self.decode:
             return Decision(
                 False,
@@ -378,9 +390,6 @@ class Scheduler:
                 candidates=cands,
                 message="no live node can serve this request; retry shortly",
             )
-        # the fast paths skip the transfer tax (a short prompt; a prefix the decode node
-        # already holds): they are tried first, the others only if they break an SLO
-        cands.sort(key=lambda c: (c.route == DISAGG, c.ttft_ms))
         return self._admit(r, cands, -(-(n + r.max_tokens) // bs), now)
 
     def _lookup(self, hashes: list[bytes], store_prefix: int | None) -> Lookup | None:
