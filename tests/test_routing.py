@@ -133,7 +133,10 @@ def one_pair(tmp_path_factory):
         prefill=1,
         decode=1,
         node_args=NODE_ARGS,
-        conductor_args=["--report-interval-ms", "50", "--slo-margin", "0.75"],
+        # the default --slo-margin (0.95): the estimate itself must be right (its queue
+        # term at the node's measured rate, the credit for the prefill in flight, its
+        # recent error), not a wide margin
+        conductor_args=["--report-interval-ms", "50"],
     )
     c.start()
     yield c
@@ -141,51 +144,75 @@ def one_pair(tmp_path_factory):
 
 
 def test_overload_rejects_early_and_accepted_requests_meet_ttft(one_pair):
+    """A burst of 24 long prompts at once, then 40 more arriving at twice the rate the
+    prefill node serves them: admission accepts what it can serve inside the TTFT SLO and
+    refuses the rest before any work. Every accepted request meets the SLO (at most 1% of
+    them over, for the noise of a shared 2-core machine), measured at the client."""
     cluster = one_pair
-    n_requests = 24
-    results: list[tuple[str, float]] = []
+    burst, stream = 24, 40
+    results: list[tuple[str, float, int]] = []
     lock = threading.Lock()
     rng = random.Random(3)
-    prompts = ["".join(rng.choice("qrstuvwxyz ") for _ in range(1500)) for _ in range(n_requests)]
+    prompts = [
+        "".join(rng.choice("qrstuvwxyz ") for _ in range(1500)) for _ in range(burst + stream)
+    ]
+    channel = grpc.insecure_channel(cluster.conductor)
+    stub = pbg.ConductorStub(channel)
     # the SLO scales with this machine's speed: 4x the TTFT of one request on an idle
-    # cluster, while 24 at once need ~24x
+    # cluster, while 24 at once need ~24x; the warm-up also refits the time models
     alone = []
-    for i in range(3):
+    for i in range(5):
         t0 = time.perf_counter()
-        generate(cluster.conductor, prompts[i][::-1], max_tokens=1, cache_salt=f"warm{i}")
+        req = pb.GenerateRequest(prompt=prompts[i][::-1], max_tokens=1, cache_salt=f"warm{i}")
+        for _r in stub.Generate(req, timeout=60):
+            pass
         alone.append((time.perf_counter() - t0) * 1000)
-    slo_ms = max(300.0, 4 * sorted(alone)[1])
+    slo_ms = max(300.0, 4 * sorted(alone)[2])
+    computed_before = node(cluster.conductor, "prefill-0").computed_tokens_total
 
     def one(i: int) -> None:
         req = pb.GenerateRequest(
             prompt=prompts[i], max_tokens=4, cache_salt=f"t{i}", slo=pb.SLO(ttft_ms=slo_ms)
         )
         t0 = time.perf_counter()
-        with grpc.insecure_channel(cluster.conductor) as ch:
-            try:
-                for _r in pbg.ConductorStub(ch).Generate(req, timeout=60):
-                    with lock:
-                        results.append(("ok", (time.perf_counter() - t0) * 1000))
-                    break
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+        try:
+            for _r in stub.Generate(req, timeout=60):
                 with lock:
-                    results.append(("rejected", (time.perf_counter() - t0) * 1000))
+                    results.append(("ok", (time.perf_counter() - t0) * 1000, i))
+                break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+            with lock:
+                results.append(("rejected", (time.perf_counter() - t0) * 1000, i))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n_requests)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(burst)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    ok = [ms for kind, ms in results if kind == "ok"]
-    rejected = [ms for kind, ms in results if kind == "rejected"]
-    assert len(results) == n_requests
+    # the stream: one request every half lone TTFT, twice what the node serves
+    gap_s = sorted(alone)[2] / 2000
+    t_start = time.perf_counter()
+    threads = []
+    for k in range(stream):
+        time.sleep(max(0.0, t_start + k * gap_s - time.perf_counter()))
+        threads.append(threading.Thread(target=one, args=(burst + k,)))
+        threads[-1].start()
+    for t in threads:
+        t.join(120)
+    channel.close()
+    ok = sorted(ms for kind, ms, _ in results if kind == "ok")
+    rejected = [i for kind, _, i in results if kind == "rejected"]
+    assert len(results) == burst + stream
     assert ok and rejected, (len(ok), len(rejected))
-    # admission is what is tested here: without it the last of 24 would wait ~12x the
-    # lone TTFT (3x the SLO). The slack covers estimate error on a CPU shared by five
-    # processes and the load generator; attainment itself is measured in loadtest/faults.py
-    assert max(ok) <= 1.5 * slo_ms and sum(ms <= slo_ms for ms in ok) >= 0.75 * len(ok), sorted(ok)
-    assert sorted(rejected)[len(rejected) // 2] < 200  # refused at once, not after queueing
+    # some of the stream gets in as the queue drains, not only the head of the burst
+    assert any(i >= burst for kind, _, i in results if kind == "ok"), sorted(results)
+    over = [ms for ms in ok if ms > slo_ms]
+    assert len(over) <= len(ok) // 100, (slo_ms, over, ok)
+    # a rejected request did no work: the prefill node computed the accepted prompts only
+    accepted = [i for kind, _, i in results if kind == "ok"]
+    computed = node(cluster.conductor, "prefill-0").computed_tokens_total - computed_before
+    assert computed == sum(len(TOK.encode(prompts[i])) for i in accepted)
 
 
 def test_time_models_report_their_prediction_error(cluster):

@@ -95,6 +95,14 @@ ESTIMATE_RATIO = Histogram(
     buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2, 4, 10),
     registry=REGISTRY,
 )
+_SIGNED = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+CONDUCTOR_ESTIMATE_ERROR = Histogram(
+    "kvmesh_conductor_ttft_estimate_error_seconds",
+    "actual - estimated TTFT of every accepted request, signed (> 0: the estimate was "
+    "short), the conductor's admission estimate against the first token it relayed",
+    buckets=(*(-x for x in reversed(_SIGNED)), 0.0, *_SIGNED),
+    registry=REGISTRY,
+)
 ROUTES = Counter(
     "kvmesh_route_requests_total",
     "admitted requests by (prefill, decode) pair",

@@ -177,3 +177,80 @@ class ErrorTracker:
 
     def __len__(self) -> int:
         return len(self._e)
+
+
+class MeasuredRate:
+    """How fast a node really serves against its fitted model, learned online from its
+    completed prefills: actual / predicted time, where actual is the time the request
+    held the node's compute slot (prefix fetch, compute and handoff: what the requests
+    queued behind it wait for). It captures what the fitted model misses: a CPU shared
+    with other processes, the handoff's tail, a node slowing down under load.
+
+    :meth:`factor` is the median over the last ``window`` prefills of actual / predicted,
+    predicted by the model as it is when asked (the model is refit as reports arrive,
+    and a ratio kept against an older fit would drift): robust to one slow prefill,
+    following a lasting change within a few. ``tokens_per_s`` is the same measurement as
+    a plain rate (prompt tokens computed per second of slot time)."""
+
+    def __init__(self, window: int = 20, lo: float = 0.25, hi: float = 20.0) -> None:
+        self.lo, self.hi = lo, hi
+        self.observations = 0
+        # (new tokens, cached tokens, ms the model does not cover, actual ms)
+        self._seen: deque[tuple[int, int, float, float]] = deque(maxlen=window)
+        self._factor = 1.0
+        self._coef: object = None  # the fit the cached factor was computed against
+
+    def observe(self, new: int, cached: int, extra_ms: float, actual_ms: float) -> None:
+        """A finished prefill of ``new`` tokens after ``cached`` ones that held the slot
+        ``actual_ms``, of which the model does not predict ``extra_ms`` (transfers)."""
+        if actual_ms > 0:
+            self._seen.append((new, cached, extra_ms, actual_ms))
+            self._coef = None
+            self.observations += 1
+
+    def factor(self, model: PrefillModel) -> float:
+        """Real ms per predicted ms by ``model``'s current fit (1.0 before any prefill)."""
+        if self._coef is not model.coef:
+            ratios = sorted(
+                min(self.hi, max(self.lo, ms / pred))
+                if (pred := model.predict(n, c) + x) > 0
+                else 1.0
+                for n, c, x, ms in self._seen
+            )
+            self._factor = ratios[len(ratios) // 2] if ratios else 1.0
+            self._coef = model.coef
+        return self._factor
+
+    @property
+    def tokens_per_s(self) -> float:
+        ms = sum(s[3] for s in self._seen)
+        return 1000.0 * sum(s[0] for s in self._seen) / ms if ms > 0 else float("nan")
+
+
+class ErrorTail:
+    """The slow tail of the estimate's own error: the ``quantile`` of actual / estimated
+    TTFT over the last ``window`` accepted requests, 1.0 until ``least`` are seen, within
+    ``[lo, hi]``. Admission scales an estimate by it before comparing with the SLO, so the
+    margin it keeps is the error this cluster has shown lately (a CPU shared with other
+    work, a node slowing down) rather than a fixed guess."""
+
+    def __init__(
+        self,
+        window: int = 50,
+        quantile: float = 0.98,
+        least: int = 5,
+        lo: float = 0.5,
+        hi: float = 4.0,
+    ) -> None:
+        self.quantile, self.least, self.lo, self.hi = quantile, least, lo, hi
+        self._ratios: deque[float] = deque(maxlen=window)
+        self.value = 1.0
+
+    def add(self, estimated: float, actual: float) -> None:
+        if not (estimated > 0 and actual > 0):
+            return
+        self._ratios.append(actual / estimated)
+        if len(self._ratios) >= self.least:
+            r = sorted(self._ratios)
+            q = r[min(len(r) - 1, int(self.quantile * len(r)))]
+            self.value = min(self.hi, max(self.lo, q))

@@ -1,7 +1,8 @@
 """Prometheus view of the conductor's time models: each node's prefill/decode model
 prediction error (|predicted - observed| / observed, median and p90 over its recent
-observations) and each route's learned overhead; and of its cache index: the blocks it
-knows each node holds."""
+observations), each route's learned overhead and the slow tail of its TTFT estimate's
+error, each prefill node's measured rate; and of its cache index: the blocks it knows
+each node holds."""
 
 from __future__ import annotations
 
@@ -51,6 +52,27 @@ class ModelErrorCollector:
             obs.add_metric([node, kind], m.observations)
         for route, ms in self.sched.overhead_ms.items():
             overhead.add_metric([route], ms / 1000)
+        tail = GaugeMetricFamily(
+            "kvmesh_conductor_ttft_error_tail_ratio",
+            "slow tail of actual / estimated TTFT that admission scales estimates by",
+            labels=["route"],
+        )
+        for route, t in self.sched.error_tail.items():
+            tail.add_metric([route], t.value)
+        speed = GaugeMetricFamily(
+            "kvmesh_conductor_prefill_speed_ratio",
+            "a prefill node's measured slot time per fitted-model ms",
+            labels=["node"],
+        )
+        rate = GaugeMetricFamily(
+            "kvmesh_conductor_prefill_tokens_per_second",
+            "a prefill node's measured rate: prompt tokens per second of slot time",
+            labels=["node"],
+        )
+        for node, p in self.sched.prefill.items():
+            speed.add_metric([node], p.rate.factor(p.model))
+            if not math.isnan(tps := p.rate.tokens_per_s):
+                rate.add_metric([node], tps)
         for node in (*self.sched.prefill, *self.sched.decode):
             index.add_metric([node], self.sched.index.holds(node))
-        return [err, obs, overhead, index]
+        return [err, obs, overhead, index, tail, speed, rate]

@@ -41,7 +41,13 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from kvmesh.services.conductor.estimator import DecodeModel, ErrorTracker, PrefillModel
+from kvmesh.services.conductor.estimator import (
+    DecodeModel,
+    ErrorTail,
+    ErrorTracker,
+    MeasuredRate,
+    PrefillModel,
+)
 from kvmesh.services.conductor.index import CacheIndex, Lookup
 from kvmesh.services.conductor.queue_order import NodeMap, QueueOrder
 from kvmesh.services.conductor.store_fetch import StoreFetchModel
@@ -51,9 +57,10 @@ DISAGG, COLOCATED, DIRECT = "disaggregated", "colocated", "decode-direct"
 # the rejection reason of a request no node could ever serve (an SLO below the floor, KV
 # beyond the largest node): the conductor answers INVALID_ARGUMENT, not "retry"
 INFEASIBLE = "infeasible"
-# admit only when the estimate is within this share of the SLO (room for estimate error);
-# the one default of both PolicyConfig.slo_margin and the conductor's --slo-margin
-SLO_MARGIN = 0.85
+# admit only when the estimate is within this share of the SLO; the one default of both
+# PolicyConfig.slo_margin and the conductor's --slo-margin. Near 1: the estimate's own
+# recent error is allowed for separately (Scheduler.error_tail), not by a wide margin
+SLO_MARGIN = 0.95
 _TTFT = attrgetter("ttft_ms")
 
 
@@ -87,6 +94,8 @@ class Candidate:
     handoff_ms: float = 0.0
     cached_blocks: int = 0  # from the computing node's own pool
     fetch_blocks: int = 0  # pulled from the store
+    work_ms: float = 0.0  # the node's time on it by its fitted model (before the rate)
+    speed: float = 1.0  # the node's real ms per model ms the estimate counted on
 
 
 @dataclass(slots=True)
@@ -133,9 +142,13 @@ class PrefillNodeState:
     bandwidth: float = 1e6  # bytes per ms (1 GB/s) until measured
     # the store's remote path as this node's fetches measured it (not the engine's bandwidth)
     store_fetch: StoreFetchModel = field(default_factory=StoreFetchModel)
-    queue: dict[str, float] = field(default_factory=dict)  # FIFO, as the node serves it
-    queue_ms: float = 0.0  # predicted time of everything queued (ours + foreign_ms)
+    # FIFO, as the node serves it: request -> its slot time in model ms (prefill, fetch
+    # and handoff, as predicted by ``model``; ``rate.factor`` turns it into real ms)
+    queue: dict[str, float] = field(default_factory=dict)
+    queue_ms: float = 0.0  # model ms of everything queued (ours + foreign_ms)
     head_since: float = 0.0  # when the head of the queue started computing
+    rate: MeasuredRate = field(default_factory=MeasuredRate)  # real / model slot time
+    lag_ms: float = 0.0  # from booking to the node starting a request of an empty queue
     # other conductors' work on the node: requests its load report counts beyond ours
     # (see report_queue), at the node's observed time per prefill
     foreign: int = 0
@@ -143,7 +156,7 @@ class PrefillNodeState:
 
     def enqueue(self, rid: str, ms: float, now: float = 0.0) -> None:
         if not self.queue:
-            self.head_since = now
+            self.head_since = now + self.lag_ms
         self.queue[rid] = ms
         self.queue_ms += ms
 
@@ -155,12 +168,27 @@ class PrefillNodeState:
         if was_head:
             self.head_since = now
 
+    def speed(self, now: float) -> float:
+        """Real ms per model ms now: the measured rate, or slower while the head of the
+        queue has already run past its prediction at that rate (the node is slower right
+        now than its recent prefills said)."""
+        f = self.rate.factor(self.model)
+        if self.queue:
+            head = next(iter(self.queue.values()))
+            if head > 0:
+                f = max(f, (now - self.head_since) / head)
+        return f
+
     def remaining(self, now: float) -> float:
-        """Predicted time until the queue drains: the head has been computing a while."""
+        """Real ms until everything queued has left the slot, the wait of a request booked
+        now (FIFO: it waits for all of it): the queued model ms at the node's speed, less
+        the part of the head's slot time already served (in-flight credit)."""
         if not self.queue:
             return self.foreign_ms
+        f = self.speed(now)
         head = next(iter(self.queue.values()))
-        return self.queue_ms - min(head, max(0.0, now - self.head_since))
+        done = min(head * f, max(0.0, now - self.head_since))
+        return (self.queue_ms - self.foreign_ms) * f + self.foreign_ms - done
 
     def report_queue(self, reported: int, per_request_ms: float) -> None:
         """The node's load report: ``reported`` requests queued or computing there, from
@@ -199,6 +227,9 @@ class DecodeNodeState:
     prefill_model: PrefillModel = field(default_factory=PrefillModel)
     bandwidth: float = 1e6
     ends: list[float] = field(default_factory=list)  # predicted end times, sorted
+    # when each booked request joins the batch (its first token out), sorted, and by id
+    joins: list[float] = field(default_factory=list)
+    join_of: dict[str, float] = field(default_factory=dict)
     work: dict[str, tuple[float, int, int]] = field(
         default_factory=dict
     )  # rid -> (end, kv, blocks)
@@ -210,6 +241,7 @@ class DecodeNodeState:
     # load report (see report_queue), and their KV tokens
     foreign: int = 0
     foreign_kv: int = 0
+    prefill_rate: MeasuredRate = field(default_factory=MeasuredRate)  # colocated prefills
 
     def report_queue(self, reported: int, kv_used_tokens: int) -> None:
         """The node's load report: ``reported`` requests reserved or decoding there, from
@@ -220,10 +252,20 @@ class DecodeNodeState:
         self.foreign_kv = max(0, kv_used_tokens - self.kv_tokens) if self.foreign else 0
 
     def batch_at(self, t: float) -> int:
-        return len(self.ends) - bisect.bisect_right(self.ends, t)
+        """The batch at time ``t``: the booked requests that have joined by then (their
+        prefill done) and not yet ended. Each joins before it ends, so this is the joined
+        count less the ended count."""
+        return bisect.bisect_right(self.joins, t) - bisect.bisect_right(self.ends, t)
 
-    def admit(self, rid: str, end: float, kv: int, blocks: int) -> None:
+    def admit(
+        self, rid: str, end: float, kv: int, blocks: int, join: float = float("-inf")
+    ) -> None:
+        """Books ``rid``: it joins the batch at ``join`` (when its first token is due; by
+        default it is in the batch already) and leaves at ``end``."""
+        join = min(join, end)
         bisect.insort(self.ends, end)
+        bisect.insort(self.joins, join)
+        self.join_of[rid] = join
         self.work[rid] = (end, kv, blocks)
         self.kv_tokens += kv
         self.reserved_blocks += blocks
@@ -237,10 +279,17 @@ class DecodeNodeState:
         if rid in self.unreported:  # ended before a report counted its blocks as used
             self.unreported.discard(rid)
             self.reserved_blocks = max(0, self.reserved_blocks - blocks)
-        i = bisect.bisect_left(self.ends, end)
-        if i < len(self.ends) and self.ends[i] == end:
-            self.ends.pop(i)
+        _remove(self.ends, end)
+        _remove(self.joins, self.join_of.pop(rid))
         self.kv_tokens -= kv
+
+    def joined(self, rid: str, t: float) -> None:
+        """``rid``'s first token is out at ``t``: it is in the batch from then on."""
+        join = self.join_of.get(rid)
+        if join is not None and join > t:
+            _remove(self.joins, join)
+            bisect.insort(self.joins, t)
+            self.join_of[rid] = t
 
     def free_blocks(self) -> int:
         return self.kv_blocks_free - self.reserved_blocks
@@ -249,6 +298,13 @@ class DecodeNodeState:
         """A load report from the node: its free blocks already count our reservations."""
         self.kv_blocks_free, self.kv_blocks_total, self.reserved_blocks = free, total, 0
         self.unreported.clear()
+
+
+def _remove(xs: list[float], x: float) -> None:
+    """Removes one ``x`` from the sorted list ``xs`` (if there)."""
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        xs.pop(i)
 
 
 @dataclass
@@ -290,6 +346,8 @@ class Scheduler:
             route: deque(maxlen=64) for route in self.overhead_ms
         }
         self._output_share = self.cfg.expected_output_share
+        # per route: the slow tail of actual / estimated TTFT, what admission allows for
+        self.error_tail = {route: ErrorTail() for route in self.overhead_ms}
 
     # -- estimates ---------------------------------------------------------------------
     def _prefill_candidate(
@@ -330,10 +388,23 @@ class Scheduler:
         # part that outlasts the compute, and the last layer of the new blocks, add up
         prefix_ms = (local + fetch_blocks) * p.block_nbytes / p.bandwidth
         handoff_ms = max(0.0, prefix_ms - prefill_ms) + new_blocks * p.layer_nbytes / p.bandwidth
+        # the slot time (what the node's measured rate scales) and the wait for the slot
+        work = prefill_ms + fetch_ms + handoff_ms
+        f = p.speed(now)
         queue = p.remaining(now)
-        ttft = queue + prefill_ms + fetch_ms + handoff_ms + self.overhead_ms[DISAGG]
+        ttft = queue + work * f + self.overhead_ms[DISAGG]
         return Candidate(
-            DISAGG, p.node_id, ttft, queue, prefill_ms, fetch_ms, handoff_ms, local, fetch_blocks
+            DISAGG,
+            p.node_id,
+            ttft,
+            queue,
+            prefill_ms * f,
+            fetch_ms * f,
+            handoff_ms * f,
+            local,
+            fetch_blocks,
+            work,
+            f,
         )
 
     def _colocated_candidate(
@@ -343,7 +414,9 @@ class Scheduler:
         cached = min(local, usable) * bs
         # a running step (ours and other conductors' requests) finishes first
         step = d.model.predict(len(d.ends) + d.foreign, d.kv_tokens + d.foreign_kv)
-        prefill_ms = d.prefill_model.predict(n - cached, cached)
+        work = d.prefill_model.predict(n - cached, cached)
+        f = d.prefill_rate.factor(d.prefill_model)
+        prefill_ms = work * f  # at the node's measured rate
         return Candidate(
             route,
             d.node_id,
@@ -353,6 +426,9 @@ class Scheduler:
             0.0,
             0.0,
             min(local, usable),
+            0,
+            work,
+            f,
         )
 
     # -- the decision ------------------------------------------------------------------
@@ -473,9 +549,11 @@ class Scheduler:
         """The first of ``cands`` (in order) within the TTFT SLO that has a decode node
         within the TBT SLO and with ``need_blocks`` of KV room; else the rejection."""
         ttft_limit = r.ttft_slo_ms * self.cfg.slo_margin
+        tail = self.error_tail
         misses = _Misses()
         for c in cands:
-            if c.ttft_ms > ttft_limit:
+            # the estimate as late as the estimates on this route have lately turned out
+            if c.ttft_ms * tail[c.route].value > ttft_limit:
                 misses.reason = misses.reason or "ttft"
                 if c.route != DISAGG:
                     continue
@@ -510,12 +588,16 @@ class Scheduler:
             if d.kv_blocks_free - d.reserved_blocks < need_blocks:
                 misses.reason = misses.reason or "kv"
                 continue
-            # the batch at prefill end (kvmesh; the others judge by today's), attending
-            # over the KV of the requests still running then (their share of today's KV)
-            # plus this one's
+            # the batch when this request joins it, at its first token (kvmesh; the
+            # others judge by every request booked): those booked whose first token comes
+            # earlier, less those ended by then; attending over their share of the KV
+            # booked, plus this one's
             ends = d.ends
             now_batch = len(ends)
-            batch = now_batch - (bisect.bisect_right(ends, at) if predict else 0)
+            if predict:
+                batch = bisect.bisect_right(d.joins, at) - bisect.bisect_right(ends, at)
+            else:
+                batch = now_batch
             kv = d.kv_tokens * batch / now_batch if now_batch else 0
             batch, kv = batch + d.foreign, kv + d.foreign_kv  # other conductors' requests
             a_, b_, k_ = d.model.coef
@@ -581,7 +663,15 @@ class Scheduler:
             )
             if r.ttft_spent_ms >= 0.05:
                 msg += f" ({r.ttft_spent_ms:.1f} ms of it spent in the conductor before routing)"
-            retry = max(best.ttft_ms - r.ttft_slo_ms * self.cfg.slo_margin, best.queue_ms, 50.0)
+            tail = self.error_tail[best.route].value
+            if tail != 1.0:
+                msg += (
+                    f", counted x{tail:.2f} (how late recent TTFTs came against their "
+                    f"estimates) within a margin of {self.cfg.slo_margin:g}"
+                )
+            retry = max(
+                best.ttft_ms * tail - r.ttft_slo_ms * self.cfg.slo_margin, best.queue_ms, 50.0
+            )
         elif reason == "tbt":
             tbt = misses.least_tbt if misses.least_tbt is not None else float("nan")
             msg = (
@@ -608,17 +698,18 @@ class Scheduler:
         now = self.clock()
         c, decode_node = d.booked()
         if d.route == DISAGG and d.prefill_node is not None:
-            self.prefill[d.prefill_node].enqueue(r.request_id, c.prefill_ms + c.fetch_ms, now)
+            self.prefill[d.prefill_node].enqueue(r.request_id, c.work_ms, now)
         else:
             self.decode[decode_node].local_queue_ms += c.prefill_ms
         dn = self.decode[decode_node]
         expected = max(1.0, r.max_tokens * self._output_share)
-        end = now + c.ttft_ms + expected * max(d.tbt_ms, 1e-3)
+        join = now + c.ttft_ms  # it joins the batch with its first token
         dn.admit(
             r.request_id,
-            end,
+            join + expected * max(d.tbt_ms, 1e-3),
             r.n_tokens + r.max_tokens,
             -(-(r.n_tokens + r.max_tokens) // dn.block_size),
+            join,
         )
 
     def prefill_done(
@@ -629,29 +720,44 @@ class Scheduler:
         cached: int,
         ms: float | None = None,
         ttft_ms: float | None = None,
+        node_ms: float | None = None,
+        node_queue_ms: float | None = None,
     ) -> None:
         """The prompt is computed: free its queue slot; learn from the compute time ``ms``
-        (when the caller has no better source, e.g. node reports) and from the TTFT seen:
-        the part of it no model explains (RPC hops, event loops) becomes the route's
-        learned overhead."""
+        (when the caller has no better source, e.g. node reports), from the time the node
+        says the request held its slot (``node_ms``: the node's measured rate against its
+        model) and from the TTFT seen: the part of it no node time explains (RPC hops,
+        event loops; with ``node_queue_ms``, the TTFT less the node's queue and slot
+        time) becomes the route's learned overhead."""
         c, decode_node = d.booked()
         now = self.clock()
+        dn = self.decode.get(decode_node)
+        if dn is not None:
+            dn.joined(r.request_id, now)
         if d.route == DISAGG:
             p = self.prefill.get(d.prefill_node) if d.prefill_node is not None else None
             if p is not None:
                 p.dequeue(r.request_id, now)
                 if ms is not None:
                     p.model.observe(new, cached, ms)
-        else:
-            dn = self.decode.get(decode_node)
-            if dn is not None:
-                dn.local_queue_ms = max(0.0, dn.local_queue_ms - c.prefill_ms)
-                if ms is not None:
-                    dn.prefill_model.observe(new, cached, ms)
+                if node_ms is not None:
+                    transfer = (c.fetch_ms + c.handoff_ms) / c.speed
+                    p.rate.observe(new, cached, transfer, node_ms)
+                p.lag_ms = self.overhead_ms[DISAGG]
+        elif dn is not None:
+            dn.local_queue_ms = max(0.0, dn.local_queue_ms - c.prefill_ms)
+            if ms is not None:
+                dn.prefill_model.observe(new, cached, ms)
+            if node_ms is not None:
+                dn.prefill_rate.observe(new, cached, 0.0, node_ms)
         if ttft_ms is not None:
             self.ttft_error.add(c.ttft_ms, ttft_ms)
             window = self._residuals[d.route]
-            window.append(ttft_ms - (c.ttft_ms - self.overhead_ms[d.route]))
+            self.error_tail[d.route].add(c.ttft_ms + r.ttft_spent_ms, ttft_ms)
+            if node_ms is not None:  # what neither the queue nor the slot explains
+                window.append(ttft_ms - (node_queue_ms or 0.0) - node_ms)
+            else:
+                window.append(ttft_ms - (c.ttft_ms - self.overhead_ms[d.route]))
             self.overhead_ms[d.route] = min(max(statistics.median(window), 0.0), 1000.0)
 
     def request_done(self, r: Request, d: Decision, output_tokens: int | None = None) -> None:

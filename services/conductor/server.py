@@ -34,6 +34,7 @@ import grpc
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common import channels
+from kvmesh.services.common import metrics as METRICS
 from kvmesh.services.common.auth import (
     ApiKeyInterceptor,
     ApiKeys,
@@ -620,9 +621,33 @@ class Conductor(Service):
     def _first_token_seen(self, r, d, presp, t_arrival, record) -> None:
         ttft = (time.perf_counter() - t_arrival) * 1000
         record["actual_ttft_ms"] = ttft
-        # compute times reach the models from the nodes' reports; here only the TTFT
+        estimate, _ = d.booked()
+        est = estimate.ttft_ms + r.ttft_spent_ms  # the estimate counts from admission
+        METRICS.CONDUCTOR_ESTIMATE_ERROR.observe((ttft - est) / 1000)
+        log.debug(
+            "ttft %s route %s on %s: estimated %.1f ms (queue %.1f + node %.1f), actual "
+            "%.1f ms (node queue %.1f + node %.1f), actual/estimated %.2f",
+            r.request_id,
+            d.route,
+            estimate.node,
+            est,
+            estimate.queue_ms,
+            estimate.prefill_ms + estimate.fetch_ms + estimate.handoff_ms,
+            ttft,
+            presp.queue_ms,
+            presp.prefill_ms,
+            ttft / est if est > 0 else float("nan"),
+        )
+        # compute times reach the models from the nodes' reports; here the TTFT and the
+        # time the request waited for and held the node's slot, as the node measured them
         self.sched.prefill_done(
-            r, d, presp.computed_tokens, presp.cached_tokens + presp.fetched_tokens, ttft_ms=ttft
+            r,
+            d,
+            presp.computed_tokens,
+            presp.cached_tokens + presp.fetched_tokens,
+            ttft_ms=ttft,
+            node_ms=presp.prefill_ms if presp.prefill_ms > 0 else None,
+            node_queue_ms=presp.queue_ms,
         )
 
     def _node(self, role: str, node_id: str) -> NodeInfo:

@@ -1,0 +1,169 @@
+"""The admission estimate against hand-computed numbers (fake clock, fixed models; no
+cluster): the queue term is everything ahead of the request in the prefill node's FIFO at
+the node's measured rate, less the part of the running prefill already done; the TBT
+check counts the decode batch at the moment the request joins it; admission allows for
+how late recent estimates turned out. Each test fails on the formula it names being
+wrong (no credit, no place in the queue, a stale rate, a batch counted at booking)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.services.conductor.estimator import DecodeModel, ErrorTail, MeasuredRate, PrefillModel
+from kvmesh.services.conductor.policy import (
+    DISAGG,
+    DecodeNodeState,
+    PolicyConfig,
+    PrefillNodeState,
+    Request,
+    Scheduler,
+)
+
+BS = 16
+WORK = 10 + 0.1 * 160  # PrefillModel(10, 0.1, 0) on a 160-token prompt: 26 ms
+
+
+def make(margin: float = 1.0) -> Scheduler:
+    now = {"t": 0.0}
+    s = Scheduler(
+        PolicyConfig(
+            policy="kvmesh", colocate_below_tokens=0, disagg_overhead_ms=0.0, slo_margin=margin
+        ),
+        clock=lambda: now["t"],
+    )
+    s.now = now  # type: ignore[attr-defined]
+    # layer_nbytes 0: no handoff, so a request's slot time is its prefill alone
+    s.prefill["p0"] = PrefillNodeState("p0", BS, 1000, 0, PrefillModel(10, 0.1, 0), 1000.0)
+    s.decode["d0"] = DecodeNodeState(
+        "d0", BS, 10_000, 10_000, DecodeModel(5, 1, 0), PrefillModel(10, 0.1, 0)
+    )
+    return s
+
+
+def req(rid: str, ttft: float = 10_000.0, tbt: float = 1000.0, n: int = 160) -> Request:
+    return Request(rid, n, [bytes([i]) * 16 for i in range(n // BS)], 4, ttft, tbt)
+
+
+def book(s: Scheduler, rid: str, **kw):
+    r = req(rid, **kw)
+    d = s.decide(r)
+    assert d.accepted, d.message
+    s.commit(r, d)
+    return r, d
+
+
+def test_a_request_waits_for_everything_ahead_of_it_in_the_fifo():
+    s = make()
+    ttfts = [book(s, rid)[1].estimate.ttft_ms for rid in "abc"]
+    # each waits for all those booked before it: 1, 2, 3 slot times
+    assert ttfts == pytest.approx([WORK, 2 * WORK, 3 * WORK])
+    r_a, d_a = book(s, "d")  # a fourth, behind three
+    assert d_a.estimate.queue_ms == pytest.approx(3 * WORK)
+
+
+def test_the_running_prefill_is_credited_with_the_part_already_done():
+    s = make()
+    (ra, da), _, _ = (book(s, rid) for rid in "abc")
+    s.now["t"] = WORK  # a's first token: b starts on the node now
+    s.prefill_done(ra, da, 160, 0, node_ms=WORK)
+    assert s.decide(req("x")).estimate.queue_ms == pytest.approx(2 * WORK)  # b and c
+    s.now["t"] = WORK + 10.0  # b has run 10 ms of its 26
+    assert s.decide(req("x")).estimate.queue_ms == pytest.approx(2 * WORK - 10.0)
+
+
+def test_a_head_running_past_its_prediction_slows_the_whole_estimate():
+    s = make()
+    book(s, "a")
+    book(s, "b")
+    s.now["t"] = 2 * WORK  # a has run twice its prediction and is not done
+    speed = 2.0
+    d = s.decide(req("x"))
+    # a: done as far as we know (credit = elapsed); b and this one at the slower speed
+    assert d.estimate.queue_ms == pytest.approx(WORK * speed)
+    assert d.estimate.ttft_ms == pytest.approx(2 * WORK * speed)
+
+
+def test_the_measured_rate_scales_queue_and_prefill_against_the_current_fit():
+    s = make()
+    p = s.prefill["p0"]
+    for i in range(3):  # the node takes twice what its model says
+        r, d = book(s, f"r{i}")
+        s.now["t"] += 2 * WORK
+        s.prefill_done(r, d, 160, 0, node_ms=2 * WORK)
+    assert p.rate.factor(p.model) == pytest.approx(2.0)
+    assert p.rate.tokens_per_s == pytest.approx(160 / (2 * WORK) * 1000)
+    book(s, "q")
+    d = s.decide(req("x"))
+    assert d.estimate.prefill_ms == pytest.approx(2 * WORK)
+    assert d.estimate.queue_ms == pytest.approx(2 * WORK)  # q, at the measured rate
+    # the model is refit to the slower node: the rate is measured against the new fit,
+    # not multiplied onto it a second time
+    p.model.coef = [20.0, 0.2, 0.0]
+    assert p.rate.factor(p.model) == pytest.approx(1.0)
+    assert s.decide(req("y")).estimate.prefill_ms == pytest.approx(2 * WORK)
+
+
+def test_measured_rate_is_the_median_of_recent_prefills():
+    rate, model = MeasuredRate(window=5), PrefillModel(10, 0.1, 0)
+    assert rate.factor(model) == 1.0  # nothing measured yet
+    for ms in (26, 26, 260, 52, 52):  # one outlier does not move it
+        rate.observe(160, 0, 0.0, ms)
+    assert rate.factor(model) == pytest.approx(2.0)
+    for _ in range(5):  # the window keeps the last five
+        rate.observe(160, 0, 0.0, 26)
+    assert rate.factor(model) == pytest.approx(1.0)
+
+
+def test_the_tbt_check_counts_the_batch_when_the_request_joins_it():
+    s = make()
+    dn = s.decode["d0"]
+    for i in range(3):
+        dn.admit(f"run{i}", end=1000.0, kv=0, blocks=0)  # decoding now
+    dn.admit("ending", end=20.0, kv=0, blocks=0)  # done before our first token
+    dn.admit("late0", end=2000.0, kv=0, blocks=0, join=500.0)  # still prefilling then
+    dn.admit("late1", end=2000.0, kv=0, blocks=0, join=500.0)
+    assert [dn.batch_at(t) for t in (0.0, 30.0, 600.0)] == [4, 3, 5]
+    # a step of a batch of B takes 5 + B ms; 9 ms allows 3 others beside this request
+    d = s.decide(req("x", tbt=9.0))
+    assert d.accepted and d.tbt_ms == pytest.approx(9.0)
+    # behind 600 ms of queue the two late ones have joined: 5 others, 11 ms
+    s.prefill["p0"].enqueue("busy", 600.0)
+    d = s.decide(req("y", tbt=9.0))
+    assert not d.accepted and d.reason == "tbt" and "11.0 ms" in d.message
+
+
+def test_a_first_token_moves_the_join_to_when_it_came():
+    s = make()
+    r, d = book(s, "a")
+    dn = s.decode["d0"]
+    assert dn.batch_at(0.0) == 0 and dn.batch_at(WORK) == 1
+    s.now["t"] = 5.0
+    s.prefill_done(r, d, 160, 0)  # earlier than estimated
+    assert dn.batch_at(5.0) == 1
+    s.request_done(r, d)
+    assert dn.batch_at(5.0) == 0 and not dn.joins and not dn.ends
+
+
+def test_admission_allows_for_how_late_recent_estimates_came():
+    s = make()
+    s.error_tail[DISAGG] = ErrorTail(least=1)
+    r, d = book(s, "r")  # its first token took twice the estimate
+    s.prefill_done(r, d, 160, 0, ttft_ms=2 * d.estimate.ttft_ms)
+    s.request_done(r, d)
+    s.overhead_ms[DISAGG] = 0.0  # (what the TTFT also taught the route's overhead)
+    assert s.error_tail[DISAGG].value == pytest.approx(2.0)
+    d = s.decide(req("x", ttft=40.0))  # 26 ms fits 40, twice 26 does not
+    assert not d.accepted and d.reason == "ttft" and "x2.00" in d.message
+    assert s.decide(req("y", ttft=60.0)).accepted
+
+
+def test_error_tail_is_a_high_quantile_of_recent_ratios():
+    tail = ErrorTail(window=10, quantile=0.9, least=3)
+    tail.add(100, 300)
+    tail.add(100, 90)
+    assert tail.value == 1.0  # too few to say
+    for _ in range(8):
+        tail.add(100, 90)
+    assert tail.value == pytest.approx(3.0)  # the slow one is within the window's top 10%
+    tail.add(100, 90)  # and leaves it
+    assert tail.value == pytest.approx(0.9)
