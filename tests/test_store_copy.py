@@ -1,4 +1,4 @@
-"""The store client's copies (parallel above PARALLEL_MIN, plain below, same bytes) and the
+"""The store client's copies (GIL released above PARALLEL_MIN, plain below, same bytes) and the
 framing its control path shares with the store-master."""
 
 from __future__ import annotations
