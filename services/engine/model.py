@@ -10,8 +10,12 @@ Two code paths share the weights:
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import platform
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +55,59 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+@functools.cache
+def upcast_bf16() -> bool:
+    """Whether bfloat16 matrix products run in float32 here: True on an x86 CPU without
+    AVX512-BF16 or AMX, where oneDNN emulates bfloat16 about 7x slower than float32 (an
+    AVX2 box: 2048x768x2048 took 657 ms in bfloat16, 79 ms upcast). Weights and KV stay
+    bfloat16, only the product widens: the inputs are exact in float32 and the result is
+    rounded back, as a native bfloat16 kernel (float32 accumulation) does, so only the
+    order of the sums differs. ``KVMESH_BF16_UPCAST=0|1`` overrides the detection."""
+    env = os.environ.get("KVMESH_BF16_UPCAST", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" not in flags and "amx_bf16" not in flags
+
+
+_UPCAST_MIN_ROWS = 8  # below, the bfloat16 GEMV is as fast (memory-bound on the weights)
+_UPCAST_WEIGHT_ROWS = 4096  # a wide weight (the LM head) is widened this many rows at a time
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; a bfloat16 product of ``>= 8`` rows on a CPU without native bfloat16
+    (:func:`upcast_bf16`) runs in float32 and is rounded back to bfloat16, the weight
+    widened a slice of rows at a time (no float32 copy of it is kept)."""
+    if (
+        x.dtype is not torch.bfloat16
+        or x.device.type != "cpu"
+        or x.numel() < _UPCAST_MIN_ROWS * x.shape[-1]
+        or not upcast_bf16()
+    ):
+        return F.linear(x, w, bias)
+    xf = x.float()
+    if w.shape[0] <= _UPCAST_WEIGHT_ROWS:
+        b = None if bias is None else bias.float()
+        return F.linear(xf, w.float(), b).to(torch.bfloat16)
+    out = x.new_empty((*x.shape[:-1], w.shape[0]))
+    for lo in range(0, w.shape[0], _UPCAST_WEIGHT_ROWS):
+        hi = min(w.shape[0], lo + _UPCAST_WEIGHT_ROWS)
+        b = None if bias is None else bias[lo:hi].float()
+        out[..., lo:hi] = F.linear(xf, w[lo:hi].float(), b)
+    return out
+
+
 def _linear(in_f: int, out_f: int, bias: bool = False) -> nn.Linear:
     return torch.nn.utils.skip_init(nn.Linear, in_f, out_f, bias=bias)
+
+
+def _apply(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, proj.weight, proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -82,16 +137,18 @@ class DecoderLayer(nn.Module):
         """Normalized, projected, rotated q [N, H, D] and k, v [N, KVH, D] for hidden ``h`` [N, hidden]."""
         c, n = self.cfg, h.shape[0]
         x = self.input_layernorm(h)
-        q = self.q_proj(x).view(n, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(n, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(n, c.num_kv_heads, c.head_dim)
+        q = _apply(self.q_proj, x).view(n, c.num_heads, c.head_dim)
+        k = _apply(self.k_proj, x).view(n, c.num_kv_heads, c.head_dim)
+        v = _apply(self.v_proj, x).view(n, c.num_kv_heads, c.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual add of attention output ``attn`` [N, heads*dim], then the MLP block."""
-        h = h + self.o_proj(attn)
+        h = h + _apply(self.o_proj, attn)
         x = self.post_attention_layernorm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return h + _apply(
+            self.down_proj, F.silu(_apply(self.gate_proj, x)) * _apply(self.up_proj, x)
+        )
 
 
 def prefill_attention(
@@ -249,7 +306,7 @@ class LlamaModel(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(h), w).float()
+        return linear(self.norm(h), w).float()
 
     def _check_pool(self, pool: KVPool) -> None:
         if pool.config != self.config or pool.dtype != self.dtype:
