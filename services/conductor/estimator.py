@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -93,19 +94,21 @@ class _Regression:
         x, y = self._xbuf[start : start + rows], self._ybuf[start : start + rows]
         scale = np.abs(x).max(axis=0)
         np.maximum(scale, 1e-12, out=scale)
-        full = list(range(x.shape[1]))
-        active = full
-        coef = np.zeros(x.shape[1])
+        nf = self._nf
+        active = list(range(nf))
+        coef = [0.0] * nf
         # tiny active-set NNLS: drop features whose coefficient comes out negative
         while active:
-            a = x / scale if active == full else x[:, active] / scale[active]
+            full = len(active) == nf  # (no fancy indexing then: a copy each)
+            a = x / scale if full else x[:, active] / scale[active]
             sol = _lstsq(a, y)
             if (sol >= 0).all():
-                coef[active] = sol / scale[active]
+                for j, c in zip(active, (sol / (scale if full else scale[active])).tolist()):
+                    coef[j] = c
                 break
-            active = [a for a, s in zip(active, sol) if s >= 0] or []
-        if np.isfinite(coef).all() and coef.any():
-            self.coef = coef.tolist()
+            active = [a for a, s in zip(active, sol) if s >= 0]
+        if all(map(math.isfinite, coef)) and any(coef):
+            self.coef = coef
 
     def error_quantiles(self, qs: Iterable[float] = (0.5, 0.9)) -> list[float]:
         if not self._errors:
