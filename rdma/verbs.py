@@ -47,6 +47,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
+from .gpu_memory import (
+    GpuMemoryUnavailable,
+    gpu_memory_mode,
+    register_gpu_memory,
+    unavailable_reason,
+)
 from .tcp import TcpTransport
 from .transport import Op, RegionTable, RemoteAccessError, TransferError, Transport, WorkRequest
 from .verbs_layer import (
@@ -167,6 +173,7 @@ class VerbsTransport(Transport):
         piece_bytes: int = 1 << 20,
         qp_depth: int = 128,
         cq_depth: int = 4096,
+        gpu_memory: str | None = None,
     ) -> None:
         if checksum:
             raise ValueError("checksum=True is not supported by the RDMA transport")
@@ -176,6 +183,12 @@ class VerbsTransport(Transport):
             secret, host, port, conns_per_peer=conns_per_peer, connect_timeout=connect_timeout
         )
         self.layer = layer if layer is not None else PyverbsLayer()
+        # GPU memory registered through dma-buf: off by default, untested (gpu_memory.py)
+        self.gpu_memory = gpu_memory_mode(gpu_memory)
+        if self.gpu_memory != "off":
+            why = unavailable_reason(self.gpu_memory, self.layer)
+            if why is not None:
+                raise GpuMemoryUnavailable(f"gpu_memory={self.gpu_memory!r}: {why}")
         # what a failed verbs operation (QP state machine included) or control exchange raises
         self._fails: tuple[type[Exception], ...] = (TransferError, RuntimeError, *self.layer.errors)
         self.device_names = devices
@@ -293,6 +306,16 @@ class VerbsTransport(Transport):
         return out
 
     # -- client side: submit ---------------------------------------------------
+    def register_gpu_memory(self, addr: int, length: int, device_index: int = 0) -> list[Any]:
+        """The hook for CUDA device memory: ``[addr, addr + length)`` registered through
+        a dma-buf on every NIC's protection domain (one MR per NIC, in NIC order).
+        Off by default and untested on hardware; refused with the reason
+        (:class:`~rdma.gpu_memory.GpuMemoryUnavailable`) where it cannot work."""
+        return [
+            register_gpu_memory(self.layer, nic.pd, addr, length, self.gpu_memory, device_index)
+            for nic in self._nics
+        ]
+
     def submit(self, peer: str, requests: list[WorkRequest]) -> None:
         notifies = [r for r in requests if r.op is Op.NOTIFY]
         if notifies:

@@ -62,7 +62,7 @@ def decode_static(
     new_off = pos % bs
     slots = torch.arange(w * bs, device=pos.device)
     mask = (slots[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, W*bs]
-    cos, sin = model._rope(pos)
+    cos, sin = rope(model, pos)
     h = model.embed_tokens(ids)
     for layer_idx, layer in enumerate(model.layers):
         q, k, v = layer.qkv(h, cos, sin)
@@ -75,7 +75,18 @@ def decode_static(
             q[:, :, None, :], keys, vals, attn_mask=mask, enable_gqa=True
         )
         h = layer.finish(h, o.reshape(b, -1))
-    return model._logits(h)
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    return F.linear(model.norm(h), head.weight).float()
+
+
+def rope(model, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, head_dim] in the model's dtype for positions ``pos`` (as the model's
+    own RoPE: float32 angles from ``model.inv_freq``, moved to the device once)."""
+    if model.inv_freq.device != pos.device:
+        model.inv_freq = model.inv_freq.to(pos.device)
+    freqs = pos.to(torch.float32)[:, None] * model.inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(model.dtype), emb.sin().to(model.dtype)
 
 
 @dataclass

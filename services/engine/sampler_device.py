@@ -6,7 +6,7 @@ It draws the same tokens as :func:`kvmesh.services.engine.sampling.sample` row b
 on the CPU bit for bit (tests/test_sampler_device.py compares):
 
 * greedy rows (temperature 0): ``argmax`` of the logits;
-* sampled rows: temperature, top-k and top-p as :func:`sampling._probs` computes them,
+* sampled rows: temperature, top-k and top-p as ``sampling._probs`` computes them,
   batched (each row's own parameters as a column of values), then the draw
   ``torch.multinomial(probs, 1, generator=g)`` makes for one sample: ``argmax(probs / q)``
   with ``q ~ Exp(1)`` per vocabulary entry, drawn from the request's own seeded CPU
@@ -33,7 +33,16 @@ import torch
 
 from kvmesh.services.common.sampling_params import Sampling
 
-from .sampling import make_generator
+
+def make_generator(s: Sampling, step: int = 0) -> torch.Generator | None:
+    """The CPU generator of request ``s``'s token ``step`` (None when greedy): seeded
+    from the request's seed and the token's index, so a seeded request draws the same
+    numbers on any node, whatever else is in the batch."""
+    if s.temperature == 0:
+        return None
+    g = torch.Generator()
+    g.manual_seed((s.seed * 1_000_003 + step) & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -55,7 +64,7 @@ def _noise(samplings: Sequence[Sampling], steps: Sequence[int], rows: list[int],
 def _sampled_probs(
     logits: torch.Tensor, samplings: Sequence[Sampling], rows: list[int]
 ) -> torch.Tensor:
-    """:func:`sampling._probs` of each row of ``logits`` [n, vocab] (float32), request
+    """``sampling._probs`` of each row of ``logits`` [n, vocab] (float32), request
     ``rows[j]``'s parameters for row ``j``."""
     dev = logits.device
     params = [samplings[i] for i in rows]

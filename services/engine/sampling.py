@@ -1,5 +1,6 @@
 """Token sampling (torch): greedy at temperature 0, else temperature / top-k / top-p with a
-per-request generator so a seeded request is reproducible on any node."""
+per-request generator so a seeded request is reproducible on any node. One row on the
+CPU here; a batch, or a row on a GPU, in :mod:`.sampler_device` (the same tokens)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,7 @@ import torch
 
 from kvmesh.services.common.sampling_params import Sampling
 
-
-def make_generator(s: Sampling, step: int = 0) -> torch.Generator | None:
-    if s.temperature == 0:
-        return None
-    g = torch.Generator()
-    g.manual_seed((s.seed * 1_000_003 + step) & 0x7FFF_FFFF_FFFF_FFFF)
-    return g
+from .sampler_device import make_generator, sample_batch
 
 
 def _probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -49,8 +44,6 @@ def sample_with_logprob(logits: torch.Tensor, s: Sampling, step: int = 0) -> tup
     distribution (``log_softmax`` of the raw logits, i.e. before temperature/top-k/top-p,
     as OpenAI-style ``logprobs`` report it)."""
     if logits.device.type != "cpu":  # one sync, and a CPU generator's noise (not CUDA's)
-        from .sampler_device import sample_batch
-
         return sample_batch(logits.reshape(1, -1), [s], [step])[0]
     tok = sample(logits, s, step)
     lp = float(torch.log_softmax(logits.float().reshape(-1), dim=-1)[tok])
