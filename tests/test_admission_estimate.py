@@ -167,3 +167,16 @@ def test_error_tail_is_a_high_quantile_of_recent_ratios():
     assert tail.value == pytest.approx(3.0)  # the slow one is within the window's top 10%
     tail.add(100, 90)  # and leaves it
     assert tail.value == pytest.approx(0.9)
+
+
+def test_a_node_slowed_by_load_is_no_floor():
+    """Measured 3x slower than its model, the node misses a 40 ms SLO now (a 429 with a
+    retry), but the SLO is not below what it does idle at its usual speed (no 400)."""
+    s = make()
+    p = s.prefill["p0"]
+    for _ in range(3):
+        p.rate.observe(160, 0, 0.0, 3 * WORK)
+    d = s.decide(req("x", ttft=40.0))
+    assert not d.accepted and d.reason == "ttft" and d.retry_after_ms > 0
+    d = s.decide(req("y", ttft=20.0))  # below even the model's 26 ms
+    assert not d.accepted and d.reason == "infeasible" and "26.0 ms" in d.message

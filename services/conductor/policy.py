@@ -624,8 +624,14 @@ class Scheduler:
                 f"shorten the prompt or lower max_tokens"
             )
         margin = self.cfg.slo_margin
-        idle = min(cands, key=lambda c: c.ttft_ms - c.queue_ms)
-        ttft = idle.ttft_ms - idle.queue_ms
+
+        def idle_ms(c: Candidate) -> float:
+            # without its queue, at the node's fitted model where it measures slower now
+            # (a node slowed by load is no floor: a retry may find it fast again)
+            return c.ttft_ms - c.queue_ms - c.work_ms * max(0.0, c.speed - 1.0)
+
+        idle = min(cands, key=idle_ms)
+        ttft = idle_ms(idle)
         if ttft > (r.ttft_slo_ms + r.ttft_spent_ms) * margin:
             return (
                 f"the TTFT SLO of {_ms(r.ttft_slo_ms + r.ttft_spent_ms)} ms is below the "
