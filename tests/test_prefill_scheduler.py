@@ -482,3 +482,46 @@ async def test_the_store_put_holds_the_new_blocks_until_it_ends():
     store.put_gate.set()
     await asyncio.wait(node.background)
     assert node.pool.num_used == 0 and node.pool.num_cached == 2
+
+
+class HeldTE(FakeTE):
+    """The first write fails at once; the others stay in flight until ``land_all``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[asyncio.Future] = []
+
+    def write(self, peer, slices):
+        self.writes.append(list(slices))
+        fut = asyncio.get_running_loop().create_future()
+        if len(self.writes) == 1:
+            fut.set_exception(TransferError("link down"))
+        else:
+            self.held.append(fut)
+        return fut
+
+    def land_all(self) -> None:
+        for f in self.held:
+            if not f.done():
+                f.set_result(None)
+
+
+async def test_a_request_cancelled_while_its_failed_handoff_settles_frees_its_blocks():
+    """The failure waits for the writes still in flight (they read the pool blocks); a
+    cancellation landing during that wait still frees the blocks once they end, and
+    sends no ``drop``: a failed write means the decode node must keep its fence."""
+    te = HeldTE()
+    node = make_node(te=te)
+    task = asyncio.create_task(node.prefill(request("a", PROMPT)))
+    await started(lambda: len(te.held) >= 1 and node.pool.num_used > 0, task)
+    for _ in range(20):  # let the failure reach settle()
+        await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert node.pool.num_used > 0  # not before the writes reading them have ended
+    te.land_all()
+    with pytest.raises((asyncio.CancelledError, TransferError)):
+        await task
+    assert node.pool.num_used == 0
+    await asyncio.sleep(0.01)
+    assert not any(e.startswith("notify") for e in te.log), te.log

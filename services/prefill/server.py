@@ -308,8 +308,12 @@ class PrefillNode(ModelNode):
             await self._test_hold("transferring", req.request_id)
             await handoff.finish(req.request_id)
         except BaseException:  # cleanup only (a failure or a cancellation): re-raised
-            handoff.clean = await handoff.settle()  # _compute has ended: it waits for its thread
-            self.pool.free(table)
+            # not clean unless settle() says so: a cancellation may land while it waits
+            handoff.clean = False
+            try:
+                handoff.clean = await handoff.settle()  # _compute has ended (waits its thread)
+            finally:
+                self.pool.free(table)
             raise
         prefill_ms = (time.perf_counter() - t0) * 1000
         self._observe(len(p.tokens), start, handoff, timing, prefill_ms)
