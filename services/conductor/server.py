@@ -43,9 +43,11 @@ from kvmesh.services.common.auth import (
     tenant_seed,
 )
 from kvmesh.services.common.config import ConfigError, load, option
+from kvmesh.services.common.etcd import EtcdError
 from kvmesh.services.common.hashing import prefix_hashes
 from kvmesh.services.common.metrics import REGISTRY as METRICS_REGISTRY
 from kvmesh.services.common.metrics import RequestStats
+from kvmesh.services.common.ownership import WRITERS_MD, OwnerKey
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import Service, run, setup_logging
@@ -71,12 +73,6 @@ from kvmesh.services.conductor.policy import (
 from kvmesh.services.conductor.text import TextStream
 
 log = logging.getLogger(__name__)
-
-# gRPC metadata the decode node reads (services.decode.server): on Reserve, this
-# conductor's id (its reservations are freed when it leaves the cluster); on Release, the
-# prefill nodes asked to write the reserved blocks (a JSON list)
-CONDUCTOR_MD = "kvmesh-conductor"
-WRITERS_MD = "kvmesh-prefill-writers"
 
 # prompts longer than this are tokenized off the event loop
 LONG_PROMPT_BYTES = 16 << 10
@@ -229,6 +225,8 @@ class Conductor(Service):
         self._background: set[asyncio.Task] = set()  # releases outliving their request
         self._draining = False  # no new requests
         self._abort_streams = False  # in-flight streams end with UNAVAILABLE
+        # owns this process's decode reservations until teardown, after the drain
+        self.owner = OwnerKey(self.etcd, cfg.cluster, self.role, self.node_id, cfg.lease_ttl)
 
     async def setup(self) -> None:
         pbg.add_ConductorServicer_to_server(ConductorServicer(self), self.server)
@@ -241,6 +239,10 @@ class Conductor(Service):
         self._model_metrics = ModelErrorCollector(self.sched)
         METRICS_REGISTRY.register(self._model_metrics)
         await self.membership.start()
+
+    async def register(self) -> None:
+        await super().register()
+        await self.owner.start()
 
     async def drain(self) -> None:
         """In-flight streams get ``drain_timeout_s`` to finish; the rest end with a status."""
@@ -259,6 +261,11 @@ class Conductor(Service):
         METRICS_REGISTRY.unregister(self._model_metrics)
         if self._background:  # reservations being released
             await asyncio.wait(self._background, timeout=5)
+        try:  # the decode nodes free what this incarnation still holds
+            async with asyncio.timeout(3):
+                await self.owner.stop()
+        except (TimeoutError, EtcdError) as e:
+            log.warning("deleting the owner key failed (%s); its lease will expire", e)
         await self.feeds.close()
         await self.membership.stop()
         await self.view.close()
@@ -661,7 +668,7 @@ class Conductor(Service):
             resp = await self.view.decode_stub(d).Reserve(
                 pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens),
                 timeout=5,
-                metadata=((CONDUCTOR_MD, self.node_id),),  # freed if this conductor dies
+                metadata=self.owner.metadata(self.node_id),  # freed when it ends
             )
             return resp.target
         except asyncio.CancelledError:  # the client went away: the node may have reserved
