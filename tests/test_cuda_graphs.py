@@ -21,8 +21,30 @@ BS = 16
 
 
 def test_width_buckets():
-    assert [width_bucket(r, 64) for r in (1, 2, 3, 5, 16, 17, 64)] == [1, 2, 4, 8, 16, 32, 64]
-    assert width_bucket(40, 48) == 48  # capped at the most a request can reach
+    assert [width_bucket(r, 4096) for r in range(1, 18)] == [
+        *range(1, 9),
+        10,
+        10,
+        12,
+        12,
+        14,
+        14,
+        16,
+        16,
+        20,
+    ]
+    assert [width_bucket(r, 4096) for r in (64, 65, 80, 81, 127, 128, 2049)] == [
+        64,
+        80,
+        80,
+        96,
+        128,
+        128,
+        2560,
+    ]
+    for r in range(1, 3000):  # never under the reach, never more than 25% over it
+        assert r <= width_bucket(r, 4096) <= max(r, r * 1.25)
+    assert width_bucket(2049, 2100) == 2100  # capped at the most a request can reach
     with pytest.raises(ValueError, match="reach"):
         width_bucket(0, 8)
 

@@ -9,10 +9,11 @@ CUDA graph can capture it.
 
 * on the CPU (the default) it calls :meth:`LlamaModel.forward_decode`, unchanged;
 * on CUDA a batch of ``b`` requests runs in the smallest batch bucket ``nb >= b``
-  (:func:`~services.engine.device.graph_bucket`) and the smallest width bucket (a power
-  of two blocks, :func:`width_bucket`) holding its longest request: the inputs are padded
-  (rows ``b..nb-1`` repeat row 0, so they write row 0's K/V, the same bytes, to the same
-  slot: no block of another request is touched), written by index into that bucket's
+  (:func:`~services.engine.device.graph_bucket`) and the smallest width bucket
+  (:func:`width_bucket`: at most 25% more blocks) holding its longest request: the
+  inputs are padded (rows ``b..nb-1`` repeat row 0, so they write row 0's K/V, the same
+  bytes, to the same slot: no block of another request is touched), written by index
+  into that bucket's
   static input buffers, and the bucket's graph is replayed (captured on first use, after a
   warm-up, into one memory pool shared by all graphs). ``cuda_graphs=False`` (the decode
   node's ``--no-cuda-graphs``) runs :func:`decode_static` eagerly instead; a batch past the
@@ -37,14 +38,15 @@ from .device import DEFAULT_GRAPH_BUCKETS, graph_bucket, graph_buckets
 
 
 def width_bucket(reach: int, max_blocks: int) -> int:
-    """Blocks of the block-table width a step runs with: the smallest power of two that
-    holds ``reach`` (the blocks its longest request reads), at most ``max_blocks``."""
+    """Blocks of the block-table width a step runs with: ``reach`` (the blocks its
+    longest request reads) rounded up to a multiple of a quarter of the largest power of
+    two not above it, so a step reads at most 25% padding and there are at most four
+    widths per octave (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...); at most
+    ``max_blocks``."""
     if not 1 <= reach <= max_blocks:
         raise ValueError(f"reach must be in [1, {max_blocks}] blocks, got {reach}")
-    w = 1
-    while w < reach:
-        w *= 2
-    return min(w, max_blocks)
+    step = max(1, (1 << (reach.bit_length() - 1)) // 4)
+    return min(-(-reach // step) * step, max_blocks)
 
 
 @torch.inference_mode()
