@@ -177,7 +177,12 @@ def test_node_process_with_default_secret_off_loopback_exits_with_the_reason():
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def hold_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hold"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, hold_dir):
     c = LocalCluster(
         str(tmp_path_factory.mktemp("secure")),
         node_args=NODE_ARGS,
@@ -186,8 +191,21 @@ def cluster(tmp_path_factory):
         api_key="kopen",
         http_port=0,  # any free port; start() reads it into cluster.http_port
     )
+    # the prefill node's test hook (tests.test_cancel.Hold): idle until a test writes
+    # a stage to <hold_dir>/hold
+    old = os.environ.get("KVMESH_TEST_HOLD_PREFILL")
+    os.environ["KVMESH_TEST_HOLD_PREFILL"] = hold_dir
     try:
         c.start()
+    except BaseException:
+        c.stop()
+        raise
+    finally:
+        if old is None:
+            del os.environ["KVMESH_TEST_HOLD_PREFILL"]
+        else:
+            os.environ["KVMESH_TEST_HOLD_PREFILL"] = old
+    try:
         yield c
     finally:
         c.stop()
@@ -324,6 +342,78 @@ def test_tenant_isolation(cluster):
     # carol and dave share the namespace "team": dave hits what carol computed
     assert _generate(cluster, "kc", prompt).cached_tokens == 0
     assert _generate(cluster, "kd", prompt).cached_tokens > 0
+
+
+def test_request_ids_are_scoped_per_tenant(cluster, hold_dir):
+    """Issue 18: a request_id is unique among its own tenant's requests in flight only.
+    alice's request "job-1" is held at the prefill node (in flight); bob's "job-1" and
+    dave's (another tenant, sharing carol's cache namespace) are accepted beside it
+    (queued behind it, their decode KV reserved), while a second "job-1" of alice is
+    refused: ALREADY_EXISTS on gRPC, 409 on HTTP."""
+    from tests.test_cancel import Hold
+
+    hold = Hold(hold_dir)
+    hold.at("prefilling")
+    ident = cluster.client_tls()
+    calls = {}
+
+    def reserved() -> int:  # requests holding decode KV: each passed the id check
+        return sum(n.queue_depth for n in cluster.status(timeout=5).nodes if n.role == "decode")
+
+    base = reserved()
+    try:
+        with _secure(cluster.conductor, ident) as ch:
+            stub = pbg.ConductorStub(ch)
+            for n, key in enumerate(("ka", "kb", "kd"), 1):
+                calls[key] = stub.Generate(
+                    pb.GenerateRequest(prompt=f"{key}: {PROMPT}", max_tokens=2, request_id="job-1"),
+                    timeout=60,
+                    metadata=bearer_metadata(key),
+                )
+                if n == 1:
+                    hold.wait_held(1, calls[key])  # alice's holds the prefill node
+                deadline = time.monotonic() + 30  # the others queue behind it, reserved
+                while reserved() < base + n:
+                    assert not calls[key].done(), (key, calls[key].code(), calls[key].details())
+                    assert time.monotonic() < deadline, f"{key}'s request was not accepted"
+                    time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as e:
+                _generate_id(stub, "ka", "job-1")
+            assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS, e.value.details()
+            assert "job-1" in e.value.details()
+            # the HTTP face: the same rule, as a 409
+            ctx = ssl.create_default_context(cafile=ident.ca)
+            body = {"prompt": "hi", "max_tokens": 2, "request_id": "job-1"}
+            req = urllib.request.Request(
+                f"https://127.0.0.1:{cluster.http_port}/v1/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json", "Authorization": "Bearer ka"},
+            )
+            with pytest.raises(urllib.error.HTTPError) as h:
+                urllib.request.urlopen(req, timeout=30, context=ctx)
+            assert h.value.code == 409
+            assert json.loads(h.value.read())["error"]["param"] == "request_id"
+            # alice's held request is cancelled (a held one waits for that); bob's and
+            # dave's job-1, queued behind it, are served to their end
+            hold.at("")
+            calls.pop("ka").cancel()
+            for key, call in calls.items():
+                assert [r.finish_reason for r in call][-1] == "length", key
+    finally:
+        hold.at("")
+        for call in calls.values():
+            call.cancel()
+
+
+def _generate_id(stub, key: str, request_id: str) -> str:
+    last = None
+    for r in stub.Generate(
+        pb.GenerateRequest(prompt=PROMPT, max_tokens=2, request_id=request_id),
+        timeout=30,
+        metadata=bearer_metadata(key),
+    ):
+        last = r
+    return last.finish_reason
 
 
 def test_cli_against_tls_cluster(cluster):
