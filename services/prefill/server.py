@@ -270,7 +270,7 @@ class PrefillNode(ModelNode):
         request reaching the stage named in ``<dir>/hold`` (``prefilling``: with the compute
         slot, before the forward; ``transferring``: every layer's write issued, before the
         KV-complete notify) appends ``<stage> <request id>`` to ``<dir>/held`` and waits
-        there until it is cancelled."""
+        there until it is cancelled, or goes on once ``<dir>/hold`` names another stage."""
         if not self.test_hold_dir:
             return
         try:
@@ -281,7 +281,8 @@ class PrefillNode(ModelNode):
             return
         with open(os.path.join(self.test_hold_dir, "held"), "a") as f:
             f.write(f"{stage} {request_id}\n")
-        await asyncio.Event().wait()
+        while _read(os.path.join(self.test_hold_dir, "hold")) == stage:
+            await asyncio.sleep(0.05)
 
     async def _prefill_locked(
         self, req: pb.PrefillRequest, queue_ms: float, handoffs: list[_Handoff]
@@ -514,6 +515,14 @@ class PrefillNode(ModelNode):
         await self.compute.idle()
         if self.background:
             await asyncio.wait(self.background, timeout=10)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def main(argv: list[str] | None = None) -> None:
