@@ -24,8 +24,10 @@ for run, so a change is compared under the same machine load.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib
+import inspect
 import json
 import os
 import random
@@ -144,15 +146,27 @@ def requests(chains: list[list[bytes]], n: int, rng: random.Random, impl=None) -
 def book(s, r, d) -> None:
     """What a conductor does when a request completes: the node's report feeds the time
     model of the node that computed the prompt, the first token is booked with its TTFT
-    (here: as estimated), then the request's end."""
+    and the node's own slot and queue times (here: as estimated), then the request's
+    end."""
     c = d.estimate
     new, cached = r.n_tokens - c.cached_blocks * BS, c.cached_blocks * BS
     if d.route == "disaggregated":
         s.prefill[d.prefill_node].model.observe(new, cached, c.prefill_ms)
     else:
         s.decode[d.decode_node].prefill_model.observe(new, cached, c.prefill_ms)
-    s.prefill_done(r, d, new, cached, ttft_ms=c.ttft_ms)
+    if _takes_node_times(type(s)):
+        node_ms = c.prefill_ms + c.fetch_ms + c.handoff_ms
+        s.prefill_done(
+            r, d, new, cached, ttft_ms=c.ttft_ms, node_ms=node_ms, node_queue_ms=c.queue_ms
+        )
+    else:  # a version before the measured rate (issue 15 part 2)
+        s.prefill_done(r, d, new, cached, ttft_ms=c.ttft_ms)
     s.request_done(r, d, 200)
+
+
+@functools.cache
+def _takes_node_times(scheduler: type) -> bool:
+    return "node_ms" in inspect.signature(scheduler.prefill_done).parameters
 
 
 def loop(s, reqs: list) -> tuple[float, list[int], list, float]:

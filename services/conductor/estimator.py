@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh.services.conductor.rolling import RollingWindow
+
 _gelsd: Any
 try:  # the LAPACK routine behind np.linalg.lstsq, without its ~30 us of wrapping
     from numpy.linalg import _umath_linalg
@@ -202,26 +204,50 @@ class MeasuredRate:
         self._seen: deque[tuple[int, int, float, float]] = deque(maxlen=window)
         self._factor = 1.0
         self._coef: object = None  # the fit the cached factor was computed against
+        # the ratios of ``_seen`` by that fit, but for the last ``_fresh`` (observed since)
+        self._ratios = RollingWindow(window)
+        self._fresh = 0
 
     def observe(self, new: int, cached: int, extra_ms: float, actual_ms: float) -> None:
         """A finished prefill of ``new`` tokens after ``cached`` ones that held the slot
         ``actual_ms``, of which the model does not predict ``extra_ms`` (transfers)."""
         if actual_ms > 0:
             self._seen.append((new, cached, extra_ms, actual_ms))
-            self._coef = None
+            self._fresh += 1
             self.observations += 1
 
+    def _ratio(self, coef: list[float], n: int, c: int, x: float, ms: float) -> float:
+        """``min(hi, max(lo, ms / pred))`` for the prediction by ``coef`` (as
+        ``PrefillModel.predict``) plus ``x``, or 1.0 where that is not positive."""
+        a, b, k = coef
+        pred = a + b * n + k * n * (n + c) + x
+        if not pred > 0:
+            return 1.0
+        r = ms / pred
+        r = r if r > self.lo else self.lo  # max(lo, r): lo for a NaN
+        return r if r < self.hi else self.hi
+
     def factor(self, model: PrefillModel) -> float:
-        """Real ms per predicted ms by ``model``'s current fit (1.0 before any prefill)."""
-        if self._coef is not model.coef:
-            ratios = sorted(
-                min(self.hi, max(self.lo, ms / pred))
-                if (pred := model.predict(n, c) + x) > 0
-                else 1.0
-                for n, c, x, ms in self._seen
-            )
-            self._factor = ratios[len(ratios) // 2] if ratios else 1.0
-            self._coef = model.coef
+        """Real ms per predicted ms by ``model``'s current fit (1.0 before any prefill):
+        the ratios are recomputed when the fit changes, else only the new ones added."""
+        coef, fresh = model.coef, self._fresh
+        if fresh or self._coef is not coef:
+            seen = self._seen
+            if self._coef is not coef or fresh > len(seen) or len(coef) != 3:
+                ratios = [
+                    min(self.hi, max(self.lo, ms / pred))
+                    if (pred := model.predict(n, c) + x) > 0
+                    else 1.0
+                    for n, c, x, ms in seen
+                ]
+                self._ratios = RollingWindow(seen.maxlen or len(seen), ratios)
+            else:
+                for i in range(len(seen) - fresh, len(seen)):
+                    self._ratios.append(self._ratio(coef, *seen[i]))
+            self._fresh = 0
+            s = self._ratios.sorted()
+            self._factor = s[len(s) // 2] if s else 1.0
+            self._coef = coef
         return self._factor
 
     @property
@@ -246,7 +272,7 @@ class ErrorTail:
         hi: float = 4.0,
     ) -> None:
         self.quantile, self.least, self.lo, self.hi = quantile, least, lo, hi
-        self._ratios: deque[float] = deque(maxlen=window)
+        self._ratios = RollingWindow(window)
         self.value = 1.0
 
     def add(self, estimated: float, actual: float) -> None:
@@ -254,6 +280,6 @@ class ErrorTail:
             return
         self._ratios.append(actual / estimated)
         if len(self._ratios) >= self.least:
-            r = sorted(self._ratios)
+            r = self._ratios.sorted()
             q = r[min(len(r) - 1, int(self.quantile * len(r)))]
             self.value = min(self.hi, max(self.lo, q))

@@ -33,9 +33,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import random
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -50,6 +48,7 @@ from kvmesh.services.conductor.estimator import (
 )
 from kvmesh.services.conductor.index import CacheIndex, Lookup
 from kvmesh.services.conductor.queue_order import NodeMap, QueueOrder
+from kvmesh.services.conductor.rolling import RollingWindow
 from kvmesh.services.conductor.store_fetch import StoreFetchModel
 
 POLICIES = ("random", "load", "cache", "cache-load", "kvmesh")
@@ -342,9 +341,7 @@ class Scheduler:
         self.ttft_error = ErrorTracker()
         # per route: TTFT the models do not explain (RPC hops), learned from actual TTFTs
         self.overhead_ms = {DISAGG: self.cfg.disagg_overhead_ms, COLOCATED: 0.0, DIRECT: 0.0}
-        self._residuals: dict[str, deque[float]] = {
-            route: deque(maxlen=64) for route in self.overhead_ms
-        }
+        self._residuals = {route: RollingWindow(64) for route in self.overhead_ms}
         self._output_share = self.cfg.expected_output_share
         # per route: the slow tail of actual / estimated TTFT, what admission allows for
         self.error_tail = {route: ErrorTail() for route in self.overhead_ms}
@@ -764,7 +761,7 @@ class Scheduler:
                 window.append(ttft_ms - (node_queue_ms or 0.0) - node_ms)
             else:
                 window.append(ttft_ms - (c.ttft_ms - self.overhead_ms[d.route]))
-            self.overhead_ms[d.route] = min(max(statistics.median(window), 0.0), 1000.0)
+            self.overhead_ms[d.route] = min(max(window.median(), 0.0), 1000.0)
 
     def request_done(self, r: Request, d: Decision, output_tokens: int | None = None) -> None:
         dn = self.decode.get(d.decode_node) if d.decode_node else None

@@ -1,0 +1,70 @@
+"""A sliding window of numbers kept sorted as it slides, for the conductor's medians and
+quantiles over recent requests: each new number costs a binary search and a move of
+pointers, not a sort of the window (the learned overheads, the error tail and the
+nodes' measured rates are read after every booked request)."""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+
+class RollingWindow:
+    """The last ``maxlen`` numbers in arrival order and in sorted order.
+
+    ``median()`` and ``sorted()`` equal ``statistics.median`` and ``sorted`` of the
+    window. A NaN is kept in arrival order only; while one is in the window they fall
+    back to those functions themselves (a NaN has no place in a sorted order)."""
+
+    __slots__ = ("_items", "_sorted", "_nans")
+
+    def __init__(self, maxlen: int, items: Iterable[float] = ()) -> None:
+        self._items: deque[float] = deque(maxlen=maxlen)
+        self._sorted: list[float] = []
+        self._nans = 0
+        for x in items:
+            self.append(x)
+
+    def append(self, x: float) -> None:
+        items = self._items
+        if len(items) == items.maxlen:
+            old = items[0]
+            if old != old:
+                self._nans -= 1
+            else:
+                s = self._sorted
+                del s[bisect.bisect_left(s, old)]
+        items.append(x)
+        if x != x:
+            self._nans += 1
+        else:
+            bisect.insort(self._sorted, x)
+
+    def sorted(self) -> list[float]:
+        """The window sorted (the caller must not change the list)."""
+        return self._sorted if not self._nans else sorted(self._items)
+
+    def median(self) -> float:
+        if self._nans or not self._sorted:
+            return statistics.median(self._items)
+        s = self._sorted
+        n = len(s)
+        if n % 2:
+            return s[n // 2]
+        return (s[n // 2 - 1] + s[n // 2]) / 2
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._sorted.clear()
+        self._nans = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self._items)
+
+    def __getitem__(self, i: int) -> float:
+        return self._items[i]
