@@ -112,6 +112,39 @@ def test_remote_put_is_two_compact_calls_and_every_byte_comes_back(store, monkey
     assert stats["master_errors"] == 0 and stats["put_failed"] == 0
 
 
+def test_large_gets_land_in_the_returned_bytes_without_staging(store):
+    """A get of values of DIRECT_GET_MIN bytes or more reads each straight into the bytes
+    it returns: every byte comes back, no staging buffer is made for them, the transient
+    regions are gone afterwards, and small values in the same batch still come back
+    through the staging path. A value whose holder is unreachable is a miss (None)."""
+    big = client_mod.DIRECT_GET_MIN
+    sizes = [big, 4096, 3 * big + 7, 5000, 5 << 20]
+    keys = [f"direct-{i}".encode() for i in range(len(sizes))]
+    vals = [os.urandom(n) for n in sizes]
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.batch_put(keys, vals) == [True] * len(keys)
+        cl._staging, cl._staging_region = None, -1  # forget the put's staging
+        before = te._regions.ids()
+        got = await cl.batch_get([keys[0], keys[2], keys[4]])
+        assert got == [vals[0], vals[2], vals[4]] and all(type(v) is bytes for v in got)
+        assert cl._staging is None  # nothing staged, nothing copied
+        assert te._regions.ids() == before
+        assert await cl.batch_get(keys) == vals  # mixed: small ones staged
+        assert await cl.get(keys[4]) == vals[4]
+        before = te._regions.ids()  # now with the small values' staging region
+        # a holder that refuses the read (an unknown region): a miss, no region left over
+        loc = await cl._get_replicas([keys[0]], True)
+        assert loc is not None
+        bad = [(0, loc[1][0][1], 10**6, "", 0, big)]
+        out: list = [None]
+        await cl._get_direct(bad, out)
+        assert out == [None] and te._regions.ids() == before
+        await cl.remove(keys)
+
+    run(store.master, body)
+
+
 def _valid_put_start(keys: list[bytes], sizes: list[int]) -> bytes:
     return wire.pack_put_start("fuzzer", keys, sizes)
 

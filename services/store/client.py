@@ -50,7 +50,13 @@ from kvmesh.services.common import channels
 from kvmesh.services.common.channels import make_channel
 from kvmesh.services.common.registry import Membership
 from kvmesh.services.common.telemetry import record_span
-from kvmesh.services.store.copy import copy_into, copy_many, fresh_bytes_many
+from kvmesh.services.store.copy import (
+    FILLABLE_BYTES,
+    copy_into,
+    copy_many,
+    fresh_bytes_many,
+    fresh_bytes_target,
+)
 from kvmesh.services.store.fastconn import CallError, FastConn, FastConnError
 from kvmesh.services.store_master import wire
 
@@ -60,6 +66,9 @@ MAX_KEY_LEN = 256
 # a put of many values copies them into the staging region and sends each run of this
 # many bytes while it copies the next (the copy and the wire overlap)
 PIPELINE_BYTES = 4 << 20
+# a remote value this large is read by ``get`` straight into the bytes it returns (on the
+# TCP transport, where registering a buffer is a table entry; RDMA verbs would pin it)
+DIRECT_GET_MIN = 256 << 10
 _PB_RESP = {
     "PutStart": pb.PutStartResponse,
     "PutEnd": pb.PutEndResponse,
@@ -734,6 +743,12 @@ class StoreClient:
         for (i, _), v in zip(local, fresh_bytes_many([v for _, v in local])):
             out[i] = v
         nlocal = len(locs) - len(remote)
+        if remote and FILLABLE_BYTES and self.te.transport_kind != "rdma":
+            # large values land straight in the bytes handed back (no staging, no copy)
+            direct = [loc for loc in remote if loc[5] >= DIRECT_GET_MIN]
+            if direct:
+                remote = [loc for loc in remote if loc[5] < DIRECT_GET_MIN]
+                await self._get_direct(direct, out)
         if remote:
             async with self._staging_lock:
                 buf, sregion = self._stage(sum(loc[5] for loc in remote))
@@ -780,6 +795,34 @@ class StoreClient:
         self.stats["gets"] += hits
         self.stats["misses"] += len(out) - hits
         return out
+
+    async def _get_direct(self, locs: list[Loc], out: list[bytes | None]) -> None:
+        """Reads each remote value of ``DIRECT_GET_MIN`` bytes or more into a fresh
+        ``bytes`` registered for the read (a table entry on the TCP transport): the value
+        is on the wire once and copied never; the peers' reads run concurrently."""
+        targets = [fresh_bytes_target(loc[5]) for loc in locs]
+        regions = [self.te.register(t[1]) for t in targets]
+        try:
+            by_peer: dict[str, list[int]] = {}
+            for j, loc in enumerate(locs):
+                by_peer.setdefault(loc[1], []).append(j)
+
+            async def read(peer: str, js: list[int]) -> None:
+                try:
+                    await self.te.read(
+                        peer, [Slice(regions[j], 0, locs[j][2], locs[j][4], locs[j][5]) for j in js]
+                    )
+                except (TransferError, OSError) as e:
+                    self.stats["read_failed"] += len(js)
+                    log.warning("store read from %s failed (%s): a miss", peer, e)
+                    return
+                for j in js:
+                    out[locs[j][0]] = targets[j][0]
+
+            await asyncio.gather(*(read(a, js) for a, js in by_peer.items()))
+        finally:
+            for rid in regions:
+                self.te.unregister(rid)
 
     async def exists(self, keys: bytes | Sequence[bytes]) -> bool | list[bool]:
         """One key -> bool; a list of keys -> one bool per key."""

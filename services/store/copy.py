@@ -34,6 +34,7 @@ if _CPYTHON:
     _new_bytes.restype = ctypes.py_object
     _new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
     _BYTES_DATA = bytes.__basicsize__ - 1  # offsetof(PyBytesObject, ob_sval)
+FILLABLE_BYTES = _CPYTHON  # a fresh bytes can be filled in place (fresh_bytes_target)
 
 
 def _address(buf) -> int:
@@ -106,6 +107,15 @@ def fresh_bytes(src: memoryview) -> bytes:
     out = _new_bytes(None, n)  # uninitialised and referenced only here until returned
     ctypes.memmove(id(out) + _BYTES_DATA, _address(src), n)
     return out
+
+
+def fresh_bytes_target(n: int) -> tuple[bytes, ctypes.Array]:
+    """A fresh ``bytes`` of ``n`` uninitialised bytes and a writable ctypes view of its
+    contents, for a transfer to land a value straight in the object ``get`` returns (only
+    where ``FILLABLE_BYTES``). The caller must fill it completely, and must not hand it
+    out until it has."""
+    out = _new_bytes(None, n)
+    return out, (ctypes.c_char * n).from_address(id(out) + _BYTES_DATA)
 
 
 def _memmove_all(jobs) -> None:
