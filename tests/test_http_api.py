@@ -341,6 +341,13 @@ def test_out_of_range_and_ill_formed_input_is_a_400_naming_the_field(api):
         (b"[" * 100_000, "too deeply"),
         (b'{"prompt": "hi", "temperature": NaN}', "NaN"),
         (b'{"prompt": "hi", "temperature": 1e400}', "temperature"),
+        # a JSON integer too big for a float (math.isfinite would overflow)
+        (b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}", "temperature"),
+        (b'{"prompt": "hi", "top_p": 1' + b"0" * 400 + b"}", "top_p"),
+        (b'{"prompt": "hi", "ttft_slo_ms": 1' + b"0" * 400 + b"}", "ttft_slo_ms"),
+        (b'{"prompt": "hi", "tbt_slo_ms": 1' + b"0" * 400 + b"}", "tbt_slo_ms"),
+        # past Python's 4,300-digit limit for int parsing
+        (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", "4300 digits"),
     ):
         code, out = _post_raw(port, "/v1/completions", raw)
         assert code == 400 and says in out["error"]["message"], (raw[:40], out)

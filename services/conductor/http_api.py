@@ -258,6 +258,9 @@ class HttpApi:
             app,
             access_log=None,
             handle_signals=False,
+            # a client that closes its connection cancels its handler, so a non-streamed
+            # completion stops and frees its KV at once (aiohttp's default runs it on)
+            handler_cancellation=True,
             logger=QuietClientErrors(logging.getLogger("aiohttp.server"), {}),
         )
         await runner.setup()

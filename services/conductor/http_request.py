@@ -150,7 +150,8 @@ class Fields:
             return default
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ApiError(400, f"{name} must be a number, got {_show(v)}", param=name)
-        if not (math.isfinite(v) and lo <= v <= hi):
+        # an int of any size compares exactly; math.isfinite(10**400) would overflow
+        if not ((isinstance(v, int) or math.isfinite(v)) and lo <= v <= hi):
             raise ApiError(
                 400,
                 f"{name} must be a number from {lo:g} to {hi:.3g}{note}, got {_show(v)}",
