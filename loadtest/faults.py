@@ -67,6 +67,7 @@ from kvmesh.loadtest.fault_harness import (  # noqa: E402
     run_request,
     wait_for,
 )
+from kvmesh.loadtest.faults_conductor import conductor_killed  # noqa: E402
 from kvmesh.loadtest.faults_netns import net_cut  # noqa: E402
 from kvmesh.protos import kvmesh_pb2 as pb  # noqa: E402
 from kvmesh.protos import kvmesh_pb2_grpc as pbg  # noqa: E402
@@ -579,109 +580,6 @@ def store_master_failover(workdir: str, prompts, expect, plan: Plan) -> dict:
         took = row.get("takeover_s")
         row["takeover_goal_s"] = TTL + TAKEOVER_SLACK_S
         row["takeover_in_ttl_plus_2"] = took is not None and took <= TTL + TAKEOVER_SLACK_S
-        return row
-    finally:
-        cluster.stop()
-
-
-class _FailoverStub:
-    """A client's Conductor stub over several conductors, by the rule of
-    ``services.client``: its calls go to its home conductor until one fails UNAVAILABLE,
-    then to the next (the harness retries the request: a retriable status)."""
-
-    def __init__(self, stubs: list, home: int) -> None:
-        self.stubs, self.home = stubs, home % len(stubs)
-
-    def Generate(self, req, timeout=None):  # noqa: N802 (the stub's method name)
-        home = self.home
-
-        async def it():
-            try:
-                async for r in self.stubs[home].Generate(req, timeout=timeout):
-                    yield r
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and self.home == home:
-                    self.home = (home + 1) % len(self.stubs)
-                raise
-
-        return it()
-
-
-class _ConductorsLoad(Load):
-    """The fault harness's load, its clients spread over every conductor."""
-
-    def __init__(self, conductors: list[str], *a, **kw) -> None:
-        super().__init__(conductors[0], *a, **kw)
-        self.conductors = conductors
-
-    async def run(self, body) -> None:
-        self.t0 = time.perf_counter()
-        chans = [grpc.aio.insecure_channel(a) for a in self.conductors]
-        stubs = [pbg.ConductorStub(c) for c in chans]
-        clients = [
-            asyncio.create_task(self._client(_FailoverStub(stubs, k), k))
-            for k in range(self.concurrency)
-        ]
-        try:
-            await body(self)
-        finally:
-            self._stop.set()
-            await asyncio.gather(*clients, return_exceptions=True)
-            for c in chans:
-                await c.close()
-
-
-def conductor_killed(workdir: str, prompts, expect, plan: Plan) -> dict:
-    """Two conductors serve at once, the load's clients spread over both; conductor-0 is
-    SIGKILLed under load. Its clients' calls fail UNAVAILABLE and go to conductor-1.
-    Goal: zero wrong, zero failed (retries allowed), accepted requests inside the SLO
-    (the conductor's default TTFT/TBT SLO)."""
-    from kvmesh.loadtest.fault_harness import summarize
-    from kvmesh.services.conductor.server import ConductorConfig
-
-    cluster = new_cluster(workdir, conductors=2)
-    try:
-        res: dict = {}
-
-        async def act(ld: Load) -> None:
-            await asyncio.sleep(plan.before_s)
-            res["t_fault"] = ld.now()
-            res["victim"] = "conductor-0"
-            await asyncio.to_thread(cluster.stop_process, "conductor-0", signal.SIGKILL)
-            await asyncio.sleep(plan.after_s)
-
-        async def go() -> Load:
-            ld = _ConductorsLoad(
-                cluster.conductors,
-                prompts,
-                expect,
-                plan.max_tokens,
-                plan.concurrency,
-                plan.deadline_s,
-            )
-            await ld.run(act)
-            return ld
-
-        t = time.monotonic()
-        load = asyncio.run(go())
-        t_fault = res.pop("t_fault", 0.0)
-        row = summarize("conductor-killed", load, t_fault, res)
-        row["duration_s"] = round(time.monotonic() - t, 1)
-        row["ttl_s"] = TTL
-        cfg = ConductorConfig()
-        ok = [r for r in load.reqs if r.outcome == "ok" and r.ttft_s is not None]
-        ttfts = sorted(r.ttft_s * 1000 for r in ok)
-        row["conductors"] = 2
-        row["ttft_slo_ms"], row["tbt_slo_ms"] = cfg.ttft_slo_ms, cfg.tbt_slo_ms
-        row["accepted_ttft_p50_ms"] = round(ttfts[len(ttfts) // 2], 1) if ttfts else None
-        row["accepted_ttft_max_ms"] = round(ttfts[-1], 1) if ttfts else None
-        row["accepted_outside_slo"] = sum(
-            1
-            for r in ok
-            if r.ttft_s * 1000 > cfg.ttft_slo_ms
-            or any(x * 1000 > cfg.tbt_slo_ms for x in (r.tbt_s or ()))
-        )
-        row["retried_requests"] = sum(1 for r in load.reqs if len(r.attempts) > 1)
         return row
     finally:
         cluster.stop()

@@ -87,3 +87,30 @@ def test_kv_byte_flip_is_detected_and_recomputed(tmp_path, workload):
     check(row)
     assert row["checksum_failures_logged"] > 0, row  # damage happened and was caught
     assert row["failed_retriable"] == 0
+
+
+def test_conductor_killed_row_judges_accepted_requests_by_ttft_and_tpot():
+    """The SLO check of the conductor-killed row (faults_conductor.slo_check): a request
+    meets it when its TTFT and its mean time per output token are within bounds, and
+    the counts are split at the fault."""
+    from kvmesh.loadtest.fault_harness import Req
+    from kvmesh.loadtest.faults_conductor import slo_check, tpot_ms
+
+    def req(t_start, ttft_s, gaps, outcome="ok"):
+        return Req(0, t_start, 25.0, outcome=outcome, ttft_s=ttft_s, tbt_s=gaps)
+
+    reqs = [
+        req(1.0, 0.050, [0.004, 0.006]),  # meets both (TPOT 5 ms)
+        req(2.0, 0.150, [0.004]),  # TTFT over
+        req(6.0, 0.050, [0.001, 0.039]),  # one long gap, TPOT 20 ms: over
+        req(7.0, 0.080, [0.010, 0.001, 0.001]),  # a long gap, but TPOT 4 ms: meets
+        req(8.0, 0.010, [0.001], outcome="failed"),  # not accepted: not counted
+    ]
+    assert tpot_ms(reqs[0]) == pytest.approx(5.0)
+    out = slo_check(reqs, t_fault=5.0, ttft_slo_ms=100.0, tpot_slo_ms=10.0)
+    assert out["accepted"] == 4
+    assert (out["accepted_within_slo"], out["accepted_outside_slo"]) == (2, 2)
+    assert out["within_ttft_slo"] == 3
+    assert out["within_slo_before_fault"] == "1/2"
+    assert out["within_slo_after_fault"] == "1/2"
+    assert out["accepted_ttft_max_ms"] == 150.0
