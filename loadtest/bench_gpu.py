@@ -10,10 +10,12 @@ For one preset (default ``llama-1b``: hidden 2048, 16 layers, 32/8 heads, interm
   weights), medians of ``--runs`` after a warm-up, ``torch.cuda.synchronize`` around each;
 * the KV hand-off's cost: the same prefill with the pool's pinned host mirror (per-layer
   D2H on a copy stream, as a prefill node runs) against the pool alone;
-* decode ms per step at batch 1 and 32 at context ``--context`` (kvmesh ``forward_decode``
-  plus greedy sampling on the device; transformers ``generate`` with a static cache, the
-  step from the difference of two lengths), and the step's memory floor: weight bytes
-  plus KV bytes read, divided by the measured device-to-device bandwidth.
+* decode ms per step at batch 1 and 32 at context ``--context``: kvmesh as a decode node
+  steps (``DecodeRunner``: the padded bucket's CUDA graph, then the batch sampler on the
+  device with one host sync), and ``forward_decode`` eagerly with the same sampler;
+  transformers ``generate`` with a static cache (the step from the difference of two
+  lengths); and the step's memory floor: weight bytes plus KV bytes read, divided by
+  the measured device-to-device bandwidth.
 
 transformers is optional: without it those columns are ``null`` with a note. Figures are
 measured, never estimated; on a machine without CUDA this refuses to run.
@@ -69,8 +71,11 @@ def run(
 ) -> dict:
     import torch
 
+    from kvmesh.services.common.sampling_params import Sampling
+    from kvmesh.services.engine.cuda_graphs import DecodeRunner
     from kvmesh.services.engine.kv_pool import KVPool
     from kvmesh.services.engine.model import LlamaModel
+    from kvmesh.services.engine.sampler_device import sample_batch
 
     bs = 16
     out: dict = {
@@ -157,26 +162,43 @@ def run(
             m.forward_prefill(torch.randint(0, vocab, (context,), generator=g), 0, pool, tables[0])
             for i in range(1, b):
                 pool.kv[i * per : (i + 1) * per] = pool.kv[:per]
-            cur = torch.randint(0, vocab, (b,), generator=g).tolist()
-            m.forward_decode(cur, [context] * b, tables, pool)  # warm-up
-            times = []
-            for s in range(steps):
-                _sync()
-                t1 = time.perf_counter()
-                logits = m.forward_decode(cur, [context + s] * b, tables, pool)
-                cur = logits.argmax(-1).tolist()  # the step's one host sync
-                times.append(time.perf_counter() - t1)
-            step = statistics.median(times)
+            first = torch.randint(0, vocab, (b,), generator=g).tolist()
+            greedy = [Sampling()] * b
+
+            def decode_ms(step_fn, first=first, b=b, greedy=greedy) -> float:
+                cur = list(first)
+                step_fn(cur, context)  # warm-up (the graph path captures here)
+                times = []
+                for s in range(steps):
+                    _sync()
+                    t1 = time.perf_counter()
+                    logits = step_fn(cur, context + s)
+                    # the serving sampler: on the device, the step's one host sync
+                    cur = [t for t, _ in sample_batch(logits, greedy, [s] * b)]
+                    times.append(time.perf_counter() - t1)
+                return statistics.median(times)
+
+            eager = decode_ms(
+                lambda cur, p, b=b, tables=tables, pool=pool: m.forward_decode(
+                    cur, [p] * b, tables, pool
+                )
+            )
+            runner = DecodeRunner(m, pool, max_batch=b, cuda_graphs=True)
+            step = decode_ms(
+                lambda cur, p, b=b, tables=tables, runner=runner: runner.step(cur, [p] * b, tables)
+            )
             kv_read = b * (context + steps // 2) * cfg.num_layers * 2 * cfg.num_kv_heads
             kv_read *= cfg.head_dim * pool.kv.element_size()
             floor = (weights_bytes + kv_read) / (out["bandwidth"]["d2d_GBps"] * 1e9)
             row = {
                 "kvmesh_ms_per_step": step * 1e3,
+                "eager_ms_per_step": eager * 1e3,
+                "graph_captures": runner.captures,
                 "memory_floor_ms": floor * 1e3,
                 "over_floor": step / floor,
                 "context": context,
             }
-            del pool
+            del pool, runner
             torch.cuda.empty_cache()
             if hf is not None:
                 prompts = torch.randint(0, vocab, (b, context), generator=g).to("cuda")
@@ -224,13 +246,14 @@ def render(r: dict) -> str:
         )
     lines += [
         "",
-        "| batch | kvmesh ms/step | memory floor ms | over floor | "
+        "| batch | kvmesh ms/step (graphs) | eager ms/step | memory floor ms | over floor | "
         "transformers ms/step | kvmesh / transformers (speed) |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for b, d in r["decode"].items():
         lines.append(
-            f"| {b} | {f(d, 'kvmesh_ms_per_step', 2)} | {f(d, 'memory_floor_ms', 2)} | "
+            f"| {b} | {f(d, 'kvmesh_ms_per_step', 2)} | {f(d, 'eager_ms_per_step', 2)} | "
+            f"{f(d, 'memory_floor_ms', 2)} | "
             f"{f(d, 'over_floor', 2)} | {f(d, 'transformers_ms_per_step', 2)} | {f(d, 'ratio', 2)} |"
         )
     return "\n".join(lines)

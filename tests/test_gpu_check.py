@@ -68,3 +68,17 @@ def test_llama_1b_preset_is_the_1_1b_llama_shape():
     # + MLP 3*2048*8192 + two norms, and the final norm
     per_layer = 2 * 2048**2 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048
     assert c.num_params() == 2 * 32000 * 2048 + 16 * per_layer + 2048
+
+
+def test_the_script_runs_the_three_steps_within_eight_minutes():
+    """(a) the CUDA tests, (b) bench_gpu's llama-1b against transformers, (c) the one-GPU
+    cluster token-exact; their timeouts leave the set-up a minute of the 8."""
+    text = (ROOT / "scripts" / "gpu-check.sh").read_text().replace("\\\n", " ")
+    steps = [line for line in text.splitlines() if line.lstrip().startswith("timeout ")]
+    assert len(steps) == 3
+    assert "-m cuda" in steps[0] and "--ignore=tests/test_cuda_cluster.py" in steps[0]
+    assert "CMD[@]" in steps[1] and "bench_engine --device cuda" in text
+    assert "tests/test_cuda_cluster.py" in steps[2]
+    assert sum(int(s.split()[1]) for s in steps) <= 7 * 60
+    for name in ("test_cuda.py", "test_cuda_decode.py", "test_cuda_cluster.py"):
+        assert (ROOT / "tests" / name).exists(), name
