@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.services.children import spawn_tied
 from kvmesh.services.common.channels import TlsFiles, make_sync_channel
 from kvmesh.services.common.etcd import EtcdClient, EtcdError
 from kvmesh.services.common.registry import node_key
@@ -96,11 +97,12 @@ class StoreCluster:
             common += [opt, path] if path else []
         common += ["--tls-ca", self.tls.ca] if self.tls.ca else []
         prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
-        p = subprocess.Popen(
+        # tied to this process: a SIGKILLed benchmark or test leaves no store behind
+        p = spawn_tied(
             [*prefix, sys.executable, *argv, *common],
+            [],
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.procs[name] = p

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import functools
 import os
 import queue
 import shutil
@@ -40,7 +41,20 @@ from collections.abc import Iterable
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _LINUX = sys.platform.startswith("linux")
-_SETPRIV = shutil.which("setpriv") if _LINUX else None
+
+
+@functools.cache
+def _setpriv_with_pdeathsig() -> str | None:
+    """setpriv, if it is installed and knows --pdeathsig (util-linux 2.33 and later)."""
+    path = shutil.which("setpriv") if _LINUX else None
+    if path is None:
+        return None
+    try:
+        out = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path if "--pdeathsig" in out.stdout + out.stderr else None
+
 
 # after setpriv: $1 is the expected parent pid, the rest the command
 _SH_CHECK = 'p=$1; shift; [ "$PPID" = "$p" ] || exit 1; exec "$@"'
@@ -61,13 +75,16 @@ def tied_argv(argv: list[str], parent: int, sig: int, via: str | None = None) ->
     when it is installed (always unwrapped off Linux)."""
     if not _LINUX:
         return list(argv)
-    via = via or ("setpriv" if _SETPRIV else "python")
+    setpriv = _setpriv_with_pdeathsig()
+    via = via or ("setpriv" if setpriv else "python")
     if via == "setpriv":
-        if _SETPRIV is None:
-            raise FileNotFoundError(errno.ENOENT, "setpriv (util-linux) is not installed")
+        if setpriv is None:
+            raise FileNotFoundError(
+                errno.ENOENT, "setpriv (util-linux 2.33 or later, for --pdeathsig) is not installed"
+            )
         name = signal.Signals(sig).name.removeprefix("SIG")
         sh = ["/bin/sh", "-c", _SH_CHECK, "kvmesh-tied", str(parent), *argv]
-        return [_SETPRIV, "--pdeathsig", name, "--", *sh]
+        return [setpriv, "--pdeathsig", name, "--", *sh]
     if via == "python":
         return [sys.executable, "-I", "-S", "-c", _PY_SHIM, str(int(sig)), str(parent), *argv]
     raise ValueError(f"via must be 'setpriv' or 'python', not {via!r}")

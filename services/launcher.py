@@ -750,6 +750,7 @@ class LocalCluster:
         self._supervising.clear()
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(30)  # it may be in the middle of a restart
+        self._supervisor = None  # a later start() supervises again
         try:
             with self._lock:
                 self._stopped.update(self.procs)

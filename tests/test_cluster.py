@@ -4,8 +4,6 @@ cluster equals the same model generating from scratch in this process."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
@@ -99,7 +97,6 @@ def test_a_ttft_slo_below_the_floor_is_invalid_before_any_work(cluster):
     from kvmesh.protos import kvmesh_pb2 as pb
 
     before = {n.node_id: n for n in status(cluster.conductor).nodes}
-    t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         generate(
             cluster.conductor,
@@ -107,7 +104,6 @@ def test_a_ttft_slo_below_the_floor_is_invalid_before_any_work(cluster):
             max_tokens=8,
             slo=pb.SLO(ttft_ms=0.01),
         )
-    assert time.monotonic() - t0 < 2
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert "TTFT SLO of 0.01 ms is below the floor" in e.value.details()
     assert "ask for a TTFT SLO of at least" in e.value.details()

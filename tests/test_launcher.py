@@ -499,3 +499,22 @@ def test_a_tied_child_gets_sigterm_when_its_parent_is_sigkilled(tmp_path, via):
             middle.wait()
         if child:
             _kill_leftovers([child])
+
+
+def test_a_setpriv_without_pdeathsig_falls_back_to_the_python_shim(tmp_path, monkeypatch):
+    """util-linux before 2.33 has a setpriv that does not know --pdeathsig: using it
+    would make every child exit at once, so the python shim ties them instead."""
+    from kvmesh.services import children
+
+    old = tmp_path / "setpriv"
+    old.write_text("#!/bin/sh\necho 'Usage: setpriv [options] <program>'\n")
+    old.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    children._setpriv_with_pdeathsig.cache_clear()
+    try:
+        argv = children.tied_argv(["true"], os.getpid(), signal.SIGTERM)
+        assert argv[0] == sys.executable and "prctl" in argv[4], argv
+        with pytest.raises(FileNotFoundError, match="2.33"):
+            children.tied_argv(["true"], os.getpid(), signal.SIGTERM, via="setpriv")
+    finally:
+        children._setpriv_with_pdeathsig.cache_clear()
