@@ -182,12 +182,21 @@ class PrefillNodeState:
         """Real ms until everything queued has left the slot, the wait of a request booked
         now (FIFO: it waits for all of it): the queued model ms at the node's speed, less
         the part of the head's slot time already served (in-flight credit)."""
-        if not self.queue:
-            return self.foreign_ms
-        f = self.speed(now)
-        head = next(iter(self.queue.values()))
-        done = min(head * f, max(0.0, now - self.head_since))
-        return (self.queue_ms - self.foreign_ms) * f + self.foreign_ms - done
+        return self.wait(now)[0]
+
+    def wait(self, now: float) -> tuple[float, float]:
+        """``(remaining(now), speed(now))``, computed together (the estimate of every
+        candidate needs both)."""
+        f = self.rate.factor(self.model)
+        queue = self.queue
+        if not queue:
+            return self.foreign_ms, f
+        head = next(iter(queue.values()))
+        since = now - self.head_since
+        if head > 0:
+            f = max(f, since / head)
+        done = min(head * f, max(0.0, since))
+        return (self.queue_ms - self.foreign_ms) * f + self.foreign_ms - done, f
 
     def report_queue(self, reported: int, per_request_ms: float) -> None:
         """The node's load report: ``reported`` requests queued or computing there, from
@@ -387,8 +396,7 @@ class Scheduler:
         handoff_ms = max(0.0, prefix_ms - prefill_ms) + new_blocks * p.layer_nbytes / p.bandwidth
         # the slot time (what the node's measured rate scales) and the wait for the slot
         work = prefill_ms + fetch_ms + handoff_ms
-        f = p.speed(now)
-        queue = p.remaining(now)
+        queue, f = p.wait(now)
         ttft = queue + work * f + self.overhead_ms[DISAGG]
         return Candidate(
             DISAGG,
@@ -581,6 +589,7 @@ class Scheduler:
         n = r.n_tokens
         tbt_limit = r.tbt_slo_ms * self.cfg.slo_margin
         best_tbt, best_d = float("inf"), None
+        bisect_right = bisect.bisect_right
         for d in options:
             if d.kv_blocks_free - d.reserved_blocks < need_blocks:
                 misses.reason = misses.reason or "kv"
@@ -588,11 +597,17 @@ class Scheduler:
             # the batch when this request joins it, at its first token (kvmesh; the
             # others judge by every request booked): those booked whose first token comes
             # earlier, less those ended by then; attending over their share of the KV
-            # booked, plus this one's
+            # booked, plus this one's. (Each search is skipped where the answer is at an
+            # end: all joined by then, or none ended.)
             ends = d.ends
             now_batch = len(ends)
             if predict:
-                batch = bisect.bisect_right(d.joins, at) - bisect.bisect_right(ends, at)
+                joins = d.joins
+                batch = len(joins)
+                if batch and joins[-1] > at:
+                    batch = bisect_right(joins, at)
+                if now_batch and not ends[0] > at:  # (a NaN: as the search)
+                    batch -= bisect_right(ends, at)
             else:
                 batch = now_batch
             kv = d.kv_tokens * batch / now_batch if now_batch else 0
