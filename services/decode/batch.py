@@ -30,6 +30,7 @@ from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.engine.cuda_graphs import DecodeRunner
 from kvmesh.services.engine.kv_pool import OutOfBlocks
 from kvmesh.services.engine.sampler_device import sample_batch
+from kvmesh.services.engine.sampling import sample_with_logprob
 from kvmesh.services.model_node import to_the_end
 
 log = logging.getLogger(__name__)
@@ -293,8 +294,13 @@ class BatchScheduler:
             deferred, self._deferred = self._deferred, []
             for res in deferred:
                 self.free(res)
-        # the whole batch sampled where its logits are, one host sync (sampler_device)
-        drawn = sample_batch(logits, [r.sampling for r in batch], [r.step for r in batch])
+        if self.decoder is None:  # CPU: row by row (batched ops are not faster there,
+            # loadtest/bench_sampler.py), the same tokens as the batch sampler
+            drawn = [
+                sample_with_logprob(logits[i], r.sampling, r.step) for i, r in enumerate(batch)
+            ]
+        else:  # GPU: the whole batch sampled on the device, one host sync (sampler_device)
+            drawn = sample_batch(logits, [r.sampling for r in batch], [r.step for r in batch])
         for r, (tok, lp) in zip(batch, drawn, strict=True):
             if r not in self.running:  # left (client gone) while the step ran
                 continue
