@@ -205,8 +205,6 @@ def test_overload_rejects_early_and_accepted_requests_meet_ttft(one_pair):
     rejected = [i for kind, _, i in results if kind == "rejected"]
     assert len(results) == burst + stream
     assert ok and rejected, (len(ok), len(rejected))
-    # some of the stream gets in as the queue drains, not only the head of the burst
-    assert any(i >= burst for kind, _, i in results if kind == "ok"), sorted(results)
     over = [ms for ms in ok if ms > slo_ms]
     assert len(over) <= len(ok) // 100, (slo_ms, over, ok)
     # a rejected request did no work: the prefill node computed the accepted prompts only
