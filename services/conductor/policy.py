@@ -6,17 +6,22 @@ an injected clock, so it is unit-tested with fake reports and benchmarked alone.
 
 Estimate for a prefill node p (design §2.4):
     TTFT(p) = queue(p) + prefill(p, new, cached) + fetch(p) + handoff(p)
-- queue(p): the summed predicted prefill time of what the conductor has queued on p;
+- queue(p): what this request waits on p, FIFO: everything booked ahead of it (ours,
+  and other conductors' from p's load reports) at p's measured rate (real slot time per
+  model ms, ``estimator.MeasuredRate``), less the part of the running prefill already
+  done (slower while it overruns);
 - cached: p's own longest prefix (cache index) plus store blocks worth fetching: the
   store run is fetched only if its fetch time is less than the prefill time it saves
   (the paper's bandwidth inequality), the fetch time fitted from p's own store fetches
   (``store_fetch``: the store's remote path, not the engine's raw bandwidth);
 - handoff: the last layer's KV of the new blocks (the rest overlaps with compute).
 
-Decode choice predicts each decode node's batch at the moment the prefill would end
-(requests in flight whose predicted end lies later) and its TBT at that batch; a node
-whose TBT would break the SLO, or whose KV cannot hold the request, is out. If no pair
-meets both SLOs the request is rejected before any work starts.
+Decode choice predicts each decode node's batch at the moment the request joins it (the
+requests booked there whose first token comes earlier, less those ended by then) and
+its TBT at that batch; a node whose TBT would break the SLO, or whose KV cannot hold the
+request, is out. Admission scales each TTFT estimate by the slow tail of actual /
+estimated on its route (``estimator.ErrorTail``). If no pair meets both SLOs the request
+is rejected before any work starts.
 
 Routes: ``colocated`` (a short prompt prefilled by the decode node itself: no transfer
 tax), ``decode-direct`` (the decode node already holds most of the prefix), and
