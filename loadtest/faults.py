@@ -27,7 +27,11 @@ bytes flipped on the data plane (``KVMESH_FAULT_CORRUPT_EVERY``, nodes run ``--c
 Two rows run a real ``kvmesh up`` process instead: SIGKILL of the launcher itself
 (``launcher-killed``: no child may survive it and the conductor's port must be free within
 5 s) and SIGKILL of its decode node (``node-killed-in-local-cluster``: the launcher restarts
-it, and a retried request succeeds within the lease TTL + 5 s).
+it, and a retried request succeeds within the lease TTL + 5 s). Two more start clusters
+of their own: ``store-master-failover`` (the leading store-master SIGKILLed, a standby
+takes over) and ``conductor-killed`` (:mod:`kvmesh.loadtest.faults_conductor`: one of two
+conductors SIGKILLed; accepted requests judged against 4x the solo TTFT and TPOT measured
+on the same cluster first).
 
 Results: ``loadtest/results/faults.md`` and ``faults.json`` (``overload.md/json``).
 """
