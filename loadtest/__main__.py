@@ -1,16 +1,12 @@
-"""``python -m kvmesh.loadtest``: the default comparison, under 10 minutes on 2 cores:
-real-cluster baselines (loadtest.run, at two offered loads unless ``--time-scales`` is
-given) then the paper-scale simulator (loadtest.sim); both write into loadtest/results/
-and rebuild report.md. Extra arguments go to loadtest.run (e.g. ``--quick``)."""
+"""``python -m kvmesh.loadtest``: the realistic evaluation (loadtest.eval): colocated vs
+disaggregated-without-store vs kvmesh on two pinned model nodes, ~20 minutes on 2 cores;
+``--quick`` runs every phase small. It writes loadtest/results/eval.json and rebuilds
+report.md (with the simulator's section when sim.json is there: ``python -m
+kvmesh.loadtest.sim``)."""
 
 import sys
 
-from kvmesh.loadtest import run, sim  # noqa: F401
-from kvmesh.loadtest.sim.__main__ import main as sim_main
+from kvmesh.loadtest.eval import main
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if not any(a.startswith("--time-scales") for a in argv) and "--quick" not in argv:
-        argv += ["--time-scales", "1,0.5"]
-    rc = run.main(argv)
-    sys.exit(rc or sim_main([]))
+    sys.exit(main())

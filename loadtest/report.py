@@ -217,13 +217,18 @@ def write_report(out: Path = RESULTS) -> str:
     lines = [
         "# kvmesh evaluation",
         "",
-        "Reproduce: `python -m kvmesh.loadtest.run` (real-cluster baselines) and "
-        "`python -m kvmesh.loadtest.sim` (simulator); `python -m kvmesh.loadtest` runs both. "
-        "See `loadtest/README.md`.",
+        "Reproduce: `python -m kvmesh.loadtest` (the realistic evaluation, `eval.json`; "
+        "`--quick` for a short one), `python -m kvmesh.loadtest.run` (the older `tiny` "
+        "baselines, `real.json`, shown only without `eval.json`) and "
+        "`python -m kvmesh.loadtest.sim` (simulator, `sim.json`). See `loadtest/README.md`.",
         "",
     ]
-    real_p, sim_p = out / "real.json", out / "sim.json"
-    if real_p.exists():
+    eval_p, real_p, sim_p = out / "eval.json", out / "real.json", out / "sim.json"
+    if eval_p.exists():
+        from kvmesh.loadtest.eval_report import eval_section
+
+        lines += eval_section(json.loads(eval_p.read_text()), out)
+    elif real_p.exists():
         lines += real_section(json.loads(real_p.read_text()), out)
     if sim_p.exists():
         lines += sim_section(json.loads(sim_p.read_text()), out)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake trace
@@ -116,6 +116,84 @@ def trace_items(
     return out
 
 
+def sample_groups(records: Iterable[dict], share: float, seed: int = 0) -> list[dict]:
+    """A bounded subset of a trace that keeps its reuse: whole *prefix groups* (requests
+    whose first hash id is equal: only they can share blocks) kept with probability
+    ``share`` each, in trace order. A plain slice of a few hundred consecutive requests
+    shares almost nothing (the trace's reuse is spread over its 17 minutes: the first
+    200 requests could hit 6% of their blocks, the whole trace 64%); a sample of whole
+    groups keeps each group's own sharing, so its ideal hit ratio is the trace's."""
+    out = []
+    for r in records:
+        ids = r.get("hash_ids") or [-1]
+        u = random.Random(f"group-{seed}-{ids[0]}").random()
+        if u < share:
+            out.append(r)
+    return out
+
+
+def ideal_hit_ratio(items: list[Item], block: int) -> float:
+    """Share of prompt tokens an infinite prefix cache (whole ``block``-token blocks, a
+    prompt's last token always computed) could serve: the bound every cache works under."""
+    seen: set[tuple] = set()
+    hit = total = 0
+    for it in sorted(items, key=lambda i: i.t_ms):
+        toks = it.token_ids
+        total += len(toks)
+        n_full = (len(toks) - 1) // block
+        keys = [tuple(toks[: (k + 1) * block]) for k in range(n_full)]
+        k = 0
+        while k < n_full and keys[k] in seen:
+            k += 1
+        hit += k * block
+        seen.update(keys)
+    return hit / total if total else 0.0
+
+
+def at_rate(items: list[Item], rate_rps: float) -> list[Item]:
+    """The same requests with their arrival times scaled so that ``len(items)`` of them
+    arrive over ``len(items) / rate_rps`` seconds (the trace's bursts kept, in shape)."""
+    if not items:
+        return []
+    span = max(i.t_ms for i in items) - min(i.t_ms for i in items)
+    t0 = min(i.t_ms for i in items)
+    want = 1000.0 * (len(items) - 1) / rate_rps if len(items) > 1 else 0.0
+    k = want / span if span > 0 else 0.0
+    return [replace(i, t_ms=(i.t_ms - t0) * k) for i in items]
+
+
+def shared_prefix_items(
+    n_requests: int,
+    *,
+    rate_rps: float = 2.0,
+    prefixes: int = 8,
+    prefix_tokens: tuple[int, int] = (1024, 1536),
+    user_tokens: tuple[int, int] = (32, 160),
+    output: tuple[int, int] = (8, 32),
+    zipf: float = 0.8,
+    seed: int = 0,
+) -> list[Item]:
+    """Many users, a few long system prompts and tool schemas: each request is one of
+    ``prefixes`` long shared prefixes (picked with Zipf(``zipf``) popularity) + its user's
+    own short text; Poisson arrivals at ``rate_rps``. Whichever node computed a prefix
+    first, every later request on any node can reuse it."""
+    rng = random.Random(f"shared-{seed}")
+    heads = [
+        _text(random.Random(f"shared-prefix-{seed}-{k}"), rng.randint(*prefix_tokens))
+        for k in range(prefixes)
+    ]
+    weights = [1.0 / (k + 1) ** zipf for k in range(prefixes)]
+    items: list[Item] = []
+    t = 0.0
+    for i in range(n_requests):
+        if i:
+            t += rng.expovariate(rate_rps) * 1000.0
+        k = rng.choices(range(prefixes), weights)[0]
+        toks = heads[k] + _text(rng, rng.randint(*user_tokens))
+        items.append(Item(f"shared-{i}", t, toks, rng.randint(*output), hash_ids=[k]))
+    return items
+
+
 # -- sessions -------------------------------------------------------------------------------
 def turn_prompt(prev_prompt: list[int], prev_output: list[int], new_ids: list[int]) -> list[int]:
     """A session's next prompt: the previous prompt, its output, then the new text."""
@@ -128,7 +206,7 @@ def _sessions(
     turns: tuple[int, int],
     first: tuple[int, int],
     growth: tuple[int, int],
-    out_of: callable,
+    out_of: Callable[[int, random.Random], int],
     rate_per_s: float,
     think_ms: float,
     max_context: int,
