@@ -26,6 +26,7 @@ CPU tensors (``static=True``) against ``forward_decode``; capture and replay nee
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -202,7 +203,9 @@ class DecodeRunner:
         st = self.pool.staging
         if st is not None:  # KV handed off into the mirror goes up before the step
             st.ensure_device(int(x) for t in block_tables for x in t[:width])
-        with self._lock:
+        dev = self.pool.kv.device
+        on = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+        with self._lock, on:  # the pool's device current in this (worker) thread
             bucket = self._buckets.get(key)
             if bucket is None:
                 bucket = self._buckets[key] = _Bucket(nb, width, self.pool.kv.device)
