@@ -51,6 +51,7 @@ class Reservation:
     hashes: list[bytes] = field(default_factory=list)  # of the prompt's full blocks
     generated: list[int] = field(default_factory=list)  # first token onwards
     conductor: str = ""  # the conductor that reserved it: its reservations go with it
+    incarnation: str = ""  # that conductor's process (services.common.ownership)
     # prefill nodes that said they will never write these blocks again (``drop``), and
     # those that may have been asked to (named at Release; None = unknown, fence them)
     dropped: set[str] = field(default_factory=set)

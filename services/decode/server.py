@@ -3,7 +3,10 @@
 A request's life here:
   1. ``Reserve``: KV blocks for the prompt (and the first generated token) are taken
      from the pool at once, so a finished prefill never waits for decode memory ->
-     RESERVED; a reservation never used is reclaimed after ``reservation_timeout_s``;
+     RESERVED; a reservation is owned by the conductor process that made it (its
+     incarnation, services.common.ownership) and freed when that process ends; one never
+     used is reclaimed after ``reservation_timeout_s`` (``reservation_owned_timeout_s``
+     while its owner lives);
   2. the prefill node writes the prompt KV into those blocks over the transfer engine,
      layer by layer, then sends ``kv:<request id>`` as an ordered notify -> KV_READY;
      (on the colocated and decode-direct routes this node computes the prompt itself,
@@ -34,7 +37,7 @@ import grpc
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common.config import ConfigError, load, option
-from kvmesh.services.common.registry import nodes_prefix
+from kvmesh.services.common.ownership import CONDUCTOR_MD, INCARNATION_MD, WRITERS_MD, Owners
 from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.telemetry import record_span
@@ -47,11 +50,6 @@ from kvmesh.services.node_config import NodeConfig
 
 log = logging.getLogger(__name__)
 
-# gRPC metadata a conductor sends: on Reserve, its node id (its reservations are freed
-# when it leaves the cluster); on Release, the prefill nodes it asked to write the KV
-CONDUCTOR_MD = "kvmesh-conductor"
-WRITERS_MD = "kvmesh-prefill-writers"
-
 
 def _metadata(context) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
@@ -63,7 +61,16 @@ class DecodeConfig(NodeConfig):
 
     max_batch: int = option(32, "most requests decoded in one step")
     kv_wait_s: float = option(30.0, "how long Decode waits for the prefill's KV")
-    reservation_timeout_s: float = option(60.0, "a reservation not decoded within this is freed")
+    reservation_timeout_s: float = option(
+        60.0,
+        "a reservation not decoded within this is freed, unless the conductor "
+        "process that made it is alive (its owner key holds its incarnation)",
+    )
+    reservation_owned_timeout_s: float = option(
+        600.0,
+        "a reservation not decoded within this is freed even though its conductor "
+        "is alive (a bound on leaks; above the conductor's request timeout)",
+    )
     fence_s: float = option(
         30.0,
         "blocks of a reservation whose KV never completed stay "
@@ -120,9 +127,13 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 f"prompt_tokens + max_tokens = {total} exceed the model's maximum position "
                 f"of {limit} tokens; shorten the prompt or lower max_tokens",
             )
+        md = _metadata(context)
         try:
             res = node.reserve(
-                req.request_id, req.prompt_tokens, _metadata(context).get(CONDUCTOR_MD, "")
+                req.request_id,
+                req.prompt_tokens,
+                md.get(CONDUCTOR_MD, ""),
+                md.get(INCARNATION_MD, ""),
             )
         except OutOfBlocks:
             await context.abort(
@@ -291,6 +302,8 @@ class DecodeNode(ModelNode):
         self.batch: BatchScheduler | None = None
         self._fenced: collections.deque[tuple[float, Reservation]] = collections.deque()
         self._tasks: list[asyncio.Task] = []
+        # the conductors' owner keys: an incarnation that ends takes its reservations
+        self.owners = Owners(self.etcd, cfg.cluster, self._owner_ended)
 
     @property
     def running(self) -> list[Running]:
@@ -316,6 +329,7 @@ class DecodeNode(ModelNode):
 
     async def after_start(self) -> None:
         await super().after_start()
+        await self.owners.start()
         self._tasks = [
             asyncio.create_task(self.batch.run()),
             asyncio.create_task(self._reap_loop()),
@@ -342,11 +356,19 @@ class DecodeNode(ModelNode):
                         self.batch.free(fenced)
                     return
 
-    def reserve(self, request_id: str, prompt_tokens: int, conductor: str = "") -> Reservation:
+    def reserve(
+        self, request_id: str, prompt_tokens: int, conductor: str = "", incarnation: str = ""
+    ) -> Reservation:
         """Blocks for the prompt and the first generated token; later ones come as the
-        request grows (BatchScheduler)."""
+        request grows (BatchScheduler). ``conductor``/``incarnation``: its owner."""
         n = prompt_tokens // self.cfg.block_size + 1
-        res = Reservation(request_id, prompt_tokens, self.pool.allocate(n), conductor=conductor)
+        res = Reservation(
+            request_id,
+            prompt_tokens,
+            self.pool.allocate(n),
+            conductor=conductor,
+            incarnation=incarnation,
+        )
         self.reservations[request_id] = res
         return res
 
@@ -367,17 +389,26 @@ class DecodeNode(ModelNode):
         self.batch.free(res)
         return True
 
-    def _on_member(self, event: str, key: str, value: bytes | None) -> None:
-        super()._on_member(event, key, value)
-        prefix = f"{nodes_prefix(self.cfg.cluster)}conductor/"
-        if event != "leave" or not key.startswith(prefix):
-            return
-        # a conductor that died (its lease ended) will never decode what it reserved
-        gone = key[len(prefix) :]
+    def _owner_ended(self, conductor: str, incarnation: str) -> None:
+        """A conductor process ended (its owner key was deleted or expired, or put again
+        by a new process under the same id): it will never decode what it reserved. Not
+        when it merely deregisters: a stopping conductor still serves while it drains."""
+        how = "left" if conductor not in self.owners.current else "restarted"
         for rid, res in list(self.reservations.items()):
-            if res.conductor == gone and not res.decoding:
-                log.warning("conductor %s left; freeing reservation %s", gone, rid)
+            if res.conductor == conductor and res.incarnation == incarnation and not res.decoding:
+                log.warning("conductor %s %s; freeing reservation %s", conductor, how, rid)
                 self.release(rid, res)
+
+    def reap_due(self, res: Reservation, now: float) -> bool:
+        """Whether the reaper frees ``res``: never once decoding; one whose conductor
+        process is alive after ``reservation_owned_timeout_s`` (a long prompt may take
+        that long to prefill), any other after ``reservation_timeout_s``."""
+        if res.decoding:
+            return False
+        age = now - res.created
+        if self.owners.alive(res.conductor, res.incarnation):
+            return age > max(self.cfg.reservation_owned_timeout_s, self.cfg.reservation_timeout_s)
+        return age > self.cfg.reservation_timeout_s
 
     def load_info(self) -> dict:
         return {
@@ -433,7 +464,7 @@ class DecodeNode(ModelNode):
             while self._fenced and self._fenced[0][0] <= now:
                 self.batch.free(self._fenced.popleft()[1])
             for rid, res in list(self.reservations.items()):
-                if not res.decoding and now - res.created > self.cfg.reservation_timeout_s:
+                if self.reap_due(res, now):
                     log.warning("reservation %s never decoded; freeing it", rid)
                     self.release(rid)
 
@@ -445,6 +476,7 @@ class DecodeNode(ModelNode):
     async def teardown(self) -> None:
         for t in self._tasks:
             t.cancel()
+        await self.owners.stop()
         await super().teardown()
 
 
