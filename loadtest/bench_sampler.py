@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -82,6 +83,8 @@ def main() -> None:
         "threads": a.threads,
         "runs": a.runs,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "cpus": os.cpu_count(),
+        "loadavg_before": os.getloadavg()[0],  # other work on the machine skews these
         "results": run(a.vocab, batches, a.runs),
     }
     Path(a.out).write_text(json.dumps(doc, indent=2))

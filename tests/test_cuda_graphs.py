@@ -133,3 +133,27 @@ def test_bad_steps_are_refused_like_forward_decode(model):
         r.step([1], [40], tables)
     with pytest.raises(ValueError, match="out of range"):
         r.step([1], [-1], tables)
+
+
+def test_the_decode_scheduler_steps_a_gpu_pool_through_the_runner(model):
+    """Which path BatchScheduler takes is decided by the pool's device (a meta-device
+    pool stands in for a non-CPU one here; nothing is computed on it), and
+    --no-cuda-graphs reaches the runner."""
+    from kvmesh.services.decode.batch import BatchScheduler
+
+    class GpuPool:
+        kv = torch.empty((4, 1), device="meta")
+        block_size, num_blocks, staging = BS, 4, None
+
+    def sched(pool, **kw):
+        return BatchScheduler(
+            model, pool, BS, 8, 64, frozenset(), lambda *a: None, lambda *a: None, {}, **kw
+        )
+
+    assert sched(KVPool(model.config, 4, BS)).decoder is None  # CPU: forward_decode
+    d = sched(GpuPool()).decoder
+    assert isinstance(d, DecodeRunner) and d.cuda_graphs
+    # the padded graph path is CUDA's: another device runs forward_decode eagerly
+    assert not d.static and not d.graphs
+    assert d.buckets == [1, 2, 4, 8]  # up to max_batch 8
+    assert not sched(GpuPool(), cuda_graphs=False).decoder.cuda_graphs

@@ -163,7 +163,8 @@ class DecodeRunner:
         self.model, self.pool = model, pool
         device = pool.kv.device
         self.static = device.type == "cuda" if static is None else static
-        self.graphs = bool(cuda_graphs) and self.static and device.type == "cuda"
+        self.cuda_graphs = bool(cuda_graphs)  # asked for; taken only on CUDA
+        self.graphs = self.cuda_graphs and self.static and device.type == "cuda"
         self.buckets = graph_buckets(max_batch, buckets)
         bs = pool.block_size
         self.max_blocks = min(pool.num_blocks, -(-model.config.max_position_embeddings // bs))
