@@ -40,7 +40,12 @@ from kvmesh.services.common.metrics import (
 )
 from kvmesh.services.store_master import wire
 from kvmesh.services.store_master.metadata import Block, Replica, StoreMetadata
-from kvmesh.services.store_master.validation import MAX_HASHES, check_keys
+from kvmesh.services.store_master.validation import (
+    MAX_HASHES,
+    biggest_segment,
+    check_keys,
+    check_put_sizes,
+)
 from kvmesh.services.store_master.wire import HEAD, split_frames
 
 log = logging.getLogger(__name__)
@@ -212,7 +217,9 @@ class FastPathProtocol:
             return 0, wire.pack_put_local_resp(status, reserved)
         if method == wire.PUT_START:
             node, keys, sizes = wire.unpack_put_start(body)
-            if err := check_keys(keys, "PutStart"):
+            if err := check_keys(keys, "PutStart") or check_put_sizes(
+                sizes, biggest_segment(s.meta.segments.values()), "PutStart"
+            ):
                 return _INVALID, err.encode()
             total = sum(sizes)
             self.moved = total  # the client writes them next

@@ -60,7 +60,12 @@ from kvmesh.services.common.service import Service, run, setup_logging
 from kvmesh.services.common.settings import ServiceConfig
 from kvmesh.services.store_master.fastpath import FastPathServer, serve_fast_path
 from kvmesh.services.store_master.metadata import DRAM, SSD, Block, Plan, Replica, StoreMetadata
-from kvmesh.services.store_master.validation import MAX_HASHES, check_keys
+from kvmesh.services.store_master.validation import (
+    MAX_HASHES,
+    biggest_segment,
+    check_keys,
+    check_put_sizes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +242,10 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
             m = self.meta
             if not m.over_high(extra):
                 return
-            plans = m.plan_eviction(int(m.low * m.capacity) - extra)
+            # one call frees at most a segment's worth below the low watermark (a size
+            # no segment can hold is refused before this)
+            extra = min(extra, biggest_segment(m.segments.values()))
+            plans = m.plan_eviction(max(0, int(m.low * m.capacity) - extra))
             by_node: dict[str, list[Plan]] = {}
             for p in plans:
                 by_node.setdefault(p.replica.segment.grpc_address, []).append(p)
@@ -332,8 +340,9 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "PutStart: sizes must have one entry per key"
             )
-        if (not sizes and req.size <= 0) or any(s <= 0 for s in sizes):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PutStart: size must be > 0")
+        biggest = biggest_segment(self.meta.segments.values())
+        if err := check_put_sizes(sizes or [req.size], biggest, "PutStart"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         total = sum(sizes) if sizes else req.size * len(req.hashes)
         if self.meta.over_high(total):
             await self.run_eviction(total)

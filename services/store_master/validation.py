@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 MAX_HASHES = 65536  # keys (and reserved slots) per call
 MAX_KEY_LEN = 256
@@ -19,4 +19,25 @@ def check_keys(keys: Sequence[bytes], call: str) -> str | None:
     for k in keys:
         if not 1 <= len(k) <= MAX_KEY_LEN:
             return f"{call}: every key must be 1..{MAX_KEY_LEN} bytes, got {len(k)}"
+    return None
+
+
+def biggest_segment(segments: Iterable) -> int:
+    """The size in bytes of the biggest mounted DRAM segment (0: none)."""
+    return max((seg.size for seg in segments), default=0)
+
+
+def check_put_sizes(sizes: Sequence[int], biggest: int, call: str) -> str | None:
+    """The error text for put sizes ``call`` must refuse: a size of 0, or one larger than
+    the biggest segment (``biggest``; 0 = none mounted yet, not checked), which could
+    never be placed and would only evict every block to make room for it."""
+    for z in sizes:
+        if z <= 0:
+            return f"{call}: size must be > 0"
+        if biggest and z > biggest:
+            return (
+                f"{call}: a value of {z} bytes is larger than the biggest store segment "
+                f"({biggest} bytes) and can never be placed; split it or mount a bigger "
+                f"segment (--segment-memory)"
+            )
     return None
