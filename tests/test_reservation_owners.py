@@ -76,6 +76,23 @@ def test_the_reaper_gives_a_live_owner_longer_but_not_forever():
     assert not due("", "", 10_000, decoding=True)  # its Decode call frees it
 
 
+def test_the_metadata_names_are_defined_once_in_common():
+    """The conductor sends and the decode node reads the same names: one definition, in
+    services/common/ownership.py (torch-free), which both import."""
+    import pathlib
+
+    import kvmesh.services.conductor.server as conductor
+    import kvmesh.services.decode.server as decode
+    from kvmesh.services.common import ownership
+
+    for mod in (conductor, decode):
+        src = pathlib.Path(mod.__file__).read_text()
+        for name in ("CONDUCTOR_MD", "WRITERS_MD", "INCARNATION_MD"):
+            assert f"\n{name} = " not in src, f"{mod.__name__} defines {name} again"
+    assert decode.CONDUCTOR_MD is ownership.CONDUCTOR_MD
+    assert decode.WRITERS_MD is conductor.WRITERS_MD is ownership.WRITERS_MD
+
+
 # -- a real cluster --------------------------------------------------------------------------
 
 
