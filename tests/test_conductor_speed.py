@@ -265,6 +265,8 @@ def test_rolling_window_equals_a_sort_of_the_window():
                 continue
             assert w.sorted() == sorted(ref)
             assert w.median() == statistics.median(ref)
+            built = RollingWindow(maxlen, [9.0] * (len(ref) == maxlen) + list(ref))  # at once
+            assert list(built) == list(ref) and built.sorted() == sorted(ref)
 
 
 def test_measured_rate_added_to_equals_recomputed():

@@ -233,13 +233,17 @@ class MeasuredRate:
         coef, fresh = model.coef, self._fresh
         if fresh or self._coef is not coef:
             seen = self._seen
-            if self._coef is not coef or fresh > len(seen) or len(coef) != 3:
+            if len(coef) != 3:  # pragma: no cover - another model's features
                 ratios = [
                     min(self.hi, max(self.lo, ms / pred))
                     if (pred := model.predict(n, c) + x) > 0
                     else 1.0
                     for n, c, x, ms in seen
                 ]
+                self._ratios = RollingWindow(seen.maxlen or len(seen), ratios)
+            elif self._coef is not coef or fresh > len(seen):
+                ratio = self._ratio
+                ratios = [ratio(coef, n, c, x, ms) for n, c, x, ms in seen]
                 self._ratios = RollingWindow(seen.maxlen or len(seen), ratios)
             else:
                 for i in range(len(seen) - fresh, len(seen)):

@@ -21,11 +21,11 @@ class RollingWindow:
     __slots__ = ("_items", "_sorted", "_nans")
 
     def __init__(self, maxlen: int, items: Iterable[float] = ()) -> None:
-        self._items: deque[float] = deque(maxlen=maxlen)
-        self._sorted: list[float] = []
-        self._nans = 0
-        for x in items:
-            self.append(x)
+        self._items: deque[float] = deque(items, maxlen=maxlen)
+        kept = [x for x in self._items if x == x]
+        self._nans = len(self._items) - len(kept)
+        kept.sort()
+        self._sorted: list[float] = kept
 
     def append(self, x: float) -> None:
         items = self._items
