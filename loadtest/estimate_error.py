@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -172,6 +173,7 @@ def main() -> None:
     ap.add_argument("--slo-ms", type=float, default=400.0, help="TTFT SLO of the overload")
     ap.add_argument("--overload-rate", type=float, default=40.0, help="requests/s offered")
     args = ap.parse_args()
+    load_before = os.getloadavg()[0]
     with (
         tempfile.TemporaryDirectory() as d,
         LocalCluster(d, prefill=2, decode=1, node_args=NODE_ARGS) as c,
@@ -183,6 +185,8 @@ def main() -> None:
         )
     report: dict[str, Any] = {
         "topology": "2 prefill + 1 decode, tiny, --threads 1, loopback, one machine",
+        # other work on the machine skews every figure here: say how much there was
+        "load_average_1m_before_after": [load_before, os.getloadavg()[0]],
         "light": phase(light),
         "overload": phase(over, args.slo_ms),
     }
