@@ -215,6 +215,32 @@ def prefill_attention(
     return o.transpose(0, 1).reshape(n, heads * d)
 
 
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one new query per request over its gathered blocks, on the CPU.
+
+    ``q`` [B, heads, D]; ``kv`` [B, blocks, 2, block_size, kv_heads, D] (one gather for K
+    and V); ``mask`` [B, 1, 1, T] is True where a key is visible. Two batched products in
+    float32, the g query heads of a KV head as g rows against its keys (no copy of the
+    keys per query head). SDPA's CPU kernels take 4x (bfloat16 at batch 1) to 1.5x
+    longer for this shape of one query row. Returns [B, heads*D] in ``q``'s dtype.
+    """
+    b, heads, d = q.shape
+    kvh = kv.shape[4]
+    # [B, KVH, blocks, block_size, D] -> [B, KVH, T, D]: one copy each, widened on the way
+    keys, vals = (
+        kv[:, :, i]
+        .permute(0, 3, 1, 2, 4)
+        .to(torch.float32, memory_format=torch.contiguous_format)
+        .flatten(2, 3)
+        for i in (0, 1)
+    )
+    qg = q.float().view(b, kvh, heads // kvh, d)  # [B, KVH, g, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(1.0 / math.sqrt(d))  # [B,KVH,g,T]
+    scores.masked_fill_(~mask, float("-inf"))
+    o = torch.matmul(scores.softmax(-1), vals)  # [B, KVH, g, D]
+    return o.to(q.dtype).reshape(b, heads * d)
+
+
 class LlamaModel(nn.Module):
     """Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) working on a paged :class:`KVPool`."""
 
@@ -471,11 +497,17 @@ class LlamaModel(nn.Module):
             kv_l = pool.kv[:, l]
             kv_l[new_blk, 0, new_off] = k
             kv_l[new_blk, 1, new_off] = v
-            keys = kv_l[table, 0].flatten(1, 2).transpose(1, 2)  # [B, KVH, T, D]
-            vals = kv_l[table, 1].flatten(1, 2).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys, vals, attn_mask=mask, enable_gqa=True
-            )
+            if dev.type == "cpu":
+                # index_select of the flat table: ~6x faster than advanced indexing here
+                o = decode_attention(
+                    q, kv_l.index_select(0, table.flatten()).unflatten(0, table.shape), mask
+                )
+            else:
+                keys = kv_l[table, 0].flatten(1, 2).transpose(1, 2)  # [B, KVH, T, D]
+                vals = kv_l[table, 1].flatten(1, 2).transpose(1, 2)
+                o = F.scaled_dot_product_attention(
+                    q[:, :, None, :], keys, vals, attn_mask=mask, enable_gqa=True
+                )
             h = layer.finish(h, o.reshape(b, -1))
         return self._logits(h)
 
