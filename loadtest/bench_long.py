@@ -15,7 +15,8 @@ which other processes on the box disturb far less than the wall-clock time.
   forward of the whole prompt, logits of the last position only), with the ratio to 512;
 * decode: a step at batch 1 and 32, every request at context ``--context`` (kvmesh:
   ``forward_decode`` on the paged pool; transformers: ``generate`` with a static cache,
-  greedy, step time = (time of 1 + S new tokens - time of 1) / S);
+  greedy, one call: the step time is the interval between two consecutive calls of a
+  logits processor, i.e. one decode forward plus its greedy pick, the first left out);
 * a float32 check: last-position logits of kvmesh against transformers at 512 tokens.
 
     python -m kvmesh.loadtest.bench_long [--lengths 512,4096,16384,32768] [--runs 3]
@@ -196,20 +197,33 @@ def child_decode(
                 cpu.append(time.process_time() - c0)
     else:
         del m
+        import transformers
+
+        stamps: list[tuple[float, float]] = []
+
+        class Stamp(transformers.LogitsProcessor):
+            """Called once per new token, on its logits: consecutive calls are one step."""
+
+            def __call__(self, input_ids, scores):
+                stamps.append((time.perf_counter(), time.process_time()))
+                return scores
+
+        # one generate (one prefill of the batch, the costly part in bfloat16 here): the
+        # first interval is a warm-up, the next steps * runs are the decode steps timed
+        new = 2 + steps * runs
         kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0)
-
-        def gen(new: int) -> tuple[float, float]:
-            t0, c0 = time.perf_counter(), time.process_time()
-            with torch.inference_mode():
-                out = hf.generate(prompts, max_new_tokens=new, min_new_tokens=new, **kw)
-            assert out.shape[1] == ctx + new
-            return time.perf_counter() - t0, time.process_time() - c0
-
-        gen(2)  # warm-up
-        for _ in range(runs):
-            (long_s, long_c), (short_s, short_c) = gen(1 + steps), gen(1)
-            times.append((long_s - short_s) / steps)
-            cpu.append((long_c - short_c) / steps)
+        with torch.inference_mode():
+            out = hf.generate(
+                prompts,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                logits_processor=transformers.LogitsProcessorList([Stamp()]),
+                **kw,
+            )
+        assert out.shape[1] == ctx + new and len(stamps) == new
+        for (t_a, c_a), (t_b, c_b) in zip(stamps[1:], stamps[2:]):
+            times.append(t_b - t_a)
+            cpu.append(c_b - c_a)
     step = statistics.median(times)
     return {
         "engine": engine,
@@ -268,6 +282,16 @@ def render(doc: dict) -> str:
         f"kvmesh prefills in chunks of {CHUNK} tokens (block size {BS}); transformers runs "
         f"one SDPA forward. The box is shared: the 1-minute load average is in each row.",
         "",
+        *(
+            [
+                "This CPU has no native bfloat16 (no AVX512-BF16 or AMX): kvmesh widens "
+                "its bfloat16 products of 8 rows or more to float32 (weights and KV stay "
+                "bfloat16); transformers runs oneDNN's emulated bfloat16 kernels.",
+                "",
+            ]
+            if doc["machine"].get("bf16_upcast")
+            else []
+        ),
         "## Prefill",
         "",
         "| tokens | kvmesh tok/s | ratio to 512 | transformers tok/s | ratio to 512 | kvmesh / transformers | kvmesh prefill peak MiB (KV pool) | transformers peak MiB | load |",
@@ -362,6 +386,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--engines", default="kvmesh,transformers")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument(
+        "--transformers-max",
+        type=int,
+        default=1 << 30,
+        help="prefill transformers only up to this many tokens (on a CPU without native "
+        "bfloat16 its 16k-token forward takes minutes per run)",
+    )
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(RESULTS / "engine_long"))
     a = ap.parse_args()
@@ -380,6 +411,8 @@ def main() -> None:
         return
     import transformers
 
+    from kvmesh.services.engine.model import upcast_bf16
+
     lengths = [int(x) for x in a.lengths.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
     engines = a.engines.split(",")
@@ -397,6 +430,7 @@ def main() -> None:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
+            "bf16_upcast": upcast_bf16(),
         },
         "args": {**vars(a), "lengths": lengths, "batches": batches},
         "prefill": {},
@@ -404,6 +438,8 @@ def main() -> None:
     }
     for n in lengths:
         for e in engines:
+            if e == "transformers" and n > a.transformers_max:
+                continue
             r = doc["prefill"][f"{e}:{n}"] = spawn(
                 [*common, "--child", "prefill", e, str(n)], a.threads
             )
