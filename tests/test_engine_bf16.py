@@ -96,3 +96,32 @@ def test_a_bfloat16_model_upcast_tracks_the_native_one(upcast):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, atol=0.05, rtol=0)
     assert int(out[True][0].argmax()) == int(out[True][2].argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_masked_sdpa(dtype):
+    """The CPU decode kernel against SDPA with the same mask, over blocks of uneven reach."""
+    from kvmesh.services.engine.model import decode_attention
+
+    g = torch.Generator().manual_seed(7)
+    b, blocks, bs, kvh, heads, d = 3, 4, 8, 2, 6, 16
+    kv = torch.randn(b, blocks, 2, bs, kvh, d, generator=g).to(dtype)
+    q = torch.randn(b, heads, d, generator=g).to(dtype)
+    pos = torch.tensor([0, 13, 31])
+    mask = (torch.arange(blocks * bs) <= pos[:, None])[:, None, None, :]
+    got = decode_attention(q, kv, mask)
+    assert got.dtype == dtype and got.shape == (b, heads * d)
+    keys = kv[:, :, 0].flatten(1, 2).transpose(1, 2).float()
+    vals = kv[:, :, 1].flatten(1, 2).transpose(1, 2).float()
+    want = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :], keys, vals, attn_mask=mask, enable_gqa=True
+    ).reshape(b, -1)
+    atol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+    # request 0 sees only its first key: its output is that value row, per KV head
+    torch.testing.assert_close(
+        got[0].float().view(kvh, heads // kvh, d),
+        kv[0, 0, 1, 0].float()[:, None, :].expand(kvh, heads // kvh, d),
+        atol=atol,
+        rtol=0,
+    )
