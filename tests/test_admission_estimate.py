@@ -180,3 +180,16 @@ def test_a_node_slowed_by_load_is_no_floor():
     assert not d.accepted and d.reason == "ttft" and d.retry_after_ms > 0
     d = s.decide(req("y", ttft=20.0))  # below even the model's 26 ms
     assert not d.accepted and d.reason == "infeasible" and "26.0 ms" in d.message
+
+
+def test_measured_rate_shows_a_slowdown_within_two_prefills():
+    rate, model = MeasuredRate(window=20), PrefillModel(10, 0.1, 0)
+    for _ in range(20):
+        rate.observe(160, 0, 0.0, WORK)
+    rate.observe(160, 0, 0.0, 3 * WORK)  # one slow prefill: noise
+    assert rate.factor(model) == pytest.approx(1.0)
+    rate.observe(160, 0, 0.0, 3 * WORK)  # two of the last three: the node is slower now
+    assert rate.factor(model) == pytest.approx(3.0)
+    for _ in range(3):  # fast again: the last three say so
+        rate.observe(160, 0, 0.0, WORK)
+    assert rate.factor(model) == pytest.approx(1.0)

@@ -193,12 +193,16 @@ class MeasuredRate:
 
     :meth:`factor` is the median over the last ``window`` prefills of actual / predicted,
     predicted by the model as it is when asked (the model is refit as reports arrive,
-    and a ratio kept against an older fit would drift): robust to one slow prefill,
-    following a lasting change within a few. ``tokens_per_s`` is the same measurement as
-    a plain rate (prompt tokens computed per second of slot time)."""
+    and a ratio kept against an older fit would drift), or the median of the last
+    ``recent`` where that is slower: robust to one slow prefill, a slowdown shows within
+    two, a recovery once it has lasted half the window (admission must keep its word).
+    ``tokens_per_s`` is the same measurement as a plain rate (prompt tokens computed per
+    second of slot time)."""
 
-    def __init__(self, window: int = 20, lo: float = 0.25, hi: float = 20.0) -> None:
-        self.lo, self.hi = lo, hi
+    def __init__(
+        self, window: int = 20, lo: float = 0.25, hi: float = 20.0, recent: int = 3
+    ) -> None:
+        self.lo, self.hi, self.recent = lo, hi, recent
         self.observations = 0
         # (new tokens, cached tokens, ms the model does not cover, actual ms)
         self._seen: deque[tuple[int, int, float, float]] = deque(maxlen=window)
@@ -250,7 +254,17 @@ class MeasuredRate:
                     self._ratios.append(self._ratio(coef, *seen[i]))
             self._fresh = 0
             s = self._ratios.sorted()
-            self._factor = s[len(s) // 2] if s else 1.0
+            f = s[len(s) // 2] if s else 1.0
+            k = self.recent
+            if k and len(seen) >= k:  # the last few, slower of late?
+                last = sorted(
+                    min(self.hi, max(self.lo, ms / pred))
+                    if (pred := model.predict(n, c) + x) > 0
+                    else 1.0
+                    for n, c, x, ms in list(seen)[-k:]
+                )
+                f = max(f, last[k // 2])
+            self._factor = f
             self._coef = coef
         return self._factor
 
