@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import threading
 import time
+from typing import Any
 
 import grpc
 import numpy as np
@@ -134,7 +135,7 @@ def run(prefixes: list[int], reps: int, out: str) -> dict:
         log_level="WARNING",
     )
     c.start()
-    rows = []
+    rows: list[dict[str, Any]] = []
     watches: dict[str, Watch] = {}
     try:
         s = c.status()
@@ -192,20 +193,21 @@ def run(prefixes: list[int], reps: int, out: str) -> dict:
                     )
                 nbytes, node_ms = watch.wait(seen + 1)[seen]
                 bench_ms = asyncio.run(bench_fetch(c, hashes, nbytes, reps))
-                row = {
+                p50 = statistics.median(bench_ms)
+                row: dict[str, Any] = {
                     "blocks": blocks,
                     "tokens": blocks * BS,
                     "bytes": nbytes,
                     "node_ms": node_ms,
-                    "bench_ms_p50": statistics.median(bench_ms),
+                    "bench_ms_p50": p50,
                     "bench_ms": bench_ms,
+                    "ratio": node_ms / p50,
                 }
-                row["ratio"] = node_ms / row["bench_ms_p50"]
                 rows.append(row)
                 print(
                     f"{blocks:>4} blocks {nbytes / 2**20:7.2f} MiB: node fetch {node_ms:7.2f} ms "
                     f"({nbytes / node_ms / 1e6:5.2f} GB/s), bench prefix_len+get_into p50 "
-                    f"{row['bench_ms_p50']:7.2f} ms ({nbytes / row['bench_ms_p50'] / 1e6:5.2f} "
+                    f"{p50:7.2f} ms ({nbytes / p50 / 1e6:5.2f} "
                     f"GB/s): ratio {row['ratio']:.2f}",
                     flush=True,
                 )
