@@ -94,10 +94,11 @@ def test_fast_store_path_fetches_on_a_slow_engine_and_prices_it_as_measured():
         s.prefill["p0"].store_fetch.observe(k * 1000, 1.0 + k)
     d = s.decide(req(160))
     assert d.estimate.fetch_blocks == 9
-    assert d.estimate.fetch_ms == pytest.approx(10.0 * s.prefill["p0"].rate.factor)
+    assert d.estimate.speed == 1.0  # nothing measured: the fitted model's own speed
+    assert d.estimate.fetch_ms == pytest.approx(10.0)
     # prefix 9 blocks * 1000 B at the engine's 100 B/ms = 90 ms outlasts the 11.6 ms
     # compute; + 1 new block's layer (100 B) at 100 B/ms
-    assert d.estimate.handoff_ms == pytest.approx((90.0 - 11.6 + 1.0) * s.prefill["p0"].rate.factor)
+    assert d.estimate.handoff_ms == pytest.approx(90.0 - 11.6 + 1.0)
 
 
 def test_node_reports_its_fetches_and_the_conductor_learns_them():
