@@ -47,6 +47,7 @@ class Record:
     session: str = ""
     turn: int = 0
     error: str = ""
+    error_ms: float | None = None  # a failed/refused call: when its status came, from sent
 
     def to_json(self, with_tokens: bool = False) -> dict:
         d = asdict(self)
@@ -103,6 +104,7 @@ async def _one(
                 rec.completion_tokens = r.usage.completion_tokens
         rec.e2e_ms = (time.perf_counter() - start) * 1000.0
     except grpc.aio.AioRpcError as e:
+        rec.error_ms = (time.perf_counter() - start) * 1000.0
         rec.status = e.code().name
         rec.error = (e.details() or "")[:300]
         for k, v in e.trailing_metadata() or ():

@@ -120,7 +120,7 @@ class Workloads:
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
-        self.trace_recs = W.sample_groups(W.load_trace(a.trace), a.trace_share, seed=a.seed)
+        self.trace_recs = W.sample_groups(W.load_trace(a.trace), a.trace_share, a.trace_sample)
 
     def trace(self, rate: float, seed: int, n: int | None = None) -> list[W.Item]:
         a = self.a
@@ -153,9 +153,12 @@ class Workloads:
         )
 
     def count(self, rate: float) -> int:
-        """Requests of one run: the same at every load (a shorter run would see less of
-        the workload's reuse), so a run at rate r lasts ``--requests`` / r seconds."""
-        return self.a.requests
+        """Requests of one run: ``--requests`` at every load (a shorter run would see less
+        of the workload's reuse), so a run at rate r lasts ``--requests`` / r seconds;
+        fewer (down to 16) where that would exceed ``--max-run-s`` (a bound on the time
+        of the whole evaluation: the report lists each run's count)."""
+        a = self.a
+        return max(min(16, a.requests), min(a.requests, int(rate * a.max_run_s)))
 
 
 def _brief(r: dict) -> str:
@@ -221,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tbt-slo-ms", type=float, default=150.0)
     p.add_argument("--step-token-budget", type=int, default=128)
     p.add_argument("--trace", default=str(W.DEFAULT_TRACE))
-    p.add_argument("--trace-share", type=float, default=0.03, help="share of prefix groups kept")
-    p.add_argument("--block-tokens", type=int, default=8, help="tokens per 512-token block")
-    p.add_argument("--max-input", type=int, default=1024)
+    p.add_argument("--trace-share", type=float, default=0.015, help="share of prefix groups kept")
+    p.add_argument("--trace-sample", type=int, default=3, help="seed of the group sample")
+    p.add_argument("--block-tokens", type=int, default=16, help="tokens per 512-token block")
+    p.add_argument("--max-input", type=int, default=1536)
     p.add_argument("--max-output", type=int, default=32)
     p.add_argument("--output-scale", type=float, default=1 / 12, help="trace outputs x this")
     p.add_argument("--colocate-below-tokens", type=int, default=64, help="kvmesh's")
@@ -231,10 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-prefix-tokens", type=int, default=768)
     p.add_argument("--sessions", type=int, default=3)
     p.add_argument("--turns", type=int, default=30)
-    p.add_argument("--max-context", type=int, default=3500)
+    p.add_argument("--max-context", type=int, default=2500)
     p.add_argument("--loads", default="0.5,1,2,3", help="multiples of the colocated knee")
     p.add_argument("--repeats", type=int, default=3, help="runs at 1x the knee (median)")
-    p.add_argument("--requests", type=int, default=48, help="per run, at every load")
+    p.add_argument("--requests", type=int, default=64, help="per run, at every load")
+    p.add_argument("--max-run-s", type=float, default=40.0, help="arrival span cap of a run")
     p.add_argument("--knee-probes", type=int, default=4)
     p.add_argument("--knee-start", type=float, default=0.0, help="rps; 0 = from the costs")
     p.add_argument("--pool-sizes", default="12MiB,24MiB,64MiB", help="cache-size sweep")
@@ -334,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     save()
     makers = {"trace": wl.trace, "shared": wl.shared}
     knees: dict[str, float] = {}
-    order = ["colocated", *[n for n in names if n != "colocated"]]
+    # colocated first (its knee sets every load), then kvmesh, then the other baseline
+    order = sorted(set(names) | {"colocated"}, key=("colocated", "kvmesh", "disagg-nostore").index)
     for name in order:
         if name not in names and not ("knee" in phases and name == "colocated"):
             continue

@@ -307,6 +307,13 @@ class ConfigCluster:
             },
         }
         summary["conductor_rejected"] = st.requests_rejected - rejected_before
+        # how fast a refusal comes back (the goal: within 50 ms at p99)
+        refused = [r.error_ms for r in recs if r.status == "RESOURCE_EXHAUSTED" and r.error_ms]
+        summary["reject_ms"] = {
+            "n": len(refused),
+            "p50": M._round(M.quantile(refused, 0.5)),
+            "p99": M._round(M.quantile(refused, 0.99)),
+        }
         summary["tbt_mean_p99_ms"] = M._round(
             M.quantile(
                 [x for x in (M.mean_tbt(r.to_json()) for r in recs if r.status == "OK") if x],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from kvmesh.loadtest.metrics import ratio
+from kvmesh.loadtest.metrics import quantile, ratio
 
 CONFIG_ORDER = ("colocated", "disagg-nostore", "kvmesh")
 GOALS = {"goodput_x": 1.4, "tbt_p99_x": 0.5, "accepted_ok": 0.99}
@@ -133,6 +133,20 @@ def _verdicts(ev: dict) -> list[str]:
         lines.append(
             f"- Admission: {n_ok} of {len(worst)} kvmesh runs kept >= 99% of accepted "
             f"requests inside both SLOs; the worst was {_f(lo[0], 1, True)} ({lo[1]})."
+        )
+    refused = [
+        x["error_ms"]
+        for r in ev["runs"]
+        if r["config"] == "kvmesh"
+        for x in r["records"]
+        if x.get("status") == "RESOURCE_EXHAUSTED" and x.get("error_ms")
+    ]
+    if refused:
+        p99 = quantile(refused, 0.99)
+        lines.append(
+            f"- Refusals: {len(refused)} in all kvmesh runs, answered in "
+            f"{_f(quantile(refused, 0.5), 1)} ms at p50 and {_f(p99, 1)} ms at p99 (goal: "
+            f"within 50 ms at p99: {'met' if p99 is not None and p99 <= 50 else 'not met'})."
         )
     return lines
 
