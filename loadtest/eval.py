@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loads", default="0.5,1,2,3", help="multiples of the colocated knee")
     p.add_argument("--repeats", type=int, default=3, help="runs at 1x the knee (median)")
     p.add_argument("--requests", type=int, default=64, help="per run, at every load")
-    p.add_argument("--max-run-s", type=float, default=40.0, help="arrival span cap of a run")
+    p.add_argument("--max-run-s", type=float, default=30.0, help="arrival span cap of a run")
     p.add_argument("--knee-probes", type=int, default=4)
     p.add_argument("--knee-start", type=float, default=0.0, help="rps; 0 = from the costs")
     p.add_argument("--pool-sizes", default="12MiB,24MiB,64MiB", help="cache-size sweep")
