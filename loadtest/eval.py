@@ -308,7 +308,14 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(res, indent=1))
 
     if "costs" in phases:
-        res["costs"] = model_costs(setup, [(a.model, a.dtype), ("tiny", "float32")])
+        # the model used first; then, for reference, the others the issue names
+        ref = [("medium", "bfloat16"), ("small", "bfloat16"), ("tiny", "float32")]
+        if a.quick:
+            ref = [("medium", "bfloat16")]
+        todo = [(a.model, a.dtype), *[m for m in ref if m != (a.model, a.dtype)]]
+        res["costs"] = model_costs(setup, todo)
+        for i, c in enumerate(res["costs"]):
+            c["used"] = i == 0
         for c in res["costs"]:
             log(
                 f"model {c['model']} ({c['dtype']}, {c['params_m']} M params): "

@@ -151,6 +151,27 @@ def _verdicts(ev: dict) -> list[str]:
     return lines
 
 
+def _dtype_note(ev: dict) -> str:
+    """Why the dtype used, from the measured costs."""
+    by = {(c["model"], c["dtype"]): c for c in ev.get("costs", [])}
+    f32, b16 = by.get(("medium", "float32")), by.get(("medium", "bfloat16"))
+    small = by.get(("small", "bfloat16"))
+    out = []
+    if f32 and b16:
+        x = b16["prefill_ms_per_token"] / f32["prefill_ms_per_token"]
+        out.append(
+            f"This CPU has no native bfloat16 (AVX2): `medium` in bfloat16 prefills "
+            f"{x:.1f}x slower than in float32, so the evaluation computes in float32 (never "
+            "float16)."
+        )
+    if small:
+        out.append(
+            f"`small` in bfloat16 costs {small['prefill_ms_per_token']} ms per prompt token "
+            "here: on two cores it would leave time for only a handful of requests."
+        )
+    return " ".join(out)
+
+
 def _table_costs(ev: dict) -> list[str]:
     lines = [
         "| model | dtype | parameters | compute per prompt token | decode step, batch 1 / 8 "
@@ -159,7 +180,8 @@ def _table_costs(ev: dict) -> list[str]:
     ]
     for c in ev.get("costs", []):
         lines.append(
-            f"| `{c['model']}` | {c['dtype']} | {c['params_m']} M | "
+            f"| `{c['model']}`{' (used)' if c.get('used') else ''} | {c['dtype']} | "
+            f"{c['params_m']} M | "
             f"{c['prefill_ms_per_token']} ms | {c['decode_step_ms_b1']} / "
             f"{c['decode_step_ms_b8']} ms | {c['kv_bytes_per_token']:,} B | "
             f"{c['breakeven_gbps'] * 1000:.1f} MB/s |"
@@ -300,10 +322,8 @@ def eval_section(ev: dict, out: Path) -> list[str]:
         "",
         "### Set-up",
         "",
-        f"- **Model:** `{st['model']}` in {st['dtype']}, block size {st['block_size']}. "
-        "On this CPU (AVX2, no AVX-512) bfloat16 matrix products run at ~1/6 the float32 "
-        "rate, so the evaluation computes in float32 (never float16); `small` in bfloat16 "
-        "would cost ~16 ms per prompt token here and leave time for a handful of requests.",
+        f"- **Model:** `{st['model']}` in {st['dtype']}, block size {st['block_size']}; "
+        f"the other rows are measured for reference only. {_dtype_note(ev)}",
         "",
         *_table_costs(ev),
         "",
