@@ -234,9 +234,13 @@ class FakeStore:
 class FakeEvents:
     def __init__(self) -> None:
         self.prefills: list[tuple[int, int]] = []
+        self.fetches: list[tuple[int, float]] = []
 
     def record_prefill(self, new, cached, ms):
         self.prefills.append((new, cached))
+
+    def record_store_fetch(self, nbytes, ms):
+        self.fetches.append((nbytes, ms))
 
 
 class FakeContext:
@@ -380,6 +384,8 @@ async def test_blocks_fetched_from_the_store_are_counted_and_given_back():
     resp = await node.prefill(request("a", PROMPT))
     assert (resp.fetched_tokens, resp.computed_tokens) == (8, 2)
     assert store.gets == [hashes]
+    # the fetch is reported for the conductor's fetch-vs-recompute pricing: both blocks
+    assert [n for n, _ in node.events.fetches] == [2 * len(block)]
     assert node.pool.num_used == 0 and node.pool.num_cached == 2
     assert store.puts == []  # nothing new to put: both full blocks came from the store
 
