@@ -311,10 +311,10 @@ class ConfigCluster:
         refused = [r.error_ms for r in recs if r.status == "RESOURCE_EXHAUSTED" and r.error_ms]
         summary["reject_ms"] = {
             "n": len(refused),
-            "p50": M._round(M.quantile(refused, 0.5)),
-            "p99": M._round(M.quantile(refused, 0.99)),
+            "p50": M.rounded(M.quantile(refused, 0.5)),
+            "p99": M.rounded(M.quantile(refused, 0.99)),
         }
-        summary["tbt_mean_p99_ms"] = M._round(
+        summary["tbt_mean_p99_ms"] = M.rounded(
             M.quantile(
                 [x for x in (M.mean_tbt(r.to_json()) for r in recs if r.status == "OK") if x],
                 0.99,

@@ -111,7 +111,7 @@ def summarize(
         routes[k] = routes.get(k, 0) + 1
 
     def q3(xs):
-        return {f"p{int(q * 100)}": _round(quantile(xs, q)) for q in (0.5, 0.9, 0.99)}
+        return {f"p{int(q * 100)}": rounded(quantile(xs, q)) for q in (0.5, 0.9, 0.99)}
 
     n = len(rs)
     return {
@@ -121,26 +121,26 @@ def summarize(
         "failed": len(failed),
         "rejected_by_reason": reasons,
         "routes": routes,
-        "acceptance_rate": _round(len(served) / n if n else None),
-        "ttft_ms": {**q3(ttft), "mean": _round(sum(ttft) / len(ttft) if ttft else None)},
-        "tbt_ms": {**q3(gaps), "mean": _round(sum(gaps) / len(gaps) if gaps else None)},
+        "acceptance_rate": rounded(len(served) / n if n else None),
+        "ttft_ms": {**q3(ttft), "mean": rounded(sum(ttft) / len(ttft) if ttft else None)},
+        "tbt_ms": {**q3(gaps), "mean": rounded(sum(gaps) / len(gaps) if gaps else None)},
         "slo": {"ttft_ms": ttft_slo_ms, "tbt_ms": tbt_slo_ms},
-        "slo_attainment": _round(len(good) / n if n else None),
-        "slo_attainment_accepted": _round(len(good) / len(served) if served else None),
-        "duration_s": _round(duration_s),
-        "goodput_rps": _round(len(good) / duration_s if duration_s else None),
-        "throughput_rps": _round(len(served) / duration_s if duration_s else None),
-        "offered_rps": _round(n / duration_s if duration_s else None),
+        "slo_attainment": rounded(len(good) / n if n else None),
+        "slo_attainment_accepted": rounded(len(good) / len(served) if served else None),
+        "duration_s": rounded(duration_s),
+        "goodput_rps": rounded(len(good) / duration_s if duration_s else None),
+        "throughput_rps": rounded(len(served) / duration_s if duration_s else None),
+        "offered_rps": rounded(n / duration_s if duration_s else None),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "computed_tokens": computed,
-        "cache_hit_ratio": _round(cached / prompt if prompt else None),
+        "cache_hit_ratio": rounded(cached / prompt if prompt else None),
         "prefill_tokens_avoided": cached,
         "completion_tokens": sum(r.get("completion_tokens", 0) for r in served),
     }
 
 
-def _round(x, nd: int = 4):
+def rounded(x, nd: int = 4):
     return None if x is None else round(float(x), nd)
 
 
