@@ -232,10 +232,17 @@ def write_report(out: Path = RESULTS) -> str:
         lines += real_section(json.loads(real_p.read_text()), out)
     if sim_p.exists():
         lines += sim_section(json.loads(sim_p.read_text()), out)
+    path = out / "report.md"
+    # the calibrated simulator's section (python -m kvmesh.loadtest.sim.paper) is kept
+    from kvmesh.loadtest.sim.paper import MARK_BEGIN, MARK_END
+
+    before = path.read_text() if path.exists() else ""
+    if MARK_BEGIN in before and MARK_END in before:
+        a, b = before.index(MARK_BEGIN), before.index(MARK_END) + len(MARK_END)
+        lines += ["", before[a:b]]
     extra = out / "notes.md"
     if extra.exists():
         lines += ["", extra.read_text()]
-    path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
 
