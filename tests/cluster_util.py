@@ -46,3 +46,24 @@ def status(conductor: str) -> pb.ClusterStatusResponse:
 
 def node(conductor: str, node_id: str) -> pb.NodeStatus:
     return next(n for n in status(conductor).nodes if n.node_id == node_id)
+
+
+def start_with_hold_hook(c, hold_dir: str) -> None:
+    """Starts LocalCluster ``c`` with the prefill node's test hook on
+    (``KVMESH_TEST_HOLD_PREFILL``: idle until a test writes a stage to
+    ``<hold_dir>/hold``, see tests.test_cancel.Hold). Only the cluster's processes see the
+    variable; a failed start stops what it started."""
+    import os
+
+    old = os.environ.get("KVMESH_TEST_HOLD_PREFILL")
+    os.environ["KVMESH_TEST_HOLD_PREFILL"] = hold_dir
+    try:
+        c.start()
+    except BaseException:
+        c.stop()
+        raise
+    finally:
+        if old is None:
+            del os.environ["KVMESH_TEST_HOLD_PREFILL"]
+        else:
+            os.environ["KVMESH_TEST_HOLD_PREFILL"] = old

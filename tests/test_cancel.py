@@ -21,7 +21,7 @@ import pytest
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.launcher import LocalCluster
-from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, node
+from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, node, start_with_hold_hook
 
 _LETTERS = "".join(chr(97 + i % 26) for i in range(2992))
 
@@ -43,8 +43,6 @@ def hold_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, hold_dir):
-    old = os.environ.get("KVMESH_TEST_HOLD_PREFILL")
-    os.environ["KVMESH_TEST_HOLD_PREFILL"] = hold_dir
     c = LocalCluster(
         str(tmp_path_factory.mktemp("cluster")),
         node_args=NODE_ARGS,
@@ -53,13 +51,7 @@ def cluster(tmp_path_factory, hold_dir):
         # node's drop, or the reservation's own release) can free the blocks in time
         decode_args=["--fence-s", "3600"],
     )
-    try:
-        c.start()  # its processes take the hook from this environment
-    finally:
-        if old is None:
-            del os.environ["KVMESH_TEST_HOLD_PREFILL"]
-        else:
-            os.environ["KVMESH_TEST_HOLD_PREFILL"] = old
+    start_with_hold_hook(c, hold_dir)
     yield c
     c.stop()
 

@@ -31,7 +31,7 @@ from kvmesh.services.common.registry import node_key
 from kvmesh.services.decode.batch import Reservation
 from kvmesh.services.decode.server import DecodeNode
 from kvmesh.services.launcher import LocalCluster
-from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, status
+from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, start_with_hold_hook, status
 from tests.test_cancel import Hold, long_prompt
 
 TTL = 20  # long: a restarted conductor is back well before its old lease ends
@@ -103,8 +103,6 @@ def hold_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, hold_dir):
-    old = os.environ.get("KVMESH_TEST_HOLD_PREFILL")
-    os.environ["KVMESH_TEST_HOLD_PREFILL"] = hold_dir
     c = LocalCluster(
         str(tmp_path_factory.mktemp("owners")),
         conductors=2,
@@ -113,13 +111,7 @@ def cluster(tmp_path_factory, hold_dir):
         conductor_args=DISAGG_ONLY,
         decode_args=["--fence-s", str(FENCE_S), "--reservation-timeout-s", str(REAP_S)],
     )
-    try:
-        c.start()
-    finally:
-        if old is None:
-            del os.environ["KVMESH_TEST_HOLD_PREFILL"]
-        else:
-            os.environ["KVMESH_TEST_HOLD_PREFILL"] = old
+    start_with_hold_hook(c, hold_dir)
     try:
         yield c
     finally:

@@ -23,7 +23,7 @@ from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.decode.early_release import EarlyReleases
 from kvmesh.services.launcher import LocalCluster
-from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, status
+from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, start_with_hold_hook, status
 from tests.test_cancel import Hold, long_prompt
 
 TTL = 3
@@ -63,8 +63,6 @@ def hold_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, hold_dir):
-    old = os.environ.get("KVMESH_TEST_HOLD_PREFILL")
-    os.environ["KVMESH_TEST_HOLD_PREFILL"] = hold_dir
     c = LocalCluster(
         str(tmp_path_factory.mktemp("res")),
         conductors=2,
@@ -73,13 +71,7 @@ def cluster(tmp_path_factory, hold_dir):
         conductor_args=DISAGG_ONLY,
         decode_args=["--fence-s", str(FENCE_S)],
     )
-    try:
-        c.start()
-    finally:
-        if old is None:
-            del os.environ["KVMESH_TEST_HOLD_PREFILL"]
-        else:
-            os.environ["KVMESH_TEST_HOLD_PREFILL"] = old
+    start_with_hold_hook(c, hold_dir)
     try:
         yield c
     finally:

@@ -44,7 +44,7 @@ from kvmesh.services.common.channels import TlsFiles, channel_credentials
 from kvmesh.services.common.config import ConfigError
 from kvmesh.services.common.settings import DEV_SECRET, KNOWN_SECRETS
 from kvmesh.services.launcher import LocalCluster, listening_ports
-from tests.cluster_util import DISAGG_ONLY, NODE_ARGS
+from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, start_with_hold_hook
 from tests.etcd_server import free_port
 from tests.grpc_util import KINDS, call, in_thread, probe_handler, refusal, serving
 
@@ -191,20 +191,7 @@ def cluster(tmp_path_factory, hold_dir):
         api_key="kopen",
         http_port=0,  # any free port; start() reads it into cluster.http_port
     )
-    # the prefill node's test hook (tests.test_cancel.Hold): idle until a test writes
-    # a stage to <hold_dir>/hold
-    old = os.environ.get("KVMESH_TEST_HOLD_PREFILL")
-    os.environ["KVMESH_TEST_HOLD_PREFILL"] = hold_dir
-    try:
-        c.start()
-    except BaseException:
-        c.stop()
-        raise
-    finally:
-        if old is None:
-            del os.environ["KVMESH_TEST_HOLD_PREFILL"]
-        else:
-            os.environ["KVMESH_TEST_HOLD_PREFILL"] = old
+    start_with_hold_hook(c, hold_dir)
     try:
         yield c
     finally:

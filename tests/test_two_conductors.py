@@ -21,7 +21,7 @@ from kvmesh.services.client import conductor_addresses, stream_completion
 from kvmesh.services.common.tokenizer import ByteTokenizer
 from kvmesh.services.engine.model import LlamaModel
 from kvmesh.services.launcher import LocalCluster
-from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, status
+from tests.cluster_util import DISAGG_ONLY, NODE_ARGS, generate, start_with_hold_hook, status
 
 
 @pytest.fixture(scope="module")
@@ -37,23 +37,15 @@ def hold_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, hold_dir):
-    old = os.environ.get("KVMESH_TEST_HOLD_PREFILL")
-    os.environ["KVMESH_TEST_HOLD_PREFILL"] = hold_dir
-    try:
-        c = LocalCluster(
-            str(tmp_path_factory.mktemp("two")),
-            prefill=1,
-            decode=1,
-            conductors=2,
-            node_args=NODE_ARGS,
-            conductor_args=DISAGG_ONLY,
-        )
-        c.start()
-    finally:
-        if old is None:
-            del os.environ["KVMESH_TEST_HOLD_PREFILL"]
-        else:
-            os.environ["KVMESH_TEST_HOLD_PREFILL"] = old
+    c = LocalCluster(
+        str(tmp_path_factory.mktemp("two")),
+        prefill=1,
+        decode=1,
+        conductors=2,
+        node_args=NODE_ARGS,
+        conductor_args=DISAGG_ONLY,
+    )
+    start_with_hold_hook(c, hold_dir)
     try:
         yield c
     finally:
