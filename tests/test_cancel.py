@@ -62,6 +62,16 @@ class Hold:
     def __init__(self, path: str) -> None:
         self.path = path
 
+    @classmethod
+    def cleared(cls, path: str) -> Hold:
+        """The hook with nothing held and no stage set (what an earlier test left)."""
+        for name in ("hold", "held"):
+            try:
+                os.remove(os.path.join(path, name))
+            except FileNotFoundError:
+                pass
+        return cls(path)
+
     def at(self, stage: str) -> None:
         with open(os.path.join(self.path, "hold"), "w") as f:
             f.write(stage)
@@ -84,12 +94,7 @@ class Hold:
 
 @pytest.fixture
 def hold(hold_dir):
-    h = Hold(hold_dir)
-    for name in ("hold", "held"):
-        try:
-            os.remove(os.path.join(hold_dir, name))
-        except FileNotFoundError:
-            pass
+    h = Hold.cleared(hold_dir)
     yield h
     h.at("")
 

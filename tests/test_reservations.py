@@ -80,12 +80,7 @@ def cluster(tmp_path_factory, hold_dir):
 
 @pytest.fixture
 def hold(hold_dir):
-    h = Hold(hold_dir)
-    for name in ("hold", "held"):
-        try:
-            os.remove(os.path.join(hold_dir, name))
-        except FileNotFoundError:
-            pass
+    h = Hold.cleared(hold_dir)
     yield h
     h.at("")
 
