@@ -93,6 +93,51 @@ def headline(ev: dict, workload: str) -> list[dict]:
     return out
 
 
+def capacity(ev: dict, workload: str, config: str, target: float = 0.9) -> dict | None:
+    """The highest offered rate at which ``target`` of all requests (rejected ones
+    included) meet both SLOs: DistServe's *goodput* and Mooncake's *effective request
+    capacity*. Linear between the two sweep points that straddle ``target``; when every
+    point attains it, the highest load is a lower bound (``bracketed`` False)."""
+    pts = sorted(
+        (x, p)
+        for (c, x), p in points(ev, workload).items()
+        if c == config and x is not None and p["attained"] is not None and p["offered_rps"]
+    )
+    if not pts or pts[0][1]["attained"] < target:
+        return None
+    lo = pts[0]
+    for hi in pts[1:]:
+        if hi[1]["attained"] < target:
+            (x0, p0), (x1, p1) = lo, hi
+            a0, a1 = p0["attained"], p1["attained"]
+            f = (a0 - target) / (a0 - a1)
+            r0, r1 = p0["offered_rps"], p1["offered_rps"]
+            return {"rps": r0 + f * (r1 - r0), "load_x": x0 + f * (x1 - x0), "bracketed": True}
+        lo = hi
+    return {"rps": lo[1]["offered_rps"], "load_x": lo[0], "bracketed": False}
+
+
+def _capacity_lines(ev: dict) -> list[str]:
+    lines = []
+    for w in ("trace", "shared"):
+        c = capacity(ev, w, "colocated")
+        k = capacity(ev, w, "kvmesh")
+        if not (c and k):
+            continue
+        x = k["rps"] / c["rps"]
+        bound = "" if k["bracketed"] else ">= "
+        met = x >= GOALS["goodput_x"]
+        lines.append(
+            f"- {w}, capacity at 90% of requests inside both SLOs (the goodput of DistServe "
+            f"and Mooncake's effective request capacity, read off the load sweep): kvmesh "
+            f"{bound}{_f(k['rps'], 2)} rps ({bound}{k['load_x']:.2f}x the knee"
+            f"{'' if k['bracketed'] else ', every point swept attains it'}) vs colocated "
+            f"{_f(c['rps'], 2)} rps ({c['load_x']:.2f}x) = {bound}{x:.2f}x "
+            f"(goal >= {GOALS['goodput_x']}x: {'**wins**' if met else '**loses**'})."
+        )
+    return lines
+
+
 def _verdicts(ev: dict) -> list[str]:
     """Plain sentences: each goal, met or not, with the numbers."""
     lines = []
@@ -120,6 +165,7 @@ def _verdicts(ev: dict) -> list[str]:
             f"kvmesh accepted {_f(k['acceptance'], 0, True)} and "
             f"{_f(k['accepted_ok'], 1, True)} of those met both SLOs."
         )
+    lines += _capacity_lines(ev)
     worst = [
         (r["summary"]["slo_attainment_accepted"], r["label"])
         for r in ev["runs"]
