@@ -387,7 +387,7 @@ def test_etcd_starts_on_other_ports_when_its_guess_is_taken(tmp_path, monkeypatc
     import threading
     import urllib.request
 
-    from kvmesh.services import launcher
+    from kvmesh.services.launcher import local_etcd
 
     class Healthy(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -402,14 +402,14 @@ def test_etcd_starts_on_other_ports_when_its_guess_is_taken(tmp_path, monkeypatc
     threading.Thread(target=squatter.serve_forever, daemon=True).start()
     taken = squatter.server_address[1]
     guesses = iter([taken])
-    real_guess = launcher._unused_port
-    monkeypatch.setattr(launcher, "_unused_port", lambda: next(guesses, None) or real_guess())
-    etcd = launcher.Etcd(str(tmp_path / "etcd"))
+    real_guess = local_etcd._unused_port
+    monkeypatch.setattr(local_etcd, "_unused_port", lambda: next(guesses, None) or real_guess())
+    etcd = local_etcd.Etcd(str(tmp_path / "etcd"))
     try:
         assert etcd.client_port == taken
         etcd.start()
         assert etcd.client_port != taken
-        assert taken not in (launcher.listening_ports(etcd.proc.pid) or {taken})
+        assert taken not in (local_etcd.listening_ports(etcd.proc.pid) or {taken})
         with urllib.request.urlopen(f"http://{etcd.endpoint}/version", timeout=5) as r:
             assert b"etcdserver" in r.read()  # the real etcd answers there
         etcd.restart()  # a restart keeps the ports it settled on

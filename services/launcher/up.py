@@ -1,0 +1,234 @@
+"""``kvmesh up``: a whole cluster on this machine, from the command line to Ctrl-C.
+
+The life of one ``kvmesh up``: ``services.cli`` parses its flags with
+:func:`add_up_arguments` and calls :func:`up`. :func:`up` resolves ``--model`` (a bad one,
+or a hub id to download, is dealt with before etcd starts), checks that the conductor's
+port is free, and builds a :class:`~kvmesh.services.launcher.cluster.LocalCluster`
+(``--http-port`` 8000 falls back to a free port when taken). ``LocalCluster.start`` starts
+etcd, the store-master(s), the conductor(s) and the nodes as processes tied to this one,
+reads the conductors' ports from etcd and waits until every node is reachable. Then
+either ``--demo`` streams one completion and returns, or :func:`up` prints how to reach
+the cluster and waits while the cluster's supervisor restarts a service that dies; it
+returns 1 when supervision gives up. SIGINT, SIGTERM or SIGHUP stop the cluster in order
+(``LocalCluster.stop``); a second signal during the teardown SIGKILLs every process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+import time
+
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.services.client import format_status, stream_completion
+from kvmesh.services.common.channels import PortInUse, check_port
+from kvmesh.services.launcher.cluster import LocalCluster
+
+
+def add_up_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=50051, help="conductor gRPC port")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="conductor's OpenAI-compatible HTTP API port (falls back to any free "
+        "port when 8000 is taken; 0 = any free port, -1 = off)",
+    )
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
+    p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
+    p.add_argument(
+        "--store-masters",
+        type=int,
+        default=1,
+        help="store-masters: one leads, the others stand by and take over when its "
+        "etcd lease lapses",
+    )
+    p.add_argument(
+        "--conductors",
+        type=int,
+        default=1,
+        help="conductors serving at once (active-active; each counts the others' work "
+        "through the nodes' load reports); the first on --port/--http-port, the others "
+        "on free ports",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model of every node: a preset (tiny, small, medium, demo), a Hugging Face model "
+        "directory or hub id (org/name); default: demo with --demo, else tiny",
+    )
+    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    p.add_argument(
+        "--workdir", default=None, help="where logs and etcd data go (default: a temp dir)"
+    )
+    p.add_argument(
+        "--demo",
+        default=None,
+        metavar="PROMPT",
+        help="serve this one prompt, print the completion, and stop",
+    )
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens for --demo")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS on every gRPC channel: generates a throwaway CA and one "
+        "certificate per service (and 'client' for CLIs) into <workdir>/tls",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="a service (or etcd) that dies is restarted, after a backoff doubling from "
+        "0.5 s, at most this many times within --restart-window; then the cluster stops "
+        "(0 = stop the cluster when any process dies)",
+    )
+    p.add_argument(
+        "--restart-window",
+        type=float,
+        default=60.0,
+        help="seconds over which --max-restarts counts a service's restarts",
+    )
+    p.add_argument(
+        "--api-keys",
+        default="",
+        help="client API keys of the conductor "
+        "(KEY, KEY:TENANT, KEY:TENANT:shared=NS, "
+        "comma-separated); empty = open",
+    )
+
+
+def _http_port(port: int) -> int:
+    """The default 8000 if free, else any free port (a second local cluster still starts)."""
+    if port != 8000:
+        return port
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+        return port
+    except OSError:
+        print(
+            "port 8000 is taken: the HTTP API gets a free port (see kvmesh status)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 0
+
+
+def up(args: argparse.Namespace) -> int:
+    model = getattr(args, "model", None) or ("tiny" if args.demo is None else "demo")
+    try:  # a bad --model fails before etcd starts; a hub id is downloaded once, here
+        from kvmesh.services.engine.checkpoint import CheckpointError, resolve_model
+
+        resolve_model(model)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.port:  # before etcd starts: a second cluster must not share the port
+        try:
+            check_port(f"127.0.0.1:{args.port}")
+        except PortInUse as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    cluster = LocalCluster(
+        args.workdir,
+        prefill=args.prefill,
+        decode=args.decode,
+        store_masters=getattr(args, "store_masters", 1),
+        conductors=getattr(args, "conductors", 1),
+        conductor_port=args.port,
+        http_port=_http_port(args.http_port),
+        node_args=["--model", model, "--block-size", str(args.block_size)],
+        tls=getattr(args, "tls", False),
+        conductor_args=(["--api-keys", args.api_keys] if getattr(args, "api_keys", "") else None),
+        api_key=(getattr(args, "api_keys", "") or "").split(",")[0].split(":")[0],
+        max_restarts=getattr(args, "max_restarts", 5),
+        restart_window_s=getattr(args, "restart_window", 60.0),
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
+    client = " ".join(cluster.tls_args("client")) if cluster.tls_dir else ""
+    client += f" --api-key {cluster.api_key}" if cluster.api_key else ""
+    stop = {"now": False}
+
+    def on_signal(signum, frame):
+        if stop["now"]:  # a second signal while stopping: no waiting for anyone
+            print("\nkilling the cluster's processes", file=sys.stderr, flush=True)
+            cluster.kill()
+            return
+        stop["now"] = True
+        raise KeyboardInterrupt
+
+    # SIGINT too: a shell starts a background job with SIGINT ignored, and Python then
+    # leaves it ignored; `kill -INT` must stop the cluster all the same
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    try:
+        print(
+            f"starting etcd, store-master, conductor, {args.prefill} prefill and "
+            f"{args.decode} decode node(s); logs in {cluster.workdir}",
+            flush=True,
+        )
+        t0 = time.monotonic()
+        cluster.start()
+        etcd_auth = (
+            f" (TLS, user {cluster.etcd_user}, password in {cluster.workdir}/etcd-password)"
+            if cluster.etcd_password
+            else ""
+        )
+        print(
+            f"cluster ready in {time.monotonic() - t0:.1f}s: conductor at "
+            f"{','.join(cluster.conductors)}, "
+            f"etcd at {cluster.etcd_endpoint}{etcd_auth}",
+            flush=True,
+        )
+        print(format_status(cluster.status()), flush=True)
+        if args.demo is not None:
+            print(f"\n>>> {args.demo}", flush=True)
+            req = pb.GenerateRequest(  # what `kvmesh generate` sends by default
+                prompt=args.demo,
+                max_tokens=args.max_tokens,
+                sampling=pb.SamplingParams(temperature=0.0, seed=0),
+                slo=pb.SLO(ttft_ms=0.0),
+            )
+            return asyncio.run(
+                stream_completion(
+                    cluster.conductor,
+                    req,
+                    api_key=cluster.api_key,
+                    tls=cluster.client_tls(),
+                    verbose=True,
+                )
+            )
+        http = next((n.http_address for n in cluster.status().nodes if n.http_address), "")
+        if http:
+            # with TLS the conductor's HTTP API is HTTPS, with a certificate of this CA
+            url = f"https://{http}" if cluster.tls_dir else f"http://{http}"
+            ca = f"--cacert {cluster.tls_dir}/ca.pem " if cluster.tls_dir else ""
+            print(
+                f"OpenAI-compatible API: {url}/v1 (e.g. curl {ca}{url}/v1/models)",
+                flush=True,
+            )
+        print(
+            f'try: kvmesh generate --conductor {cluster.conductor}{" " + client if client else ""} "Hello"\n'
+            f"     kvmesh status --conductor {cluster.conductor}{' ' + client if client else ''}\n"
+            f"The nodes' data-plane secret is in {cluster.workdir}/secret: a node started by "
+            f"hand joins with KVMESH_SECRET=$(cat {cluster.workdir}/secret).\n"
+            f"Ctrl-C stops the cluster.",
+            flush=True,
+        )
+        while True:  # the cluster's supervisor restarts a service that dies
+            time.sleep(0.5)
+            failure = cluster.failure()
+            if failure:
+                print(f"{failure}; stopping the cluster", file=sys.stderr, flush=True)
+                return 1
+    except KeyboardInterrupt:
+        print("\nstopping the cluster", flush=True)
+        return 0
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stop["now"] = True  # from here a signal hurries the teardown, never cuts it short
+        cluster.stop()
