@@ -36,427 +36,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import platform
-import resource
-import socket
 import statistics
-import struct
 import subprocess
 import sys
-import threading
 import time
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvmesh.rdma import Slice, TransferEngine  # noqa: E402
 
-KiB, MiB = 1 << 10, 1 << 20
-BLOCKS = [64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
-OPS = ("write", "read")
-MODES = ("batched", "single")
-STREAM_BUF = 4 * MiB
-# Reference: Mooncake transfer engine, TCP transport, batched (GB/s), used
-# when the wheel is not installed.
-MOONCAKE = {
-    "write": {64 * KiB: 1.1, MiB: 1.7, 16 * MiB: 1.8, 64 * MiB: 1.8},
-    "read": {64 * KiB: 1.2, MiB: 2.0, 16 * MiB: 1.8, 64 * MiB: 1.8},
-}
-MOONCAKE_MAX_BATCH = 1024  # entries per Mooncake batch call (see _mooncake_client_main)
-SECRET = b"bench-secret"
+from kvmesh.loadtest.bench_transfer_measure import BLOCKS, MODES, OPS, engine_rates  # noqa: E402
+from kvmesh.loadtest.bench_transfer_mooncake import (  # noqa: E402
+    MOONCAKE,
+    mooncake_client_main,
+    mooncake_peer_main,
+    start_mooncake,
+)
+from kvmesh.loadtest.bench_transfer_peer import (  # noqa: E402
+    STREAM_BUF,
+    KiB,
+    MiB,
+    peak_rss_mib,
+    peer_main,
+)
+
 RESULTS = Path(__file__).resolve().parent / "results" / "transfer.json"
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-# -- peer process ---------------------------------------------------------------
-def _stream_conn(conn: socket.socket) -> None:
-    """One baseline connection: per run, an 8-byte length, that many bytes received
-    with recv_into into a buffer that keeps them all; a 1-byte ack (the sender's clock
-    stops there), then the CRC-32 of what came, for the sender to check."""
-    keep = bytearray()
-    with conn:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while True:
-            hdr = conn.recv(8, socket.MSG_WAITALL)
-            if len(hdr) < 8:
-                return
-            size = struct.unpack("!Q", hdr)[0]
-            if len(keep) != size:
-                keep = bytearray(size)
-            view, got = memoryview(keep), 0
-            while got < size:
-                n = conn.recv_into(view[got : got + min(size - got, STREAM_BUF)])
-                if not n:
-                    return
-                got += n
-            conn.sendall(b"k")
-            conn.sendall(struct.pack("!I", zlib.crc32(keep)))
-
-
-def _stream_sink(ls: socket.socket) -> None:
-    """Plain-socket baseline server: a thread per connection (:func:`_stream_conn`)."""
-    while True:
-        try:
-            conn, _ = ls.accept()
-        except OSError:
-            return
-        threading.Thread(target=_stream_conn, args=(conn,), daemon=True).start()
-
-
-async def _peer_main(total: int, conns: int, chunk: int) -> None:
-    eng = TransferEngine(SECRET, conns_per_peer=conns, chunk_bytes=chunk)
-    await eng.start()
-    region = np.zeros(total, dtype=np.uint8)
-    rid = eng.register(region)
-    ls = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_stream_sink, args=(ls,), daemon=True).start()
-    print(
-        json.dumps({"address": eng.address, "region": rid, "stream_port": ls.getsockname()[1]}),
-        flush=True,
-    )
-    await asyncio.to_thread(sys.stdin.read)  # until the parent closes stdin
-    ls.close()
-    await eng.close()
-    print(json.dumps({"peak_rss_mib": _peak_rss_mib()}), flush=True)
-
-
-# -- Mooncake (optional wheel; child processes only) ---------------------------------
-def _mooncake_engine():
-    os.environ.setdefault("GLOG_minloglevel", "2")
-    from mooncake.engine import TransferEngine as MooncakeEngine
-
-    te = MooncakeEngine()
-    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    if rc != 0:
-        raise RuntimeError(f"mooncake initialize failed: rc={rc}")
-    return te
-
-
-def _mooncake_peer_main(total: int) -> None:
-    te = _mooncake_engine()
-    region = np.zeros(total, dtype=np.uint8)
-    if te.register_memory(region.ctypes.data, total) != 0:
-        raise RuntimeError("mooncake register_memory failed")
-    print(json.dumps({"port": te.get_rpc_port(), "addr": region.ctypes.data}), flush=True)
-    sys.stdin.read()
-    print(json.dumps({"peak_rss_mib": _peak_rss_mib()}), flush=True)
-
-
-def _mooncake_client_main(total: int, max_point_s: float) -> None:
-    """Spawn a Mooncake peer, then measure one repetition per stdin command
-    (``{"bs", "op", "mode"}`` -> ``{"gbps"}``); EOF ends it with RSS figures."""
-    peer_proc = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--mooncake-peer",
-            "--total-mib",
-            str(total // MiB),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    res: dict = {}
-    try:
-        peer = json.loads(peer_proc.stdout.readline())
-        te = _mooncake_engine()
-        local = np.random.default_rng(0).integers(0, 256, size=total, dtype=np.uint8)
-        base, rbase = local.ctypes.data, peer["addr"]
-        if te.register_memory(base, total) != 0:
-            raise RuntimeError("mooncake register_memory failed")
-        target = f"127.0.0.1:{peer['port']}"
-        if te.batch_transfer_sync_write(target, [base], [rbase], [total]) != 0:
-            raise RuntimeError("mooncake warm-up write failed")
-        print(json.dumps({"ready": True}), flush=True)
-
-        def batched(op: str, offs: list[int], bs: int) -> int:
-            batch = te.batch_transfer_sync_write if op == "write" else te.batch_transfer_sync_read
-            # Mooncake's TCP lane rejects very large batches ("queue-full"),
-            # so submit at most MOONCAKE_MAX_BATCH entries per call.
-            for i in range(0, len(offs), MOONCAKE_MAX_BATCH):
-                part = offs[i : i + MOONCAKE_MAX_BATCH]
-                if (
-                    batch(
-                        target,
-                        [base + o for o in part],
-                        [rbase + o for o in part],
-                        [bs] * len(part),
-                    )
-                    != 0
-                ):
-                    raise RuntimeError(f"mooncake batched {op} failed")
-            return len(offs) * bs
-
-        def single(op: str, offs: list[int], bs: int) -> int:
-            one = te.transfer_sync_write if op == "write" else te.transfer_sync_read
-            t0, done = time.perf_counter(), 0
-            for o in offs:
-                if one(target, base + o, rbase + o, bs) != 0:
-                    raise RuntimeError(f"mooncake {op} failed")
-                done += bs
-                if time.perf_counter() - t0 > max_point_s:
-                    break
-            return done
-
-        for line in sys.stdin:
-            cmd = json.loads(line)
-            bs = int(cmd["bs"])
-            offs = [i * bs for i in range(max(1, total // bs))]
-            fn = batched if cmd["mode"] == "batched" else single
-            t0 = time.perf_counter()
-            nbytes = fn(cmd["op"], offs, bs)
-            print(json.dumps({"gbps": nbytes / (time.perf_counter() - t0) / 1e9}), flush=True)
-        res["peak_rss_mib"] = _peak_rss_mib()
-    finally:
-        peer_proc.stdin.close()
-        try:
-            tail = peer_proc.stdout.read().strip().splitlines()
-            peer_proc.wait(10)
-        except subprocess.TimeoutExpired:
-            peer_proc.kill()
-            tail = []
-    res["peer_peak_rss_mib"] = json.loads(tail[-1])["peak_rss_mib"] if tail else None
-    print(json.dumps(res), flush=True)
-
-
-class _Mooncake:
-    """Driver of the Mooncake client child process (one repetition per call)."""
-
-    TIMEOUT_S = 120.0
-
-    def __init__(self, total: int, max_point_s: float) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--mooncake-client",
-                "--total-mib",
-                str(total // MiB),
-                "--max-point-s",
-                str(max_point_s),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self._reply()  # {"ready": true}
-
-    def _reply(self) -> dict:
-        import select
-
-        ready, _, _ = select.select([self.proc.stdout], [], [], self.TIMEOUT_S)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            raise RuntimeError("mooncake client died or timed out")
-        return json.loads(line)
-
-    def rep(self, bs: int, op: str, mode: str) -> float:
-        self.proc.stdin.write(json.dumps({"bs": bs, "op": op, "mode": mode}) + "\n")
-        self.proc.stdin.flush()
-        return float(self._reply()["gbps"])
-
-    def close(self) -> dict:
-        try:
-            self.proc.stdin.close()
-            out = self._reply()
-            self.proc.wait(10)
-            return out
-        except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            return {}
-
-
-def _start_mooncake(total: int, max_point_s: float) -> tuple[_Mooncake | None, str]:
-    """A Mooncake driver, or (None, reason) when the wheel is missing/broken."""
-    if importlib.util.find_spec("mooncake") is None:
-        return None, (
-            "mooncake-transfer-engine-non-cuda is not installed; using the "
-            "hard-coded reference figures (batched only)"
-        )
-    try:
-        return _Mooncake(total, max_point_s), (
-            "Mooncake TransferEngine (tcp, "
-            "P2PHANDSHAKE) measured in this run, "
-            "interleaved with kvmesh"
-        )
-    except (RuntimeError, ValueError, OSError) as e:
-        return None, f"Mooncake start failed ({e!r}); using the reference figures"
-
-
-# -- measuring side ---------------------------------------------------------------
-class _Stream:
-    """The baseline: ``conns`` TCP connections, each sending its share of ``src`` at
-    once (a thread each, as the engine's connections run on threads)."""
-
-    def __init__(self, port: int, src: np.ndarray, conns: int) -> None:
-        total = len(src)
-        step = -(-total // conns)
-        self.shares = [memoryview(src[i : i + step]) for i in range(0, total, step)]
-        self.crcs = [zlib.crc32(sh) for sh in self.shares]
-        self.socks = []
-        for _ in self.shares:
-            s = socket.create_connection(("127.0.0.1", port))
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.socks.append(s)
-        self.pool = ThreadPoolExecutor(len(self.socks))
-        self.total = total
-
-    @staticmethod
-    def _send(s: socket.socket, share: memoryview) -> None:
-        s.sendall(struct.pack("!Q", len(share)))
-        for i in range(0, len(share), STREAM_BUF):
-            s.sendall(share[i : i + STREAM_BUF])
-        if s.recv(1, socket.MSG_WAITALL) != b"k":
-            raise RuntimeError("stream baseline: the sink did not ack")
-
-    def once(self) -> float:
-        """GB/s of one run (all connections at once); then checks every byte's CRC."""
-        t0 = time.perf_counter()
-        list(self.pool.map(self._send, self.socks, self.shares))
-        secs = time.perf_counter() - t0
-        for s, crc in zip(self.socks, self.crcs):
-            got = struct.unpack("!I", s.recv(4, socket.MSG_WAITALL))[0]
-            if got != crc:
-                raise RuntimeError("stream baseline: the sink received other bytes")
-        return self.total / secs / 1e9
-
-    def close(self) -> None:
-        self.pool.shutdown()
-        for s in self.socks:
-            s.close()
-
-
-async def _engine_rates(
-    peer: dict,
-    total: int,
-    reps: int,
-    conns: int,
-    chunk: int,
-    max_point_s: float,
-    mc: _Mooncake | None,
-) -> dict:
-    eng = TransferEngine(SECRET, conns_per_peer=conns, chunk_bytes=chunk)
-    await eng.start()
-    rng = np.random.default_rng(0)
-    # two sources of different bytes (write repetitions alternate), and a buffer that
-    # reads land in and write repetitions are read back into, to verify every byte
-    srcs = [rng.integers(0, 256, size=total, dtype=np.uint8) for _ in range(2)]
-    src_ids = [eng.register(a) for a in srcs]
-    check = np.zeros(total, dtype=np.uint8)
-    check_id = eng.register(check)
-    held = 0  # which source the peer's region holds
-    verified = 0
-    addr, rrid = peer["address"], peer["region"]
-    out: dict = {op: {m: {} for m in MODES} for op in OPS}
-    mc_out: dict = {op: {m: {} for m in MODES} for op in OPS}
-    rss: dict = {}
-    stream_runs: list[float] = []
-    stream = _Stream(peer["stream_port"], srcs[1], conns)
-
-    async def verify(kind: str, nbytes: int) -> None:
-        """After a repetition: every byte it moved is where it should be."""
-        nonlocal verified
-        if kind == "write":  # read back what was written
-            check[:nbytes] = 0
-            await eng.read(addr, [Slice(check_id, 0, rrid, 0, nbytes)])
-        if not np.array_equal(check[:nbytes], srcs[held][:nbytes]):
-            raise RuntimeError(f"{kind}: the bytes moved differ from the source")
-        verified += nbytes
-
-    mc_error = None
-    try:
-        # warm-up: open the connections and fault in both regions
-        await eng.write(addr, [Slice(src_ids[0], 0, rrid, 0, total)])
-        await eng.read(addr, [Slice(check_id, 0, rrid, 0, total)])
-        stream.once()
-        for bs in BLOCKS:
-            n = max(1, total // bs)
-            for kind in OPS:
-                op = eng.write if kind == "write" else eng.read
-
-                def slices_of(src_id: int, n=n, bs=bs) -> list[Slice]:
-                    return [Slice(src_id, i * bs, rrid, i * bs, bs) for i in range(n)]
-
-                async def batched(sl):
-                    await op(addr, sl)
-                    return n * bs
-
-                async def single(sl):
-                    t0, done = time.perf_counter(), 0
-                    for s in sl:
-                        await op(addr, [s])
-                        done += s.length
-                        if time.perf_counter() - t0 > max_point_s:
-                            break
-                    return done
-
-                for mode, fn in (("batched", batched), ("single", single)):
-                    rates, mc_rates = [], []
-
-                    async def kv_rep():
-                        nonlocal held
-                        if kind == "write":  # the other pattern than the peer holds
-                            which = 1 - held
-                            sl = slices_of(src_ids[which])
-                        else:
-                            check.fill(0)
-                            sl = slices_of(check_id)
-                        t0 = time.perf_counter()
-                        nbytes = await fn(sl)
-                        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
-                        if kind == "write":
-                            # a partial (single-mode) write leaves the old pattern past
-                            # nbytes: copy it forward so the peer holds one source
-                            if nbytes < total:
-                                await eng.write(
-                                    addr,
-                                    [Slice(src_ids[which], nbytes, rrid, nbytes, total - nbytes)],
-                                )
-                            held = which
-                        await verify(kind, nbytes)
-
-                    for rep in range(reps):
-                        if mc is not None and mc_error is None and rep % 2:
-                            try:
-                                mc_rates.append(await asyncio.to_thread(mc.rep, bs, kind, mode))
-                            except (RuntimeError, ValueError, OSError) as e:
-                                mc_error = repr(e)
-                        await kv_rep()
-                        if mc is not None and mc_error is None and not rep % 2:
-                            try:
-                                mc_rates.append(await asyncio.to_thread(mc.rep, bs, kind, mode))
-                            except (RuntimeError, ValueError, OSError) as e:
-                                mc_error = repr(e)
-                        stream_runs.append(await asyncio.to_thread(stream.once))
-                    out[kind][mode][bs] = statistics.median(rates)
-                    if mc_rates:
-                        mc_out[kind][mode][bs] = statistics.median(mc_rates)
-                    rss[(kind, mode, bs)] = _peak_rss_mib()
-        bw = eng.bandwidth(addr)
-    finally:
-        stream.close()
-        await eng.close()
-    return {
-        "rates": out,
-        "mooncake": mc_out,
-        "mooncake_error": mc_error,
-        "rss": rss,
-        "bandwidth": bw,
-        "stream_runs": stream_runs,
-        "verified_bytes": verified,
-    }
+# the parts: bench_transfer_peer (the --peer process, shared sizes), bench_transfer_measure
+# (every point, interleaved, verified), bench_transfer_mooncake (the Mooncake contender)
 
 
 def _label(bs: int) -> str:
@@ -488,20 +96,20 @@ def main() -> None:
     args = ap.parse_args()
     total, chunk = args.total_mib * MiB, args.chunk_mib * MiB
     if args.peer:
-        asyncio.run(_peer_main(total, args.conns, chunk))
+        asyncio.run(peer_main(total, args.conns, chunk))
         return
     if args.mooncake_peer:
-        _mooncake_peer_main(total)
+        mooncake_peer_main(total)
         return
     if args.mooncake_client:
-        _mooncake_client_main(total, args.max_point_s)
+        mooncake_client_main(total, args.max_point_s)
         return
 
     t_start = time.perf_counter()
     if args.no_mooncake:
         mc, mc_note = None, "--no-mooncake: using the hard-coded reference figures"
     else:
-        mc, mc_note = _start_mooncake(total, args.max_point_s)
+        mc, mc_note = start_mooncake(total, args.max_point_s)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -521,7 +129,7 @@ def main() -> None:
     try:
         peer = json.loads(proc.stdout.readline())
         kv = asyncio.run(
-            _engine_rates(peer, total, args.reps, args.conns, chunk, args.max_point_s, mc)
+            engine_rates(peer, total, args.reps, args.conns, chunk, args.max_point_s, mc)
         )
     finally:
         mc_rss = mc.close() if mc is not None else {}
@@ -532,7 +140,7 @@ def main() -> None:
             peer_rss = json.loads(tail[-1])["peak_rss_mib"] if tail else None
         except (subprocess.TimeoutExpired, ValueError):
             proc.kill()
-    kv_rss = _peak_rss_mib()
+    kv_rss = peak_rss_mib()
     stream_runs = kv["stream_runs"]
     stream = statistics.median(stream_runs)
     if kv["mooncake_error"] is not None:
