@@ -9,19 +9,15 @@ from __future__ import annotations
 import socket
 import ssl
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.loadtest.store_cluster import MASTER, StoreCluster
-from kvmesh.protos import kvmesh_pb2 as pb
-from kvmesh.protos import kvmesh_pb2_grpc as pbg
-from kvmesh.services.common import channels
+from kvmesh.loadtest.store_cluster import StoreCluster
 from kvmesh.services.common.channels import TlsFiles
 from kvmesh.services.common.pki import DevCA
 from kvmesh.services.store_master import wire
 from kvmesh.services.store_master.fastpath import HANDSHAKE_S
+from tests.store_util import fast_address, master_counter, running_store
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,42 +32,16 @@ def pki(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, pki):
-    c = StoreCluster(
-        str(tmp_path_factory.mktemp("store-limits")),
-        nodes=1,
-        segment="16MiB",
-        tls=pki["s"],
-        master_args=[
-            "--fast-max-conns",
-            str(MAX_CONNS),
-            "--fast-max-handshakes",
-            str(MAX_HANDSHAKES),
-        ],
-    )
-    try:
-        c.start()
+    master_args = ["--fast-max-conns", str(MAX_CONNS), "--fast-max-handshakes", str(MAX_HANDSHAKES)]
+    workdir = str(tmp_path_factory.mktemp("store-limits"))
+    with running_store(
+        workdir, nodes=1, segment="16MiB", tls=pki["s"], master_args=master_args
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def over_limit(store: StoreCluster) -> dict[str, float]:
-    addr = store.registrations("store-master")[MASTER]["metrics"]
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {
-        s.labels["limit"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "kvmesh_store_fast_over_limit_total"
-    }
-
-
-def fast_address(store: StoreCluster, tls: TlsFiles) -> tuple[str, int]:
-    with channels.make_sync_channel(store.master, tls) as ch:
-        hello = pbg.StoreMasterStub(ch).StoreHello(pb.StoreHelloRequest(), timeout=10)
-    host, port = hello.fast_address.rsplit(":", 1)
-    return host, int(port)
+    return master_counter(store, "kvmesh_store_fast_over_limit_total", "limit")
 
 
 def connect(addr: tuple[str, int], tls: TlsFiles) -> ssl.SSLSocket:

@@ -11,15 +11,11 @@ import asyncio
 import os
 import socket
 import ssl
-import urllib.request
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.loadtest.store_cluster import MASTER, StoreCluster
-from kvmesh.protos import kvmesh_pb2 as pb
-from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.loadtest.store_cluster import StoreCluster
 from kvmesh.rdma import TransferEngine
 from kvmesh.services.common import channels
 from kvmesh.services.common.channels import TlsFiles
@@ -27,6 +23,7 @@ from kvmesh.services.common.pki import DevCA
 from kvmesh.services.common.settings import DEV_SECRET
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store_master import wire
+from tests.store_util import fast_address, master_counter, running_store
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,35 +42,14 @@ def pki(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, pki):
-    c = StoreCluster(
-        str(tmp_path_factory.mktemp("store-tls")), nodes=1, segment="64MiB", tls=pki["store"]
-    )
-    try:
-        c.start()
+    workdir = str(tmp_path_factory.mktemp("store-tls"))
+    with running_store(workdir, nodes=1, segment="64MiB", tls=pki["store"]) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def fast_calls(store: StoreCluster) -> dict[str, float]:
     """The master's ``kvmesh_store_fast_calls_total`` by its ``tls`` label."""
-    addr = store.registrations("store-master")[MASTER]["metrics"]
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {
-        s.labels["tls"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "kvmesh_store_fast_calls_total"
-    }
-
-
-def fast_address(store: StoreCluster, tls: TlsFiles) -> tuple[str, int]:
-    with channels.make_sync_channel(store.master, tls) as ch:
-        hello = pbg.StoreMasterStub(ch).StoreHello(pb.StoreHelloRequest(), timeout=10)
-    assert hello.fast_address, "a TLS master must still offer its fast path"
-    host, port = hello.fast_address.rsplit(":", 1)
-    return host, int(port)
+    return master_counter(store, "kvmesh_store_fast_calls_total", "tls")
 
 
 def run_client(store: StoreCluster, tls: TlsFiles, fn):
