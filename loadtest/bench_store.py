@@ -774,9 +774,9 @@ def breakdown(res: dict) -> str:
         f"{'size':>6} {'api':<9} {'total':>8} {'rtts':>5} {'ctrl':>8} {'wire':>8} "
         f"{'copy':>8} {'rest':>8}",
     ]
-    from kvmesh.services.store.client import StoreClient
+    from kvmesh.services.store.client import REMOTE_SLOT_MAX, StoreClient
 
-    for label, _ in SIZES:
+    for label, size in SIZES:
         row = res["sizes"].get(label)
         if row is None or "engine" not in row:
             continue
@@ -788,7 +788,10 @@ def breakdown(res: dict) -> str:
             ("get_into", "read", 0),
         ):
             total = row[s][api]["p50_us"]
-            n = StoreClient.CONTROL_ROUND_TRIPS[api.split("_")[0]]
+            kind = api.split("_")[0]
+            if kind == "put" and size <= REMOTE_SLOT_MAX:
+                kind = "put_pooled"  # into a slot held before: the commit only
+            n = StoreClient.CONTROL_ROUND_TRIPS[kind]
             wire = eng[f"{op}_single_p50_us"]
             copy = copies * row["copy_us"]
             rest = total - n * rtt - wire - copy
@@ -874,6 +877,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also a kvmesh row with mutual TLS (gRPC and the raw-TCP control path)",
     )
+    ap.add_argument(
+        "--sizes",
+        default="",
+        help="comma-separated subset of " + ",".join(lb for lb, _ in SIZES) + " (default all)",
+    )
     ap.add_argument("--out", default="")
     ap.add_argument("--mooncake-holder", default="", help=argparse.SUPPRESS)
     ap.add_argument("--te-peer", default="", help=argparse.SUPPRESS)
@@ -887,6 +895,12 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(_te_peer_main(host, int(nbytes), int(poll)))
         return
     polls = [int(p) for p in args.poll_us.split(",") if p.strip()]
+    if args.sizes:
+        want = [x.strip() for x in args.sizes.split(",") if x.strip()]
+        known = {lb for lb, _ in SIZES}
+        if bad := [x for x in want if x not in known]:
+            ap.error(f"--sizes: unknown {bad}; choose from {sorted(known)}")
+        SIZES[:] = [(lb, z) for lb, z in SIZES if lb in want]
     malloc = tune_malloc() if not args.no_tune_malloc else "malloc untuned"
     print(f"topology {args.topology}; one client process for every store; {malloc}", flush=True)
     coro = run_all(

@@ -287,3 +287,41 @@ def test_watch_blocks_misses_nothing_stored_while_the_snapshot_is_sent():
         return got
 
     assert asyncio.run(main()) == [a[0].hash, b[0].hash, bytes([3]) * 32]
+
+
+def test_remote_slots_reserve_commit_expire_and_survive_a_remount():
+    """Slots held for a writer without a segment: nothing is visible until a commit;
+    a commit of a slot not held (never reserved, another size, another segment) is 0;
+    a present key leaves the slot held; a re-mount of the segment keeps them; past
+    ``put_timeout_s`` they are freed, and a late commit stores nothing."""
+    m, clock, events = make(put_timeout_s=5)
+    m.mount("n", "n:1", 7, 64 * KB)
+    seg, offs = m.reserve_remote("client", 4 * KB, 2, 1)
+    assert seg is not None and seg.node_id == "n" and len(offs) == 3
+    assert m.used == 12 * KB and m.present([h(1)]) == [False] and events == []
+    status, new = m.commit_remote("n", 7, [(h(1), offs[0], 4 * KB)], refill=2)
+    assert status == [1] and len(new) == 2 and m.present([h(1)]) == [True]
+    assert events == [("stored", h(1), "n", DRAM)]
+    assert m.blocks[h(1)].offset == offs[0] and m.used == 20 * KB  # 3 slots + 2 refills
+    # not held: an unknown offset, the wrong size, another segment, a local slot
+    local = m.reserve("n", 7, 4 * KB, 1)
+    assert m.commit_remote("n", 7, [(h(2), 60 * KB, 4 * KB)])[0] == [0]
+    assert m.commit_remote("n", 7, [(h(2), offs[1], 8 * KB)])[0] == [0]
+    assert m.commit_remote("other", 7, [(h(2), offs[1], 4 * KB)])[0] == [0]
+    assert m.commit_remote("n", 7, [(h(2), local[0], 4 * KB)])[0] == [0]
+    assert m.present([h(2)]) == [False]
+    # a present key: status 2, the slot stays held (and committable later)
+    assert m.commit_remote("n", 7, [(h(1), offs[1], 4 * KB)])[0] == [2]
+    # a re-mount frees the lender's own reservations, not the remote writer's
+    m.mount("n", "n:1", 7, 64 * KB)
+    assert local[0] not in seg.reserved and offs[1] in seg.reserved
+    assert m.commit_remote("n", 7, [(h(3), offs[1], 4 * KB)])[0] == [1]
+    before = m.used
+    clock.t += 6
+    m.reclaim_abandoned()
+    assert m.used == before - 3 * 4 * KB  # offs[2] and the two refills expired
+    assert m.remote_slots == {} and seg.reserved == {}
+    assert m.commit_remote("n", 7, [(h(4), offs[2], 4 * KB)])[0] == [0]
+    assert m.present([h(1), h(3), h(4)]) == [True, True, False]
+    # nowhere to put it: nothing reserved
+    assert m.reserve_remote("client", 128 * KB, 1) == (None, [])

@@ -1,6 +1,7 @@
 """The store's remote path (a client that lends nothing, a store-node that holds the
 segment), as real processes: puts take one compact PUT_START and one PUT_END frame on
-the master's raw-TCP control path, big batches copy and send at once, every byte comes
+the master's raw-TCP control path, big batches copy and send at once, small puts go
+through the client's pool of remote slots (one PUT_SLOTS commit each), every byte comes
 back; and the new frames, garbled, lying about lengths, truncated or naming unknown
 keys, get a clear status while what was stored stays readable."""
 
@@ -145,6 +146,92 @@ def test_large_gets_land_in_the_returned_bytes_without_staging(store):
     run(store.master, body)
 
 
+def test_small_puts_are_one_commit_each_through_held_slots(store):
+    """After one PUT_RESERVE, each small put (bytes or zero-copy) is a transfer-engine
+    write and ONE PUT_SLOTS call; the pool refills inside that call; a present key
+    keeps its slot; every byte comes back."""
+    vals = [os.urandom(4096) for _ in range(40)]
+    keys = [f"pooled-{i}".encode() for i in range(len(vals))]
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        sent: list[int] = []
+        real = cl._fast_call
+
+        async def spy(method, payload):
+            sent.append(method)
+            return await real(method, payload)
+
+        assert await cl.exists(b"warm-up") is False  # opens the fast connection
+        cl._fast_call = spy
+        for k, v in zip(keys, vals):
+            assert await cl.put(k, v)
+        assert sent.count(wire.PUT_RESERVE) == 1 and sent[0] == wire.PUT_RESERVE
+        assert sent.count(wire.PUT_SLOTS) == len(keys)
+        assert wire.PUT_START not in sent and wire.PUT_END not in sent
+        assert await cl.batch_get(keys) == vals
+        sent.clear()
+        pool = len(cl._remote_pool(4096))
+        assert await cl.put(keys[0], vals[0])  # present: True, the slot comes back
+        assert sent == [wire.PUT_SLOTS] and len(cl._remote_pool(4096)) == pool
+        src = np.frombuffer(os.urandom(8 * 5000), dtype=np.uint8).copy()
+        dst = np.zeros_like(src)
+        rs, rd = te.register(src), te.register(dst)
+        zk = [f"pooled-zc-{i}".encode() for i in range(8)]
+        offs = [i * 5000 for i in range(8)]
+        for i in range(0, 8, 2):  # pairs: a small batch through the pool
+            assert await cl.put_from(zk[i : i + 2], rs, offs[i : i + 2], [5000, 5000]) == [
+                True,
+                True,
+            ]
+        assert await cl.get_into(zk, rd, offs) == [5000] * 8
+        assert np.array_equal(src, dst)
+        await cl.remove(keys + zk)
+        return cl.stats
+
+    stats = run(store.master, body)
+    assert stats["master_errors"] == 0 and stats["put_failed"] == 0
+
+
+def test_a_failed_slot_write_is_never_committed_and_a_lost_slot_is_put_again(store):
+    """The commit point of a pooled put is its PUT_SLOTS call, sent only for writes the
+    holder acknowledged: a write that fails leaves no visible key (and its slot is
+    dropped); a slot the master does not hold (expired, a restarted master) is put
+    again through PUT_START/PUT_END, and the bytes read back are the new ones."""
+    val = os.urandom(4096)
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.exists(b"warm-up") is False  # opens the fast connection
+        assert await cl.put(b"slot-first", val)
+        pool = cl._remote_pool(4096)
+        assert pool
+        use_by, addr, region, node, off = pool[-1]
+        # a slot naming a region the holder does not have: the write fails
+        pool.append((use_by, addr, region + 1000, node, off))
+        assert await cl.put(b"slot-bad-write", val) is False
+        assert await cl.exists(b"slot-bad-write") is False
+        assert (use_by, addr, region + 1000, node, off) not in cl._remote_pool(4096)
+        # a slot the master never reserved (a writable offset, though): status 0, put again
+        sent: list[int] = []
+        real = cl._fast_call
+
+        async def spy(method, payload):
+            sent.append(method)
+            return await real(method, payload)
+
+        cl._fast_call = spy
+        taken = {s[4] for s in cl._remote_pool(4096)}
+        stray = max(taken) + (1 << 20)
+        cl._remote_pool(4096).append((use_by, addr, region, node, stray))
+        other = os.urandom(4096)
+        assert await cl.put(b"slot-not-held", other)
+        assert sent == [wire.PUT_SLOTS, wire.PUT_START, wire.PUT_END]
+        assert await cl.get(b"slot-not-held") == other
+        assert await cl.get(b"slot-first") == val
+        await cl.remove([b"slot-first", b"slot-not-held"])
+
+    run(store.master, body)
+
+
 def _valid_put_start(keys: list[bytes], sizes: list[int]) -> bytes:
     return wire.pack_put_start("fuzzer", keys, sizes)
 
@@ -171,27 +258,66 @@ def test_put_frames_bad_input_gets_a_clear_status(store, fast):
     assert status == 0 and wire.unpack_put_end_resp(body) == (0, [0])
 
 
+def test_slot_frames_bad_input_gets_a_clear_status(store, fast):
+    """PUT_RESERVE / PUT_SLOTS: truncated, trailing bytes, a lying key count, a size of 0
+    or larger than any segment, too many slots: INVALID_ARGUMENT with a message; a
+    commit into a slot nobody holds (an unknown key, offset or segment) is status 0 and
+    stores nothing."""
+    res = wire.pack_put_reserve("fuzzer", 4096, 1, 0)
+    slots = wire.pack_put_slots("nobody", 0, [b"a" * 16, b"b" * 16], 4096, [0, 4096], 0)
+    at = 1 + len("nobody") + 4
+    assert struct.unpack_from("<IH", slots, at) == (2, 16)
+    cases = {
+        (wire.PUT_RESERVE, "truncated"): res[:-1],
+        (wire.PUT_RESERVE, "trailing"): res + b"\0",
+        (wire.PUT_RESERVE, "zero size"): wire.pack_put_reserve("fuzzer", 0, 1, 0),
+        (wire.PUT_RESERVE, "huge size"): wire.pack_put_reserve("fuzzer", 1 << 40, 1, 0),
+        (wire.PUT_RESERVE, "too many"): wire.pack_put_reserve("fuzzer", 4096, 1 << 20, 0),
+        (wire.PUT_SLOTS, "truncated"): slots[:-3],
+        (wire.PUT_SLOTS, "trailing"): slots + b"\0",
+        (wire.PUT_SLOTS, "lying count"): slots[:at] + struct.pack("<IH", 9, 16) + slots[at + 6 :],
+        (wire.PUT_SLOTS, "zero size"): wire.pack_put_slots("n", 0, [b"c" * 16], 0, [0], 0),
+        (wire.PUT_SLOTS, "too many"): wire.pack_put_slots("n", 0, [b"c" * 16], 1, [0], 1 << 20),
+    }
+    for (method, what), body in cases.items():
+        status, msg = call(fast, method, body)
+        assert status == INVALID, (what, status, msg)
+        assert msg, what
+    status, body = call(fast, wire.PUT_SLOTS, slots)
+    assert status == 0 and wire.unpack_put_slots_resp(body, 2) == ([0, 0], [])
+    status, body = call(fast, wire.EXISTS, wire.pack_exists([b"a" * 16, b"b" * 16], True))
+    assert status == 0 and wire.unpack_exists_resp(body) == (0, [False, False])
+
+
 @FUZZ
 @given(
-    which=st.sampled_from([wire.PUT_START, wire.PUT_END]),
+    which=st.sampled_from([wire.PUT_START, wire.PUT_END, wire.PUT_RESERVE, wire.PUT_SLOTS]),
     nkeys=st.integers(1, 4),
     flips=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=4),
     cut=st.integers(0, 12),
     extra=st.binary(max_size=8),
 )
 def test_fuzz_put_frames(store, fast, stored, which, nkeys, flips, cut, extra):
-    """Mutated PUT_START / PUT_END frames: a clean status (never a dropped connection,
-    never INTERNAL), and the value stored before still reads back byte for byte (the
-    ``stored`` fixture checks it at the end)."""
+    """Mutated PUT_START / PUT_END / PUT_RESERVE / PUT_SLOTS frames: a clean status
+    (never a dropped connection, never INTERNAL), and the value stored before still
+    reads back byte for byte (the ``stored`` fixture checks it at the end)."""
     keys = [os.urandom(16) for _ in range(nkeys)]
+    offs = [i * 4096 for i in range(nkeys)]
     body = bytearray(
-        _valid_put_start(keys, [4096] * nkeys)
-        if which == wire.PUT_START
-        else wire.pack_put_end(keys, False)
+        {
+            wire.PUT_START: lambda: _valid_put_start(keys, [4096] * nkeys),
+            wire.PUT_END: lambda: wire.pack_put_end(keys, False),
+            wire.PUT_RESERVE: lambda: wire.pack_put_reserve("fuzzer", 4096, nkeys, 0),
+            wire.PUT_SLOTS: lambda: wire.pack_put_slots("fuzzer", 0, keys, 4096, offs, 1),
+        }[which]()
     )
     # the u64 size stays as it is: a huge one is a legal request that makes the master
-    # evict (LRU) to fit it, and would evict the value this test checks
-    start = 1 + len("fuzzer") + 8 if which == wire.PUT_START else 0
+    # evict (LRU) to fit it, and would evict the value this test checks (so do the
+    # slot counts of PUT_RESERVE: only the writer's name is mutated there)
+    start = {wire.PUT_START: 1 + len("fuzzer") + 8, wire.PUT_RESERVE: 0}.get(which, 0)
+    if which == wire.PUT_RESERVE:  # the name mutated; cut, but nothing appended
+        flips = [(p % (1 + len("fuzzer")), b) for p, b in flips]
+        extra = b""
     for pos, b in flips:
         if start + pos < len(body):
             body[start + pos] = b

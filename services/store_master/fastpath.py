@@ -226,6 +226,29 @@ class FastPathProtocol:
             if s.meta.over_high(total):
                 return self._put_start_slow(total, node, keys, sizes)
             return 0, self._put_start_resp(node, keys, sizes)
+        if method == wire.PUT_RESERVE:
+            node, size, count, spare = wire.unpack_put_reserve(body)
+            if count + spare > MAX_HASHES:
+                return _INVALID, f"PutReserve: at most {MAX_HASHES} slots per call".encode()
+            if err := check_put_sizes(
+                [size], biggest_segment(s.meta.segments.values()), "PutReserve"
+            ):
+                return _INVALID, err.encode()
+            self.moved = size * count  # the client writes into them next
+            if s.meta.over_high(size * max(1, count)):  # make room as a PutStart would
+                return self._reserve_slow(size * max(1, count), node, size, count, spare)
+            return 0, self._reserve_resp(node, size, count, spare)
+        if method == wire.PUT_SLOTS:
+            node, region, keys, size, offs, refill = wire.unpack_put_slots(body)
+            if err := check_keys(keys, "PutSlots"):
+                return _INVALID, err.encode()
+            if refill > MAX_HASHES:
+                return _INVALID, f"PutSlots: at most {MAX_HASHES} slots per call".encode()
+            self.moved = size * len(keys)
+            status, new = s.meta.commit_remote(
+                node, region, [(k, o, size) for k, o in zip(keys, offs)], refill
+            )
+            return 0, wire.pack_put_slots_resp(status, new)
         if method == wire.PUT_END:
             keys, abort = wire.unpack_put_end(body)
             if err := check_keys(keys, "PutEnd"):
@@ -265,6 +288,20 @@ class FastPathProtocol:
             (where[b.hash], b.replicas[0].segment, b.replicas[0].offset, b.size) for b in placed
         ]
         return wire.pack_put_start_resp(items, present)
+
+    def _reserve_resp(self, node: str, size: int, count: int, spare: int) -> bytes:
+        meta = self.s.meta
+        seg, offs = meta.reserve_remote(node, size, count, spare)
+        ttl = int(meta.put_timeout_s * 1000)
+        if seg is None:
+            return wire.pack_put_reserve_resp(ttl, 0, "", "", [])
+        return wire.pack_put_reserve_resp(ttl, seg.region_id, seg.data_address, seg.node_id, offs)
+
+    async def _reserve_slow(
+        self, need: int, node: str, size: int, count: int, spare: int
+    ) -> _Answer:
+        await self.s.run_eviction(need)
+        return 0, self._reserve_resp(node, size, count, spare)
 
     async def _put_start_slow(
         self, need: int, node: str, keys: list[bytes], sizes: list[int]

@@ -65,6 +65,9 @@ class StoreMetadata(ReplicaPolicy):
         # no pending put can have run out before this (every put_start lowers it; a
         # scan sets it to the earliest deadline left): puts skip the O(blocks) scan
         self._reclaim_at = math.inf
+        # slots reserved for writers that lend no memory (see :meth:`reserve_remote`):
+        # (segment id, offset) -> deadline; counted in ``Segment.reserved`` as well
+        self.remote_slots: dict[tuple[str, int], float] = {}
         self.stats = {
             "evictions": 0,
             "spills": 0,
@@ -98,9 +101,12 @@ class StoreMetadata(ReplicaPolicy):
             old.grpc_address, old.ssd_bytes = grpc_address or old.grpc_address, ssd_bytes
             # the lender re-mounts only after forgetting its reserved slots (their puts
             # fail at commit): free them
-            for off, sz in old.reserved.items():
-                old.release(off, sz)
-            old.reserved.clear()
+            # (slots held for remote writers stay: they may be writing into them now;
+            # they end with their deadline)
+            for off, sz in list(old.reserved.items()):
+                if (seg_id, off) not in self.remote_slots:
+                    old.release(off, sz)
+                    del old.reserved[off]
             return old
         if old:
             self.unmount_segment(seg_id)
@@ -113,6 +119,8 @@ class StoreMetadata(ReplicaPolicy):
         seg = self.segments.pop(seg_id, None)
         if seg is None:
             return 0
+        for key in [k for k in self.remote_slots if k[0] == seg_id]:
+            del self.remote_slots[key]
         gone = 0
         for blk in list(self.blocks.values()):
             mine = [r for r in blk.replicas if r.segment is seg]
@@ -264,9 +272,12 @@ class StoreMetadata(ReplicaPolicy):
         it commits a key into it (:meth:`commit_local`) or releases it; only its node
         writes there, so it needs no timeout (it goes with the segment)."""
         seg = self.local_segment(writer, region_id)
-        out: list[int] = []
         if seg is None or size <= 0 or size > seg.size:
-            return out
+            return []
+        return self._reserve_in(seg, size, count, spare)
+
+    def _reserve_in(self, seg: Segment, size: int, count: int, spare: int) -> list[int]:
+        out: list[int] = []
         if count and self.over_high(size * count):
             self.evict(target_used=int(self.low * self.capacity))
         for i in range(count + spare):
@@ -282,6 +293,70 @@ class StoreMetadata(ReplicaPolicy):
             seg.reserved[off] = size
             out.append(off)
         return out
+
+    # -- remote slots: reserved for a writer that lends no memory -------------------------
+    def reserve_remote(
+        self, writer: str, size: int, count: int, spare: int = 0
+    ) -> tuple[Segment | None, list[int]]:
+        """Reserves slots of ``size`` bytes for a writer without a segment of its own,
+        all in one segment placed as a put's would be (the writer's node first, else the
+        most free): ``count`` of them evicting if needed, ``spare`` more only from free
+        space. Each is the writer's until it commits a key into it
+        (:meth:`commit_remote`) or ``put_timeout_s`` passes (then it is freed, as a put
+        that never ended). Nothing is visible until a commit."""
+        self.reclaim_abandoned()
+        if size <= 0 or count + spare <= 0:
+            return None, []
+        got = self.allocate(size, prefer_node=writer)
+        if got is None:
+            return None, []
+        seg, off = got
+        seg.reserved[off] = size
+        offs = [off] + self._reserve_in(seg, size, max(0, count - 1), spare)
+        self._hold_remote(seg, offs)
+        return seg, offs
+
+    def _hold_remote(self, seg: Segment, offs: list[int]) -> None:
+        if not offs:
+            return
+        deadline = self.clock() + self.put_timeout_s
+        for off in offs:
+            self.remote_slots[(seg.segment_id, off)] = deadline
+        self._reclaim_at = min(self._reclaim_at, deadline)
+
+    def commit_remote(
+        self,
+        node_id: str,
+        region_id: int,
+        items: Iterable[tuple[bytes, int, int]],
+        refill: int = 0,
+    ) -> tuple[list[int], list[int]]:
+        """As :meth:`commit_local`, for slots that :meth:`reserve_remote` holds on
+        segment ``node_id``/``region_id`` (the writer has written the bytes over the
+        transfer engine and its write was acknowledged): status per item 1 stored, 2
+        present (the slot stays the writer's), 0 no such slot (expired, a restarted
+        master). Then reserves up to ``refill`` more slots there, from free space, of
+        the items' size; -> (status, new offsets)."""
+        self.reclaim_abandoned()
+        seg_id = f"{node_id}/{region_id}"
+        seg = self.segments.get(seg_id)
+        items = list(items)
+        held = self.remote_slots
+        ok = [
+            (h, off, size) if seg is not None and (seg_id, off) in held else (h, -1, size)
+            for h, off, size in items
+        ]
+        status = self.commit_local(node_id, region_id, ok) if seg is not None else [0] * len(ok)
+        for (_, off, _), st in zip(ok, status):
+            if st == 1:
+                del held[(seg_id, off)]
+        new: list[int] = []
+        if seg is not None and refill > 0 and items:
+            size = items[0][2]
+            if 0 < size <= seg.size:
+                new = self._reserve_in(seg, size, 0, refill)
+                self._hold_remote(seg, new)
+        return status, new
 
     def release_reserved(
         self, writer: str, region_id: int, slots: Iterable[tuple[int, int]]
@@ -323,9 +398,10 @@ class StoreMetadata(ReplicaPolicy):
         return out
 
     def reclaim_abandoned(self) -> int:
+        """Frees puts never ended and remote slots never committed by their deadline."""
         now = self.clock()
         if now <= self._reclaim_at:
-            return 0  # no pending put's deadline has passed
+            return 0  # no pending put's (or remote slot's) deadline has passed
         pending = [
             (b, r)
             for b in self.blocks.values()
@@ -333,8 +409,15 @@ class StoreMetadata(ReplicaPolicy):
             if r.state is BlockState.PENDING and r.kind == "put"
         ]
         stale = [(b, r) for b, r in pending if r.put_deadline < now]
+        for key in [k for k, d in self.remote_slots.items() if d < now]:
+            del self.remote_slots[key]
+            seg = self.segments.get(key[0])
+            size = seg.reserved.pop(key[1], None) if seg is not None else None
+            if seg is not None and size is not None:
+                seg.release(key[1], size)
         self._reclaim_at = min(
-            (r.put_deadline for _, r in pending if r.put_deadline >= now), default=math.inf
+            min((r.put_deadline for _, r in pending if r.put_deadline >= now), default=math.inf),
+            min(self.remote_slots.values(), default=math.inf),
         )
         for b, r in stale:
             self.drop_replica(b, r)

@@ -12,7 +12,10 @@ Frames (little-endian)::
               grpc.StatusCode value and body = the error text in UTF-8)
 
 Methods with a compact body (the hot ones): GET (GetReplicas), EXISTS, PUT_LOCAL, REMOVE,
-PUT_START and PUT_END (a remote put: place, write over the transfer engine, commit).
+PUT_START and PUT_END (a remote put: place, write over the transfer engine, commit), and
+PUT_RESERVE / PUT_SLOTS (a remote writer's pool of reserved slots: a small put is one
+transfer-engine write into a slot it holds, then one commit that also refills the pool;
+these two have no gRPC twin: without the fast path a client puts with PutStart/PutEnd).
 Others carry the serialized protobuf request/response of the gRPC method (PB_BASE + i).
 Keys: u32 count | u16 key length (0 = each key is u16 length + bytes) | keys.
 Strings: u8 length + UTF-8.
@@ -52,7 +55,7 @@ def split_frames(buf: bytearray, data: bytes) -> tuple[list[tuple[int, int, byte
     return frames, False
 
 
-GET, EXISTS, PUT_LOCAL, REMOVE, PUT_START, PUT_END = 1, 2, 3, 4, 5, 6
+GET, EXISTS, PUT_LOCAL, REMOVE, PUT_START, PUT_END, PUT_RESERVE, PUT_SLOTS = 1, 2, 3, 4, 5, 6, 7, 8
 PB_BASE = 16
 PB_METHODS = ("PutStart", "PutEnd", "Pin", "Unpin", "Stats")
 
@@ -325,3 +328,97 @@ def unpack_put_local_resp(buf, n: int) -> tuple[list[int], list[int]]:
     status = list(buf[:n])
     (m,) = _U32.unpack_from(buf, n)
     return status, list(struct.unpack_from(f"<{m}Q", buf, n + 4))
+
+
+# -- PUT_RESERVE: writer node_id | u64 size | u32 count | u32 spare
+#    ->  u32 ttl_ms | u32 region | u16 len + data address | node_id | u32 n | u64 offset*
+#        (n = 0 and empty strings when nothing could be reserved)
+_RESERVE = struct.Struct("<QII")
+
+
+def pack_put_reserve(node_id: str, size: int, count: int, spare: int) -> bytes:
+    return pack_str(node_id) + _RESERVE.pack(size, count, spare)
+
+
+def unpack_put_reserve(buf) -> tuple[str, int, int, int]:
+    """-> (writer, size, count, spare); ValueError on a truncated frame or trailing bytes."""
+    node, pos = unpack_str(buf, 0)
+    if len(buf) - pos != _RESERVE.size:
+        raise ValueError("PutReserve frame is truncated or has trailing bytes")
+    size, count, spare = _RESERVE.unpack_from(buf, pos)
+    return node, size, count, spare
+
+
+def pack_put_reserve_resp(
+    ttl_ms: int, region: int, address: str, node_id: str, offsets: Sequence[int]
+) -> bytes:
+    addr = address.encode()
+    return b"".join(
+        [
+            _U32.pack(ttl_ms),
+            _SEG.pack(region, len(addr)),
+            addr,
+            pack_str(node_id),
+            _U32.pack(len(offsets)),
+            struct.pack(f"<{len(offsets)}Q", *offsets),
+        ]
+    )
+
+
+def unpack_put_reserve_resp(buf) -> tuple[int, int, str, str, list[int]]:
+    """-> (ttl_ms, region, data address, node_id, offsets)."""
+    (ttl_ms,) = _U32.unpack_from(buf, 0)
+    region, alen = _SEG.unpack_from(buf, 4)
+    pos = 4 + _SEG.size
+    addr = bytes(buf[pos : pos + alen]).decode()
+    node, pos = unpack_str(buf, pos + alen)
+    (n,) = _U32.unpack_from(buf, pos)
+    return ttl_ms, region, addr, node, list(struct.unpack_from(f"<{n}Q", buf, pos + 4))
+
+
+# -- PUT_SLOTS: segment node_id | u32 region | keys | u64 size | u64 offset per key
+#               | u32 refill
+#    ->  n bytes status (1 stored, 2 present: the slot stays yours, 0 no such slot)
+#        | u32 m | u64 offset* (slots refilled in the same segment, same size)
+_SLOTS_TAIL = struct.Struct("<I")
+
+
+def pack_put_slots(
+    node_id: str, region: int, keys: list[bytes], size: int, offsets: Sequence[int], refill: int
+) -> bytes:
+    return b"".join(
+        [
+            pack_str(node_id),
+            _U32.pack(region),
+            pack_keys(keys),
+            _U64.pack(size),
+            struct.pack(f"<{len(offsets)}Q", *offsets),
+            _SLOTS_TAIL.pack(refill),
+        ]
+    )
+
+
+def unpack_put_slots(buf) -> tuple[str, int, list[bytes], int, list[int], int]:
+    """-> (segment node_id, region, keys, size, offsets, refill); ValueError on a
+    truncated frame, trailing bytes or a size of 0."""
+    node, pos = unpack_str(buf, 0)
+    (region,) = _U32.unpack_from(buf, pos)
+    keys, pos = unpack_keys(buf, pos + 4)
+    (size,) = _U64.unpack_from(buf, pos)
+    pos += 8
+    n = len(keys)
+    if len(buf) - pos != 8 * n + _SLOTS_TAIL.size:
+        raise ValueError("PutSlots frame: one u64 offset per key, then u32 refill")
+    offsets = list(struct.unpack_from(f"<{n}Q", buf, pos))
+    (refill,) = _SLOTS_TAIL.unpack_from(buf, pos + 8 * n)
+    if size <= 0:
+        raise ValueError("PutSlots: size must be > 0")
+    return node, region, keys, size, offsets, refill
+
+
+def pack_put_slots_resp(status: list[int], offsets: Sequence[int]) -> bytes:
+    return pack_put_local_resp(status, list(offsets))
+
+
+def unpack_put_slots_resp(buf, n: int) -> tuple[list[int], list[int]]:
+    return unpack_put_local_resp(buf, n)
