@@ -371,42 +371,54 @@ class Scheduler:
         use_store: bool,
         now: float,
         dram_prefix: int | None = None,
+        overhead_ms: float | None = None,
     ) -> Candidate:
-        bs, m = p.block_size, p.model
-        local = min(local, usable)
+        # (the hot path of every decision: ``PrefillModel.predict`` is inlined from the
+        # fit's coefficients, term for term, and ``min``/``max`` of ints are written out)
+        bs = p.block_size
+        a, b, k2 = p.model.coef
+        if usable < local:
+            local = usable
         fetch_blocks, fetch_ms = 0, 0.0
         if use_store:
-            k = max(0, min(store_prefix, usable) - local)
-            if k:
-                on_ssd = k - max(
-                    0, min(store_prefix if dram_prefix is None else dram_prefix, usable) - local
-                )
+            top = usable if usable < store_prefix else store_prefix
+            k = top - local
+            if k > 0:
+                if dram_prefix is not None:
+                    top = usable if usable < dram_prefix else dram_prefix
+                on_ssd = k - (top - local if top > local else 0)
                 fetch_ms = (
                     p.store_fetch.predict_ms(k * p.block_nbytes, p.bandwidth)
                     + on_ssd * p.block_nbytes / self.cfg.ssd_bytes_per_ms
                 )
-                saved = m.predict(n - local * bs, local * bs) - m.predict(
-                    n - (local + k) * bs, (local + k) * bs
+                new, cached = n - local * bs, local * bs
+                new2, cached2 = n - (local + k) * bs, (local + k) * bs
+                saved = (a + b * new + k2 * new * (new + cached)) - (
+                    a + b * new2 + k2 * new2 * (new2 + cached2)
                 )
                 if fetch_ms < saved:
                     fetch_blocks = k
                 else:
                     fetch_ms = 0.0
-        cached = (local + fetch_blocks) * bs
-        prefill_ms = m.predict(n - cached, cached)
-        new_blocks = -(-n // bs) - local - fetch_blocks
+        held = local + fetch_blocks
+        cached = held * bs
+        new = n - cached
+        prefill_ms = a + b * new + k2 * new * (new + cached)
+        new_blocks = -(-n // bs) - held
         # the prefix blocks go to the decode node while the new tokens compute; only the
         # part that outlasts the compute, and the last layer of the new blocks, add up
-        prefix_ms = (local + fetch_blocks) * p.block_nbytes / p.bandwidth
-        handoff_ms = max(0.0, prefix_ms - prefill_ms) + new_blocks * p.layer_nbytes / p.bandwidth
+        bw = p.bandwidth
+        over = held * p.block_nbytes / bw - prefill_ms
+        handoff_ms = (over if over > 0.0 else 0.0) + new_blocks * p.layer_nbytes / bw
         # the slot time (what the node's measured rate scales) and the wait for the slot
         work = prefill_ms + fetch_ms + handoff_ms
         queue, f = p.wait(now)
-        ttft = queue + work * f + self.overhead_ms[DISAGG]
+        if overhead_ms is None:
+            overhead_ms = self.overhead_ms[DISAGG]
         return Candidate(
             DISAGG,
             p.node_id,
-            ttft,
+            queue + work * f + overhead_ms,
             queue,
             prefill_ms * f,
             fetch_ms * f,
@@ -522,9 +534,10 @@ class Scheduler:
         use_store = self.cfg.policy == "kvmesh"
         store_prefix = look.store_prefix if look else 0
         dram_prefix = look.store_dram_prefix if look and not store_given else None
+        estimate, get, overhead = self._prefill_candidate, per_node.get, self.overhead_ms[DISAGG]
         cands = [
-            self._prefill_candidate(
-                p, n, usable, per_node.get(p.node_id, 0), store_prefix, use_store, now, dram_prefix
+            estimate(
+                p, n, usable, get(p.node_id, 0), store_prefix, use_store, now, dram_prefix, overhead
             )
             for p in self._prefill_nodes(per_node)
         ]
@@ -545,7 +558,7 @@ class Scheduler:
         when no prefill node is live), ``decode-direct`` when it holds most of the prefix."""
         out: list[Candidate] = []
         colocate = n < self.cfg.colocate_below_tokens or not self.prefill
-        if not colocate and not (usable and any(nid in self.decode for nid in per_node)):
+        if not colocate and not (usable and not self.decode.keys().isdisjoint(per_node)):
             return out  # no decode node holds any of the prefix: no fast path
         for d in self.decode.values():
             local = per_node.get(d.node_id, 0)
