@@ -46,15 +46,18 @@ class _Regression:
 
     def __init__(self, coef: Sequence[float], window: int = 256, refit_every: int = 8) -> None:
         self.coef = [float(c) for c in coef]
-        # the window, oldest first, as rows of a ring written twice (at i and i + window)
-        # so that it is always one contiguous slice: the refit reads it without a copy
+        # the window, oldest first, as a ring written twice (at i and i + window) so that
+        # it is always one contiguous slice: the refit reads it without a copy. Feature by
+        # feature (``_xbuf[j]`` is feature j over the ring): the refit's per-feature scale
+        # is then a reduction along contiguous memory, ~3x faster than down the columns of
+        # a row-major window, and LAPACK takes the transposed view as it is (column-major)
         self._window = window
         # (written through flat ``array``s, a few times faster per number than numpy's
         # item assignment; ``_xbuf``/``_ybuf`` are numpy views of the same memory)
         nf = self._nf = len(self.coef)
         self._xraw = array("d", bytes(8 * 2 * window * nf))
         self._yraw = array("d", bytes(8 * 2 * window))
-        self._xbuf = np.frombuffer(self._xraw, dtype=np.float64).reshape(2 * window, nf)
+        self._xbuf = np.frombuffer(self._xraw, dtype=np.float64).reshape(nf, 2 * window)
         self._ybuf = np.frombuffer(self._yraw, dtype=np.float64)
         self._head = 0  # where the next row goes
         self._rows = 0  # rows held, up to window
@@ -76,9 +79,11 @@ class _Regression:
         f = self._features(*args)
         if track_error and ms > 0:
             self._errors.append(abs(self._predict(f) - ms) / ms)
-        i, w, nf = self._head, self._window, self._nf
-        xr, j = self._xraw, i * nf
-        xr[j : j + nf] = xr[j + w * nf : j + (w + 1) * nf] = array("d", f)
+        i, w = self._head, self._window
+        xr, j = self._xraw, i
+        for v in f:  # feature by feature: at i and i + window of its own ring
+            xr[j] = xr[j + w] = v
+            j += 2 * w
         self._yraw[i] = self._yraw[i + w] = ms
         self._head = (i + 1) % w
         self._rows = min(self._rows + 1, w)
@@ -93,20 +98,26 @@ class _Regression:
         if rows < 2:
             return
         start = self._head if rows == self._window else 0
-        x, y = self._xbuf[start : start + rows], self._ybuf[start : start + rows]
-        scale = np.abs(x).max(axis=0)
+        # (features x rows; each division and comparison below is elementwise IEEE, the
+        # same bits as the row-major arithmetic it replaced)
+        xt, y = self._xbuf[:, start : start + rows], self._ybuf[start : start + rows]
+        scale = np.maximum.reduce(np.abs(xt), axis=1)
         np.maximum(scale, 1e-12, out=scale)
+        scales = scale.tolist()
         nf = self._nf
         active = list(range(nf))
         coef = [0.0] * nf
         # tiny active-set NNLS: drop features whose coefficient comes out negative
         while active:
             full = len(active) == nf  # (no fancy indexing then: a copy each)
-            a = x / scale if full else x[:, active] / scale[active]
-            sol = _lstsq(a, y)
-            if (sol >= 0).all():
-                for j, c in zip(active, (sol / (scale if full else scale[active])).tolist()):
-                    coef[j] = c
+            if full:
+                a = (xt / scale[:, None]).T
+            else:
+                a = (xt[active] / scale[active][:, None]).T
+            sol = _lstsq(a, y).tolist()
+            if all(s >= 0 for s in sol):
+                for j, s in zip(active, sol):
+                    coef[j] = s / scales[j]
                 break
             active = [a for a, s in zip(active, sol) if s >= 0]
         if all(map(math.isfinite, coef)) and any(coef):
