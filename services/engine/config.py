@@ -106,70 +106,52 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, out)
 
 
+def _untied_llama(
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+) -> ModelConfig:
+    """A preset's shape: a Llama with an untied lm_head (with random weights a tied head
+    makes greedy decoding repeat its input), RoPE theta 10000, RMSNorm eps 1e-5."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+
+
+# The presets' weights are random (from --seed); RoPE has no learned limit, so long
+# prompts run on them up to max_position_embeddings.
+# fmt: off
 PRESETS: dict[str, ModelConfig] = {
+    #                        vocab  hidden layers heads kv_heads head_dim intermediate positions
     # Fast on two CPU cores; used by tests and local clusters.
-    "tiny": ModelConfig(
-        vocab_size=320,
-        hidden_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=172,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-    # Llama-like shape, ~125M parameters (~100M without the untied lm_head).
-    # Untied: with random weights a tied head makes greedy decoding repeat its input.
-    # 32k positions: the weights are random and RoPE has no learned limit, so long
-    # prompts (Mooncake's trace averages ~12k input tokens) run on it.
-    "small": ModelConfig(
-        vocab_size=32000,
-        hidden_size=768,
-        num_layers=12,
-        num_heads=12,
-        num_kv_heads=4,
-        head_dim=64,
-        intermediate_size=2048,
-        max_position_embeddings=32768,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
+    "tiny":     _untied_llama(  320,    64,     4,    4,       2,      16,         172,     4096),
+    # Llama-like shape, ~125M parameters (~100M without the untied lm_head). 32k
+    # positions: long prompts (Mooncake's trace averages ~12k input tokens) run on it.
+    "small":    _untied_llama(32000,   768,    12,   12,       4,      64,        2048,    32768),
     # ~11M parameters, byte vocabulary: the evaluation's model (python -m kvmesh.loadtest).
     # Its prefill costs real compute next to its KV bytes on one CPU core (~0.5 ms per
     # prompt token in float32, 6 KiB of KV per token) while a decode step stays ~10 ms.
-    "medium": ModelConfig(
-        vocab_size=320,
-        hidden_size=384,
-        num_layers=6,
-        num_heads=6,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_size=1024,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
+    "medium":   _untied_llama(  320,   384,     6,    6,       2,      64,        1024,     8192),
     # A Llama shape of ~1.1B parameters (2.2 GB in bfloat16): the GPU check's model
-    # (scripts/gpu-check.sh). Too large for the CPU tests; random weights like the rest.
-    "llama-1b": ModelConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        max_position_embeddings=32768,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
+    # (scripts/gpu-check.sh). Too large for the CPU tests.
+    "llama-1b": _untied_llama(32000,  2048,    16,   32,       8,      64,        8192,    32768),
 }
+# fmt: on
 
 # Trained models shipped inside kvmesh, by name -> folder beside this module (package
 # data). Unlike PRESETS (random weights from --seed) they load like a checkpoint
