@@ -86,7 +86,9 @@ def test_a_head_running_past_its_prediction_slows_the_whole_estimate():
 def test_the_measured_rate_scales_queue_and_prefill_against_the_current_fit():
     s = make()
     p = s.prefill["p0"]
-    for i in range(3):  # the node takes twice what its model says
+    # the node takes twice what its model says (the first prefill is its warm-up, then
+    # enough to be trusted in full)
+    for i in range(p.rate.warmup + p.rate.least):
         r, d = book(s, f"r{i}")
         s.now["t"] += 2 * WORK
         s.prefill_done(r, d, 160, 0, node_ms=2 * WORK)
@@ -174,7 +176,7 @@ def test_a_node_slowed_by_load_is_no_floor():
     retry), but the SLO is not below what it does idle at its usual speed (no 400)."""
     s = make()
     p = s.prefill["p0"]
-    for _ in range(3):
+    for _ in range(p.rate.warmup + p.rate.least):
         p.rate.observe(160, 0, 0.0, 3 * WORK)
     d = s.decide(req("x", ttft=40.0))
     assert not d.accepted and d.reason == "ttft" and d.retry_after_ms > 0

@@ -208,13 +208,27 @@ class MeasuredRate:
     ``recent`` where that is slower: robust to one slow prefill, a slowdown shows within
     two, a recovery once it has lasted half the window (admission must keep its word).
     ``tokens_per_s`` is the same measurement as a plain rate (prompt tokens computed per
-    second of slot time)."""
+    second of slot time).
+
+    A node's first ``warmup`` prefills are not counted: they pay one-time costs (the
+    worker thread, the first connection to a decode node, allocations) that say nothing
+    of its speed. Until ``least`` are counted the factor is trusted in proportion, from
+    1.0: ``f ** (n / least)`` for ``n`` of them. One cold or noisy prefill could otherwise
+    make the node holding a prefix look several times slower than an unmeasured peer, and
+    the conductor would recompute that prefix there (issue 15)."""
 
     def __init__(
-        self, window: int = 20, lo: float = 0.25, hi: float = 20.0, recent: int = 3
+        self,
+        window: int = 20,
+        lo: float = 0.25,
+        hi: float = 20.0,
+        recent: int = 3,
+        warmup: int = 1,
+        least: int = 4,
     ) -> None:
         self.lo, self.hi, self.recent = lo, hi, recent
-        self.observations = 0
+        self.warmup, self.least = warmup, least
+        self.observations = 0  # the warm-up ones included
         # (new tokens, cached tokens, ms the model does not cover, actual ms)
         self._seen: deque[tuple[int, int, float, float]] = deque(maxlen=window)
         self._factor = 1.0
@@ -227,9 +241,11 @@ class MeasuredRate:
         """A finished prefill of ``new`` tokens after ``cached`` ones that held the slot
         ``actual_ms``, of which the model does not predict ``extra_ms`` (transfers)."""
         if actual_ms > 0:
+            self.observations += 1
+            if self.observations <= self.warmup:
+                return
             self._seen.append((new, cached, extra_ms, actual_ms))
             self._fresh += 1
-            self.observations += 1
 
     def _ratio(self, coef: list[float], n: int, c: int, x: float, ms: float) -> float:
         """``min(hi, max(lo, ms / pred))`` for the prediction by ``coef`` (as
@@ -243,7 +259,8 @@ class MeasuredRate:
         return r if r < self.hi else self.hi
 
     def factor(self, model: PrefillModel) -> float:
-        """Real ms per predicted ms by ``model``'s current fit (1.0 before any prefill):
+        """Real ms per predicted ms by ``model``'s current fit (1.0 before any counted
+        prefill; shrunk toward 1.0 while fewer than ``least`` are counted):
         the ratios are recomputed when the fit changes, else only the new ones added."""
         coef, fresh = model.coef, self._fresh
         if fresh or self._coef is not coef:
@@ -275,6 +292,8 @@ class MeasuredRate:
                     for n, c, x, ms in list(seen)[-k:]
                 )
                 f = max(f, last[k // 2])
+            if len(seen) < self.least:  # too few to trust in full: shrunk toward 1.0
+                f = f ** (len(seen) / self.least)
             self._factor = f
             self._coef = coef
         return self._factor
