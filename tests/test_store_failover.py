@@ -1,7 +1,7 @@
 """Store-master leader election (issue 17, part 2) on real processes and a real etcd:
 the campaign transaction, two store-masters of which exactly one leads, and a SIGKILL of
 the leader under which the standby takes over (how fast is measured by the fault suite's
-store-master-failover row, loadtest/faults.py, not asserted here) while a store
+store-master-failover row, loadtest/faults_own_cluster.py, not asserted here) while a store
 client follows it and a put/get round-trips."""
 
 from __future__ import annotations
