@@ -284,13 +284,9 @@ class MeasuredRate:
             s = self._ratios.sorted()
             f = s[len(s) // 2] if s else 1.0
             k = self.recent
-            if k and len(seen) >= k:  # the last few, slower of late?
-                last = sorted(
-                    min(self.hi, max(self.lo, ms / pred))
-                    if (pred := model.predict(n, c) + x) > 0
-                    else 1.0
-                    for n, c, x, ms in list(seen)[-k:]
-                )
+            if k and len(seen) >= k:  # the last few, slower of late? (``_ratios`` holds
+                # the ratio of each of ``seen`` by this fit, in the same order)
+                last = sorted(self._ratios.tail(k))
                 f = max(f, last[k // 2])
             if len(seen) < self.least:  # too few to trust in full: shrunk toward 1.0
                 f = f ** (len(seen) / self.least)

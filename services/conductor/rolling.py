@@ -46,6 +46,11 @@ class RollingWindow:
         """The window sorted (the caller must not change the list)."""
         return self._sorted if not self._nans else sorted(self._items)
 
+    def tail(self, k: int) -> list[float]:
+        """The last ``k`` numbers (or all, if fewer), newest first."""
+        items = self._items
+        return [items[-i] for i in range(1, min(k, len(items)) + 1)]
+
     def median(self) -> float:
         if self._nans or not self._sorted:
             return statistics.median(self._items)

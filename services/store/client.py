@@ -95,6 +95,16 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     return out
 
 
+async def _all(coros) -> None:
+    """``asyncio.gather`` of coroutines returning None, without its task per coroutine
+    when there is only one (a single-peer call: the common case)."""
+    cs = list(coros)
+    if len(cs) == 1:
+        await cs[0]
+    elif cs:
+        await asyncio.gather(*cs)
+
+
 def _bytes_view(v) -> memoryview:
     mv = memoryview(v)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
@@ -686,15 +696,13 @@ class StoreClient:
                 src.append(offsets[i])
             by_peer.setdefault(addr, []).append(i)
         peers = list(by_peer)
-        oks = await asyncio.gather(
-            *(
-                self._write(
-                    p,
-                    [Slice(region_id, src[i], slots[i][2], slots[i][4], size) for i in by_peer[p]],
-                )
-                for p in peers
+        writes = [
+            self._write(
+                p, [Slice(region_id, src[i], slots[i][2], slots[i][4], size) for i in by_peer[p]]
             )
-        )
+            for p in peers
+        ]
+        oks = [await writes[0]] if len(writes) == 1 else await asyncio.gather(*writes)
         out: list[bool | None] = [False] * n
         # commit per segment (one, usually): only keys whose write was acknowledged
         by_seg: dict[tuple[str, int], list[int]] = {}
@@ -801,7 +809,7 @@ class StoreClient:
                 out[i] = size
 
         if by_peer:
-            await asyncio.gather(*(read(a, it) for a, it in by_peer.items()))
+            await _all(read(a, it) for a, it in by_peer.items())
         if time.monotonic() > deadline:
             # the master may have reused the space: what we read cannot be trusted
             self.stats["lease_expired"] += 1
@@ -933,7 +941,7 @@ class StoreClient:
                         self.stats["read_failed"] += len(js)
                         log.warning("store read from %s failed (%s): a miss", peer, e)
 
-                await asyncio.gather(*(read(a, js) for a, js in runs))
+                await _all(read(a, js) for a, js in runs)
         if time.monotonic() > deadline:
             self.stats["lease_expired"] += 1
             out = [None] * len(keys)
@@ -966,7 +974,7 @@ class StoreClient:
                 for j in js:
                     out[locs[j][0]] = targets[j][0]
 
-            await asyncio.gather(*(read(a, js) for a, js in by_peer.items()))
+            await _all(read(a, js) for a, js in by_peer.items())
         finally:
             for rid in regions:
                 self.te.unregister(rid)
