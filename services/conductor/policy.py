@@ -162,13 +162,15 @@ class PrefillNodeState:
         if not self.queue:
             self.head_since = now + self.lag_ms
         self.queue[rid] = ms
-        self.queue_ms += ms
+        self.queue_ms = self._queue_ms + ms  # (the setter tells the orders)
 
     def dequeue(self, rid: str, now: float = 0.0) -> None:
-        if rid not in self.queue:
+        queue = self.queue
+        if rid not in queue:
             return
-        was_head = next(iter(self.queue)) == rid
-        self.queue_ms = max(0.0, self.queue_ms - self.queue.pop(rid))
+        was_head = next(iter(queue)) == rid
+        left = self._queue_ms - queue.pop(rid)
+        self.queue_ms = left if left > 0.0 else 0.0  # max(0.0, left)
         if was_head:
             self.head_since = now
 
@@ -199,9 +201,15 @@ class PrefillNodeState:
         head = next(iter(queue.values()))
         since = now - self.head_since
         if head > 0:
-            f = max(f, since / head)
-        done = min(head * f, max(0.0, since))
-        return (self.queue_ms - self.foreign_ms) * f + self.foreign_ms - done, f
+            late = since / head
+            if late > f:  # max(f, late), written out (a decision's hot path)
+                f = late
+        done = head * f
+        served = since if since > 0.0 else 0.0  # max(0.0, since)
+        if served < done:  # min(done, served)
+            done = served
+        foreign = self.foreign_ms
+        return (self._queue_ms - foreign) * f + foreign - done, f
 
     def report_queue(self, reported: int, per_request_ms: float) -> None:
         """The node's load report: ``reported`` requests queued or computing there, from
@@ -618,7 +626,7 @@ class Scheduler:
             # booked, plus this one's. (Each search is skipped where the answer is at an
             # end: all joined by then, or none ended.)
             ends = d.ends
-            now_batch = len(ends)
+            batch = now_batch = len(ends)
             if predict:
                 joins = d.joins
                 batch = len(joins)
@@ -626,8 +634,6 @@ class Scheduler:
                     batch = bisect_right(joins, at)
                 if now_batch and not ends[0] > at:  # (a NaN: as the search)
                     batch -= bisect_right(ends, at)
-            else:
-                batch = now_batch
             kv = d.kv_tokens * batch / now_batch if now_batch else 0
             batch, kv = batch + d.foreign, kv + d.foreign_kv  # other conductors' requests
             a_, b_, k_ = d.model.coef
