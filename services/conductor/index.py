@@ -47,7 +47,10 @@ class CacheIndex:
     def __init__(self) -> None:
         # hash -> its holder's id (one holder) or a set of two or more ids
         self._pool: dict[bytes, str | set[str]] = {}
-        self._by_node: dict[str, set[bytes]] = {}
+        # node -> the hashes it holds, as the keys of a dict (values None), not a set: a
+        # dict of bytes and None is one the garbage collector does not track, so its full
+        # collections never walk the 10^6 hashes (a set is always tracked and walked)
+        self._by_node: dict[str, dict[bytes, None]] = {}
         self._names: dict[str, str] = {}  # one string object per node id
         self._store: dict[bytes, int] = {}  # hash -> replica count, any tier
         self._ssd: dict[bytes, int] = {}  # hash -> replicas on an SSD tier
@@ -55,7 +58,7 @@ class CacheIndex:
     # -- node pools ------------------------------------------------------------------------
     def stored(self, node: str, hashes: Iterable[bytes]) -> None:
         node = self._names.setdefault(node, str(node))
-        mine = self._by_node.setdefault(node, set())
+        mine = self._by_node.setdefault(node, {})
         pool = self._pool
         for h in hashes:
             holders = pool.get(h)
@@ -66,7 +69,7 @@ class CacheIndex:
                     pool[h] = {holders, node}
             else:
                 holders.add(node)
-            mine.add(h)
+            mine[h] = None
 
     def removed(self, node: str, hashes: Iterable[bytes]) -> None:
         mine = self._by_node.get(node)
@@ -82,7 +85,7 @@ class CacheIndex:
                     if len(holders) == 1:
                         pool[h] = next(iter(holders))
             if mine is not None:
-                mine.discard(h)
+                mine.pop(h, None)
 
     def reset(self, node: str, hashes: Iterable[bytes]) -> None:
         """Replaces everything known about ``node`` with a full snapshot."""
