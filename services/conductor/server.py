@@ -173,6 +173,18 @@ class ConductorConfig(ServiceConfig):
         )
 
 
+@dataclass
+class _Attempt:
+    """The decode reservation one prefill attempt writes into: the id the nodes know the
+    attempt by, its KV target, and the prefill nodes asked to write it. A retry on another
+    node gets a fresh one (``Conductor._prefill``), so nothing the failed node may still
+    write or notify lands in blocks the retry owns."""
+
+    rid: str
+    target: pb.KVTarget
+    writers: list[str]
+
+
 class ConductorServicer(pbg.ConductorServicer):
     def __init__(self, c: Conductor) -> None:
         self.c = c
@@ -472,7 +484,17 @@ class Conductor(Service):
             "candidates": [(c.route, c.node, round(c.ttft_ms, 2)) for c in d.candidates],
         }
         self.decisions.append(record)
-        log.debug("decision %s", record)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "decision %s; candidates (route node: ttft = queue + work x speed, cached+fetched "
+                "blocks): %s",
+                record,
+                "; ".join(
+                    f"{c.route} {c.node}: {c.ttft_ms:.1f} = {c.queue_ms:.1f} + {c.work_ms:.1f} x "
+                    f"{c.speed:.2f}, {c.cached_blocks}+{c.fetch_blocks}"
+                    for c in d.candidates
+                ),
+            )
         produced = 0
         try:
             async for resp in self._serve(r, d, req, tokens, t_arrival, record, info):
@@ -494,12 +516,11 @@ class Conductor(Service):
         rid = r.request_id
         estimate, decode_node = d.booked()
         dnode = self._node("decode", decode_node)
-        target = await self._reserve(dnode, rid, len(tokens), req.max_tokens)
-        writers: list[str] = []  # prefill nodes asked to write the reserved blocks
+        att = _Attempt(rid, await self._reserve(dnode, rid, len(tokens), req.max_tokens), [])
         decoded: list[bool] = []  # set once the Decode call ended (and freed it)
         try:
             async for resp in self._serve_reserved(
-                r, d, req, tokens, t_arrival, record, info, dnode, target, writers, decoded
+                r, d, req, tokens, t_arrival, record, info, dnode, att, decoded
             ):
                 yield resp
         finally:
@@ -508,7 +529,7 @@ class Conductor(Service):
                 # prefilling, transferring or decoding): the reservation goes at once,
                 # in a task of its own that a second cancellation cannot stop; the decode
                 # node frees it now if every writer has said it is done, else after a fence
-                self._spawn(self._release(dnode, rid, writers))
+                self._spawn(self._release(dnode, att.rid, att.writers))
 
     async def _serve_reserved(
         self,
@@ -520,11 +541,10 @@ class Conductor(Service):
         record: dict,
         info: dict,
         dnode: NodeInfo,
-        target: pb.KVTarget,
-        writers: list[str],
+        att: _Attempt,
         decoded: list[bool],
     ):
-        rid, out_rid = r.request_id, req.request_id or r.request_id
+        out_rid = req.request_id or r.request_id
         estimate, _ = d.booked()
         tok = self.tokenizer(info)
         decoder = TextStream(tok, tuple(req.sampling.stop))
@@ -532,14 +552,15 @@ class Conductor(Service):
         usage = pb.Usage(prompt_tokens=len(tokens))
         route = pb.Route(decode_node=dnode.node_id, estimated_ttft_ms=estimate.ttft_ms)
         dreq = pb.DecodeRequest(
-            request_id=rid,
+            request_id=att.rid,
             max_tokens=req.max_tokens,
             sampling=req.sampling,
             prompt_token_ids=tokens,
             block_hashes=r.hashes,
         )
         if d.route == DISAGG:
-            presp, pnode = await self._prefill(r, d, tokens, target, req, writers)
+            presp, pnode = await self._prefill(r, d, tokens, req, dnode, att)
+            dreq.request_id = record["node_request_id"] = att.rid  # a retry's own
             route.prefill_node = pnode.node_id
             dreq.first_token = presp.first_token
             self._first_token_seen(r, d, presp, t_arrival, record)
@@ -724,27 +745,36 @@ class Conductor(Service):
             if not task.done():
                 task.cancel()
 
-    async def _prefill(self, r: Request, d: Decision, tokens, target, req, writers: list[str]):
+    async def _prefill(self, r: Request, d: Decision, tokens, req, dnode: NodeInfo, att: _Attempt):
         """Prefill on the chosen node; a node that fails is skipped for the next
         disaggregated candidate (at most three tries). Each node asked is added to
-        ``writers`` before it is asked."""
+        ``att.writers`` before it is asked. A retry first gives back the failed attempt's
+        reservation (naming its writers: the decode node fences those blocks until they
+        are done) and reserves afresh under an id of its own (``<id>.retry<k>``): the failed
+        node may still write its blocks or say they are ready, which must not reach
+        blocks the retry owns. The client sees the request's own id throughout."""
         first = d.prefill_node
         if first is None:
             raise ValueError("only a disaggregated decision has a prefill node")
         order = [first] + [c.node for c in d.candidates if c.route == DISAGG and c.node != first]
         last = ""
-        for node_id in order[:3]:
+        for k, node_id in enumerate(order[:3]):
+            if att.writers:  # an earlier attempt asked a node: this is a retry
+                self._spawn(self._release(dnode, att.rid, att.writers))
+                att.rid, att.writers = f"{r.request_id}.retry{k}", []
+                # (no room for it ends the request, as the first Reserve would have)
+                att.target = await self._reserve(dnode, att.rid, len(tokens), req.max_tokens)
             try:
                 node = self._node("prefill", node_id)
-                writers.append(node_id)
+                att.writers.append(node_id)
                 resp = await self._unless_gone(
                     node,
                     self.view.prefill_stub(node).Prefill(
                         pb.PrefillRequest(
-                            request_id=r.request_id,
+                            request_id=att.rid,
                             token_ids=tokens,
                             block_hashes=r.hashes,
-                            target=target,
+                            target=att.target,
                             sampling=req.sampling,
                         ),
                         timeout=self.cfg.request_timeout_s,
