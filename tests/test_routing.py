@@ -80,12 +80,6 @@ def reference():
     return lambda ids, n: model.reference_generate(ids, n, eos_id=TOK.eos_id)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known regression, open in issue 15: after one cold request the holder's measured "
-    "rate can make it look slow, and the conductor then recomputes the prefix on the other "
-    "prefill node instead of using or fetching the cached blocks",
-)
 def test_repeated_prefix_goes_to_the_node_holding_it(cluster, reference):
     before = index_blocks(cluster)
     a = generate(cluster.conductor, SHARED + "A" * 200, max_tokens=2)
