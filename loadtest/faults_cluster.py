@@ -74,9 +74,10 @@ async def store_holders(master_addr: str, seconds: float = 1.0) -> dict[str, int
         stream = pbg.StoreMasterStub(ch).WatchBlocks(pb.WatchBlocksRequest(snapshot=True))
         try:
             async with asyncio.timeout(seconds):
-                async for ev in stream:
-                    d = 1 if ev.type == "stored" else -1 if ev.type == "removed" else 0
-                    held[ev.node_id] = held.get(ev.node_id, 0) + d
+                async for msg in stream:
+                    for ev in (msg, *msg.more):  # coalesced events
+                        d = 1 if ev.type == "stored" else -1 if ev.type == "removed" else 0
+                        held[ev.node_id] = held.get(ev.node_id, 0) + d
         except (TimeoutError, grpc.aio.AioRpcError):
             pass
         stream.cancel()

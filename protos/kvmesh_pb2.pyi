@@ -382,7 +382,7 @@ class WatchBlocksRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
-    __slots__ = ("seq", "type", "hash", "node_id", "tier", "offset", "size", "region_id", "master_id")
+    __slots__ = ("seq", "type", "hash", "node_id", "tier", "offset", "size", "region_id", "master_id", "more")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
@@ -392,6 +392,7 @@ class BlockEvent(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     type: str
     hash: bytes
@@ -401,7 +402,8 @@ class BlockEvent(_message.Message):
     size: int
     region_id: int
     master_id: str
-    def __init__(self, seq: _Optional[int] = ..., type: _Optional[str] = ..., hash: _Optional[bytes] = ..., node_id: _Optional[str] = ..., tier: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., region_id: _Optional[int] = ..., master_id: _Optional[str] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[BlockEvent]
+    def __init__(self, seq: _Optional[int] = ..., type: _Optional[str] = ..., hash: _Optional[bytes] = ..., node_id: _Optional[str] = ..., tier: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., region_id: _Optional[int] = ..., master_id: _Optional[str] = ..., more: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...
 
 class BlockRecord(_message.Message):
     __slots__ = ("hash", "offset", "size", "tier", "region_id")

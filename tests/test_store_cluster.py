@@ -102,8 +102,9 @@ def test_watch_blocks_events(store):
             events: asyncio.Queue = asyncio.Queue()
 
             async def pump():
-                async for ev in stream:
-                    events.put_nowait(ev)
+                async for msg in stream:
+                    for ev in (msg, *msg.more):  # coalesced events, in order
+                        events.put_nowait(ev)
 
             reader = asyncio.create_task(pump())
 

@@ -325,3 +325,54 @@ def test_remote_slots_reserve_commit_expire_and_survive_a_remount():
     assert m.present([h(1), h(3), h(4)]) == [True, True, False]
     # nowhere to put it: nothing reserved
     assert m.reserve_remote("client", 128 * KB, 1) == (None, [])
+
+
+def test_watch_blocks_coalesces_what_is_published_together_in_order():
+    """Events published within EVENT_COALESCE_S of each other reach a subscriber as one
+    message (the first event, the rest in ``more``, in order); a second subscriber gets
+    the same events, unaltered by the first one's batching; a stream cut while it
+    gathers sends the event it woke for (the cut drops the queued rest: the subscriber
+    re-subscribes with a snapshot), then ends."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvmesh.protos import kvmesh_pb2 as pb
+    from kvmesh.services.store_master.model import Block, BlockState, Replica, Segment
+    from kvmesh.services.store_master.server import EventBus, StoreMasterServicer
+
+    seg = Segment("s0", "node-a", "127.0.0.1:1", 1, 1 << 20)
+    blocks = [Block(bytes([i]) * 16, 4096, [Replica(seg, i * 4096, state=BlockState.COMPLETE)])
+              for i in range(1, 6)]  # fmt: skip
+    host = SimpleNamespace(meta=SimpleNamespace(blocks={}), bus=EventBus())
+
+    async def main():
+        req = pb.WatchBlocksRequest(node_id="")
+        s1 = StoreMasterServicer.WatchBlocks(host, req, None)
+        s2 = StoreMasterServicer.WatchBlocks(host, req, None)
+        first = [asyncio.ensure_future(s.__anext__()) for s in (s1, s2)]
+        await asyncio.sleep(0.01)  # both subscribed and waiting
+        for b in blocks[:3]:
+            host.bus.publish("stored", b, b.replicas[0])
+        got = await asyncio.gather(*first)
+        host.bus.publish("removed", blocks[3], blocks[3].replicas[0])
+        q1 = host.bus.subs[0][1]
+        nxt = asyncio.ensure_future(s1.__anext__())
+        await asyncio.sleep(0)
+        host.bus.publish("stored", blocks[4], blocks[4].replicas[0])
+        host.bus.cut("", q1)  # cut while it gathers: what it gathered is still sent
+        last = await nxt
+        ended = False
+        try:
+            await s1.__anext__()
+        except StopAsyncIteration:
+            ended = True
+        await s2.aclose()
+        return got, last, ended
+
+    got, last, ended = asyncio.run(main())
+    for msg in got:
+        seq = [(e.type, bytes(e.hash)[0], e.seq) for e in (msg, *msg.more)]
+        assert seq == [("stored", 1, 1), ("stored", 2, 2), ("stored", 3, 3)]
+        assert all(not e.more for e in msg.more)
+    assert [(e.type, bytes(e.hash)[0]) for e in (last, *last.more)] == [("removed", 4)]
+    assert ended

@@ -157,11 +157,12 @@ class NodeFeeds:
                 stream = stub.WatchBlocks(pb.WatchBlocksRequest(snapshot=True))
                 idx.store_reset(())
                 self.store_live = True
-                async for ev in stream:
-                    if ev.type == "stored":
-                        idx.store_stored((ev.hash,), ev.tier)
-                    elif ev.type == "removed":
-                        idx.store_removed((ev.hash,), ev.tier)
+                async for msg in stream:
+                    for ev in (msg, *msg.more) if msg.more else (msg,):  # coalesced events
+                        if ev.type == "stored":
+                            idx.store_stored((ev.hash,), ev.tier)
+                        elif ev.type == "removed":
+                            idx.store_removed((ev.hash,), ev.tier)
                     backoff = 0.1
             except grpc.aio.AioRpcError as e:
                 log.debug("store event stream of %s ended (%s); retrying", n.node_id, e.code())

@@ -295,13 +295,14 @@ class SegmentHost:
                 stream = stub.WatchBlocks(
                     pb.WatchBlocksRequest(node_id=self.node_id, snapshot=True)
                 )
-                async for ev in stream:
-                    if ev.master_id != self.master_id:
-                        self.master_id = ev.master_id
-                    if ev.tier == "dram":
-                        await self._apply(ev)
-                    elif ev.type == "removed" and self.ssd is not None:
-                        self.ssd.discard(bytes(ev.hash))  # removed or evicted from disk
+                async for msg in stream:
+                    for ev in (msg, *msg.more) if msg.more else (msg,):
+                        if ev.master_id != self.master_id:
+                            self.master_id = ev.master_id
+                        if ev.tier == "dram":
+                            await self._apply(ev)
+                        elif ev.type == "removed" and self.ssd is not None:
+                            self.ssd.discard(bytes(ev.hash))  # removed or evicted from disk
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as e:

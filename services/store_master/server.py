@@ -70,6 +70,11 @@ from kvmesh.services.store_master.validation import (
 log = logging.getLogger(__name__)
 
 EVENT_QUEUE = 65536
+# WatchBlocks gathers the events published this long after the first one it wakes for
+# into one stream message (``BlockEvent.more``): one message per put cost a store-node
+# and this master a gRPC send and receive each, on the cores the puts run on
+EVENT_COALESCE_S = 0.002
+EVENT_BATCH = 1024  # most events in one message
 
 
 @dataclass
@@ -505,6 +510,24 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
                 ev = await q.get()
                 if ev is None:
                     return
+                if EVENT_COALESCE_S > 0:
+                    await asyncio.sleep(EVENT_COALESCE_S)  # publishing meanwhile wakes nobody
+                    more, cut = [], False
+                    while not q.empty() and len(more) < EVENT_BATCH:
+                        nxt = q.get_nowait()
+                        if nxt is None:
+                            cut = True
+                            break
+                        more.append(nxt)
+                    if more:  # events are shared by subscribers: batch in a copy
+                        head = pb.BlockEvent()
+                        head.CopyFrom(ev)
+                        head.more.extend(more)
+                        ev = head
+                    yield ev
+                    if cut:
+                        return
+                    continue
                 yield ev
         finally:
             if (node, q) in bus.subs:
