@@ -512,7 +512,8 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
                     return
                 if EVENT_COALESCE_S > 0:
                     await asyncio.sleep(EVENT_COALESCE_S)  # publishing meanwhile wakes nobody
-                    more, cut = [], False
+                    more: list[pb.BlockEvent] = []
+                    cut = False
                     while not q.empty() and len(more) < EVENT_BATCH:
                         nxt = q.get_nowait()
                         if nxt is None:
