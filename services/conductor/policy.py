@@ -162,14 +162,15 @@ class PrefillNodeState:
         if not self.queue:
             self.head_since = now + self.lag_ms
         self.queue[rid] = ms
-        self.queue_ms = self._queue_ms + ms  # (the setter tells the orders)
+        # (the setter tells the orders; ``_queue_ms`` is the property's own value)
+        self.queue_ms = self._queue_ms + ms  # type: ignore[attr-defined]
 
     def dequeue(self, rid: str, now: float = 0.0) -> None:
         queue = self.queue
         if rid not in queue:
             return
         was_head = next(iter(queue)) == rid
-        left = self._queue_ms - queue.pop(rid)
+        left = self._queue_ms - queue.pop(rid)  # type: ignore[attr-defined]
         self.queue_ms = left if left > 0.0 else 0.0  # max(0.0, left)
         if was_head:
             self.head_since = now
@@ -209,7 +210,8 @@ class PrefillNodeState:
         if served < done:  # min(done, served)
             done = served
         foreign = self.foreign_ms
-        return (self._queue_ms - foreign) * f + foreign - done, f
+        queued = self._queue_ms  # type: ignore[attr-defined]  # (the property's value)
+        return (queued - foreign) * f + foreign - done, f
 
     def report_queue(self, reported: int, per_request_ms: float) -> None:
         """The node's load report: ``reported`` requests queued or computing there, from
