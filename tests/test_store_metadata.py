@@ -296,35 +296,99 @@ def test_remote_slots_reserve_commit_expire_and_survive_a_remount():
     ``put_timeout_s`` they are freed, and a late commit stores nothing."""
     m, clock, events = make(put_timeout_s=5)
     m.mount("n", "n:1", 7, 64 * KB)
-    seg, offs = m.reserve_remote("client", 4 * KB, 2, 1)
-    assert seg is not None and seg.node_id == "n" and len(offs) == 3
+    seg, offs, tok = m.reserve_remote("client", 4 * KB, 2, 1)
+    assert seg is not None and seg.node_id == "n" and len(offs) == 3 and tok != 0
     assert m.used == 12 * KB and m.present([h(1)]) == [False] and events == []
-    status, new = m.commit_remote("n", 7, [(h(1), offs[0], 4 * KB)], refill=2)
+    status, tok2, new = m.commit_remote("n", 7, [(h(1), offs[0], 4 * KB, tok)], refill=2)
     assert status == [1] and len(new) == 2 and m.present([h(1)]) == [True]
+    assert tok2 not in (0, tok)  # the refill is a reservation of its own
     assert events == [("stored", h(1), "n", DRAM)]
     assert m.blocks[h(1)].offset == offs[0] and m.used == 20 * KB  # 3 slots + 2 refills
     # not held: an unknown offset, the wrong size, another segment, a local slot
     local = m.reserve("n", 7, 4 * KB, 1)
-    assert m.commit_remote("n", 7, [(h(2), 60 * KB, 4 * KB)])[0] == [0]
-    assert m.commit_remote("n", 7, [(h(2), offs[1], 8 * KB)])[0] == [0]
-    assert m.commit_remote("other", 7, [(h(2), offs[1], 4 * KB)])[0] == [0]
-    assert m.commit_remote("n", 7, [(h(2), local[0], 4 * KB)])[0] == [0]
+    assert m.commit_remote("n", 7, [(h(2), 60 * KB, 4 * KB, tok)])[0] == [0]
+    assert m.commit_remote("n", 7, [(h(2), offs[1], 8 * KB, tok)])[0] == [0]
+    assert m.commit_remote("other", 7, [(h(2), offs[1], 4 * KB, tok)])[0] == [0]
+    assert m.commit_remote("n", 7, [(h(2), local[0], 4 * KB, tok)])[0] == [0]
     assert m.present([h(2)]) == [False]
     # a present key: status 2, the slot stays held (and committable later)
-    assert m.commit_remote("n", 7, [(h(1), offs[1], 4 * KB)])[0] == [2]
+    assert m.commit_remote("n", 7, [(h(1), offs[1], 4 * KB, tok)])[0] == [2]
     # a re-mount frees the lender's own reservations, not the remote writer's
     m.mount("n", "n:1", 7, 64 * KB)
     assert local[0] not in seg.reserved and offs[1] in seg.reserved
-    assert m.commit_remote("n", 7, [(h(3), offs[1], 4 * KB)])[0] == [1]
+    assert m.commit_remote("n", 7, [(h(3), offs[1], 4 * KB, tok)])[0] == [1]
     before = m.used
     clock.t += 6
     m.reclaim_abandoned()
     assert m.used == before - 3 * 4 * KB  # offs[2] and the two refills expired
     assert m.remote_slots == {} and seg.reserved == {}
-    assert m.commit_remote("n", 7, [(h(4), offs[2], 4 * KB)])[0] == [0]
+    assert m.commit_remote("n", 7, [(h(4), offs[2], 4 * KB, tok)])[0] == [0]
     assert m.present([h(1), h(3), h(4)]) == [True, True, False]
     # nowhere to put it: nothing reserved
-    assert m.reserve_remote("client", 128 * KB, 1) == (None, [])
+    assert m.reserve_remote("client", 128 * KB, 1) == (None, [], 0)
+
+
+def test_an_expired_slot_given_to_another_writer_is_not_committed_by_the_first():
+    """Review finding 1 (issue 13): writer A's slot expires, the allocator gives the same
+    offset to writer B; A's late commit (its token) is 0 and stores nothing, B's commit
+    stores B's key there, and a commit without the token (0) never matches."""
+    m, clock, _ = make(put_timeout_s=5)
+    m.mount("n", "n:1", 7, 4 * KB)  # room for one slot: B must get A's offset
+    _, (off_a,), tok_a = m.reserve_remote("a", 4 * KB, 1)
+    clock.t += 6
+    _, (off_b,), tok_b = m.reserve_remote("b", 4 * KB, 1)
+    assert off_b == off_a and tok_b != tok_a
+    assert m.commit_remote("n", 7, [(h(1), off_a, 4 * KB, tok_a)])[0] == [0]
+    assert m.commit_remote("n", 7, [(h(1), off_a, 4 * KB, 0)])[0] == [0]
+    assert m.present([h(1)]) == [False]
+    assert m.commit_remote("n", 7, [(h(2), off_b, 4 * KB, tok_b)])[0] == [1]
+    assert m.blocks[h(2)].offset == off_b
+
+
+def test_remote_slots_of_an_unmounted_segment_stay_quarantined_until_their_deadline():
+    """Review finding 2 (issue 13): the segment is unmounted (membership leave, an etcd
+    restart) while a remote writer holds slots in it and may still be writing there; a
+    re-mount of the same memory (node, region, address) reserves those ranges again, so
+    no put or other writer's slot lands there before their deadline; they are never
+    committed (even with the right token) and are freed at the deadline. Memory at
+    another address is a fresh start."""
+    m, clock, _ = make(put_timeout_s=5)
+    m.mount("n", "n:1", 7, 64 * KB)
+    _, offs, tok = m.reserve_remote("a", 4 * KB, 2)
+    assert m.unmount_segment("n/7") == 0 and m.remote_slots == {}
+    clock.t += 1
+    seg = m.mount("n", "n:1", 7, 64 * KB)
+    assert seg.reserved == {o: 4 * KB for o in offs} and seg.used == 8 * KB
+    placed, _ = m.put_start("b", [h(1), h(2)], 4 * KB)
+    _, more, _ = m.reserve_remote("c", 4 * KB, 1)
+    taken = {b.offset for b in placed} | set(more)
+    assert len(taken) == 3 and not taken & set(offs)
+    assert m.commit_remote("n", 7, [(h(3), offs[0], 4 * KB, tok)])[0] == [0]
+    assert m.commit_local("n", 7, [(h(3), offs[0], 4 * KB)]) == [0]
+    assert m.present([h(3)]) == [False]
+    clock.t += 5  # past the deadline: freed
+    m.reclaim_abandoned()
+    assert all(o not in seg.reserved for o in offs) and m.quarantine == {}
+    # unmounted again past the deadline: nothing kept; another address: nothing kept
+    _, offs2, _ = m.reserve_remote("a", 4 * KB, 1)
+    m.unmount_segment("n/7")
+    assert m.mount("n", "n:2", 7, 64 * KB).reserved == {}
+    m.unmount_segment("n/7")
+    clock.t += 6
+    assert m.mount("n", "n:1", 7, 64 * KB).reserved == {}
+
+
+def test_the_lender_cannot_commit_or_release_a_slot_held_for_a_remote_writer():
+    """Review finding 7 (issue 13): the lender's PUT_LOCAL (commit_local /
+    release_reserved) names an offset that is a remote writer's slot: 0 / ignored, the
+    slot stays the writer's and commits under its token."""
+    m, _, _ = make(put_timeout_s=5)
+    m.mount("n", "n:1", 7, 16 * KB)
+    _, (off,), tok = m.reserve_remote("n", 4 * KB, 1)
+    assert m.commit_local("n", 7, [(h(1), off, 4 * KB)]) == [0]
+    assert m.release_reserved("n", 7, [(off, 4 * KB)]) == 0
+    assert m.segments["n/7"].reserved == {off: 4 * KB} and m.present([h(1)]) == [False]
+    assert m.commit_remote("n", 7, [(h(2), off, 4 * KB, tok)])[0] == [1]
 
 
 def test_watch_blocks_coalesces_what_is_published_together_in_order():

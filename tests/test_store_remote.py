@@ -11,6 +11,7 @@ import asyncio
 import os
 import socket
 import struct
+import time
 
 import grpc
 import numpy as np
@@ -64,6 +65,11 @@ def fast(store):
         hello = pbg.StoreMasterStub(ch).StoreHello(pb.StoreHelloRequest(), timeout=10)
     host, port = hello.fast_address.rsplit(":", 1)
     return host, int(port)
+
+
+def rpool(cl: StoreClient, size: int = 4096) -> list:
+    """The client's held remote slots of ``size`` on its current fast connection."""
+    return cl._rslots.of(size, cl._fast)
 
 
 def call(addr, method: int, body: bytes, rid: int = 7) -> tuple[int, bytes]:
@@ -146,7 +152,7 @@ def test_large_gets_land_in_the_returned_bytes_without_staging(store):
     run(store.master, body)
 
 
-def test_small_puts_are_one_commit_each_through_held_slots(store):
+def test_small_puts_are_one_commit_each_through_held_slots(store, monkeypatch):
     """After one PUT_RESERVE, each small put (bytes or zero-copy) is a transfer-engine
     write and ONE PUT_SLOTS call; the pool refills inside that call; a present key
     keeps its slot; every byte comes back."""
@@ -154,15 +160,9 @@ def test_small_puts_are_one_commit_each_through_held_slots(store):
     keys = [f"pooled-{i}".encode() for i in range(len(vals))]
 
     async def body(cl: StoreClient, te: TransferEngine):
-        sent: list[int] = []
-        real = cl._fast_call
-
-        async def spy(method, payload):
-            sent.append(method)
-            return await real(method, payload)
-
         assert await cl.exists(b"warm-up") is False  # opens the fast connection
-        cl._fast_call = spy
+        frames = _spy_conns(cl, monkeypatch)
+        sent = _Methods(frames)
         for k, v in zip(keys, vals):
             assert await cl.put(k, v)
         assert sent.count(wire.PUT_RESERVE) == 1 and sent[0] == wire.PUT_RESERVE
@@ -170,9 +170,9 @@ def test_small_puts_are_one_commit_each_through_held_slots(store):
         assert wire.PUT_START not in sent and wire.PUT_END not in sent
         assert await cl.batch_get(keys) == vals
         sent.clear()
-        pool = len(cl._remote_pool(4096))
+        pool = len(rpool(cl))
         assert await cl.put(keys[0], vals[0])  # present: True, the slot comes back
-        assert sent == [wire.PUT_SLOTS] and len(cl._remote_pool(4096)) == pool
+        assert sent == [wire.PUT_SLOTS] and len(rpool(cl)) == pool
         src = np.frombuffer(os.urandom(8 * 5000), dtype=np.uint8).copy()
         dst = np.zeros_like(src)
         rs, rd = te.register(src), te.register(dst)
@@ -192,7 +192,7 @@ def test_small_puts_are_one_commit_each_through_held_slots(store):
     assert stats["master_errors"] == 0 and stats["put_failed"] == 0
 
 
-def test_a_failed_slot_write_is_never_committed_and_a_lost_slot_is_put_again(store):
+def test_a_failed_slot_write_is_never_committed_and_a_lost_slot_is_put_again(store, monkeypatch):
     """The commit point of a pooled put is its PUT_SLOTS call, sent only for writes the
     holder acknowledged: a write that fails leaves no visible key (and its slot is
     dropped); a slot the master does not hold (expired, a restarted master) is put
@@ -202,26 +202,19 @@ def test_a_failed_slot_write_is_never_committed_and_a_lost_slot_is_put_again(sto
     async def body(cl: StoreClient, te: TransferEngine):
         assert await cl.exists(b"warm-up") is False  # opens the fast connection
         assert await cl.put(b"slot-first", val)
-        pool = cl._remote_pool(4096)
+        pool = rpool(cl)
         assert pool
-        use_by, addr, region, node, off = pool[-1]
+        use_by, addr, region, node, off, tok = pool[-1]
         # a slot naming a region the holder does not have: the write fails
-        pool.append((use_by, addr, region + 1000, node, off))
+        pool.append((use_by, addr, region + 1000, node, off, tok))
         assert await cl.put(b"slot-bad-write", val) is False
         assert await cl.exists(b"slot-bad-write") is False
-        assert (use_by, addr, region + 1000, node, off) not in cl._remote_pool(4096)
+        assert (use_by, addr, region + 1000, node, off, tok) not in rpool(cl)
         # a slot the master never reserved (a writable offset, though): status 0, put again
-        sent: list[int] = []
-        real = cl._fast_call
-
-        async def spy(method, payload):
-            sent.append(method)
-            return await real(method, payload)
-
-        cl._fast_call = spy
-        taken = {s[4] for s in cl._remote_pool(4096)}
+        sent = _Methods(_spy_conns(cl, monkeypatch))
+        taken = {s[4] for s in rpool(cl)}
         stray = max(taken) + (1 << 20)
-        cl._remote_pool(4096).append((use_by, addr, region, node, stray))
+        rpool(cl).append((use_by, addr, region, node, stray, tok))
         other = os.urandom(4096)
         assert await cl.put(b"slot-not-held", other)
         assert sent == [wire.PUT_SLOTS, wire.PUT_START, wire.PUT_END]
@@ -230,6 +223,161 @@ def test_a_failed_slot_write_is_never_committed_and_a_lost_slot_is_put_again(sto
         await cl.remove([b"slot-first", b"slot-not-held"])
 
     run(store.master, body)
+
+
+class _Methods:
+    """The methods of the frames ``_spy_conns`` records, compared as a list."""
+
+    def __init__(self, frames: list) -> None:
+        self.frames = frames
+
+    def _list(self) -> list[int]:
+        return [m for _, m, _ in self.frames]
+
+    def __eq__(self, other) -> bool:
+        return self._list() == other
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __contains__(self, m) -> bool:
+        return m in self._list()
+
+    def count(self, m: int) -> int:
+        return self._list().count(m)
+
+    def clear(self) -> None:
+        self.frames.clear()
+
+
+def _spy_conns(cl: StoreClient, monkeypatch) -> list[tuple[object, int, bytes]]:
+    """Every fast-path frame the client sends, as (connection, method, body)."""
+    from kvmesh.services.store.fastconn import FastConn
+
+    sent: list[tuple[object, int, bytes]] = []
+    real = FastConn.call
+
+    def spy(self, method, body, timeout):
+        sent.append((self, method, bytes(body)))
+        return real(self, method, body, timeout)
+
+    monkeypatch.setattr(FastConn, "call", spy)
+    return sent
+
+
+def test_an_expired_slot_anywhere_in_the_pool_is_never_used(store, monkeypatch):
+    """Review finding 4 (issue 13): the pool is not in use-by order (a slot whose key
+    was present goes back at the end with its old use-by time), so each slot taken is
+    checked: an expired one at the end is dropped, never written nor committed."""
+    val = os.urandom(4096)
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.put(b"expired-first", val)
+        pool = rpool(cl)
+        assert len(pool) >= 2 and pool[0][0] > time.monotonic()
+        stale = pool.pop()
+        pool.append((time.monotonic() - 1.0, *stale[1:]))  # next to be taken
+        sent = _spy_conns(cl, monkeypatch)
+        assert await cl.put(b"expired-second", val)
+        commits = [wire.unpack_put_slots(b) for _, m, b in sent if m == wire.PUT_SLOTS]
+        assert len(commits) == 1 and stale[4] not in commits[0][4]
+        assert stale not in rpool(cl) and all(s[4] != stale[4] for s in rpool(cl))
+        assert await cl.get(b"expired-second") == val
+        await cl.remove([b"expired-first", b"expired-second"])
+
+    run(store.master, body)
+
+
+def test_a_write_acknowledged_after_its_slots_use_by_time_is_put_again(store, monkeypatch):
+    """Review finding 1, client side (issue 13): a pooled write is awaited only until
+    its slot's use-by time; one that is not acknowledged by then is never committed
+    (the master's hold may have ended and the slot gone to another writer): the key is
+    put again through PUT_START/PUT_END, and reads back."""
+    val = os.urandom(4096)
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.put(b"late-first", val)
+        pool = rpool(cl)
+        soon = time.monotonic() + 0.2
+        pool[:] = [(soon, *s[1:]) for s in pool]
+        real = cl._write
+        slow = []
+
+        async def slow_write(peer, slices):
+            if not slow:  # only the pooled write: the put again goes at once
+                slow.append(peer)
+                await asyncio.sleep(0.5)
+            return await real(peer, slices)
+
+        cl._write = slow_write
+        sent = _spy_conns(cl, monkeypatch)
+        assert await cl.put(b"late-second", val)
+        assert [m for _, m, _ in sent] == [wire.PUT_START, wire.PUT_END]
+        assert slow and await cl.get(b"late-second") == val
+        await cl.remove([b"late-first", b"late-second"])
+
+    run(store.master, body)
+
+
+def test_slots_are_committed_only_on_the_connection_that_reserved_them(store, monkeypatch):
+    """Review finding 3 (issue 13): slots belong to the fast connection they were
+    reserved on (a new one may be a restarted or failed-over master that never reserved
+    them); if it closes between the write and the commit, the commit is not sent on a
+    new connection: the key is put again (PUT_START/PUT_END) and reads back."""
+    val = os.urandom(4096)
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.put(b"conn-first", val)
+        first = cl._fast
+        assert first is not None and rpool(cl)
+        real = cl._write
+
+        async def write_then_drop(peer, slices):
+            ok = await real(peer, slices)
+            first.close()  # the master's connection is gone before the commit
+            cl._fast_retry = 0.0  # and a new one may be opened at once
+            return ok
+
+        cl._write = write_then_drop
+        sent = _spy_conns(cl, monkeypatch)
+        assert await cl.put(b"conn-second", val)
+        assert all(c is not first for c, _, _ in sent)
+        assert wire.PUT_SLOTS not in [m for _, m, _ in sent]
+        assert [m for _, m, _ in sent][-2:] == [wire.PUT_START, wire.PUT_END]
+        cl._write = real
+        assert cl._fast is not first and await cl.get(b"conn-second") == val
+        await cl.remove([b"conn-first", b"conn-second"])
+
+    run(store.master, body)
+
+
+def test_a_commit_must_present_its_reservations_token(store, fast):
+    """Review finding 1, master side (issue 13): PUT_SLOTS with another token (an expired
+    slot reserved again for someone else looks just like this) is status 0 and stores
+    nothing; with the token PUT_RESERVE returned it stores the key."""
+    status, body = call(fast, wire.PUT_RESERVE, wire.pack_put_reserve("tok-writer", 4096, 1, 0))
+    assert status == 0
+    _, region, _, node, token, offs = wire.unpack_put_reserve_resp(body)
+    assert token != 0 and len(offs) == 1
+    key = b"token-key-000001"
+
+    def commit(tok: int) -> list[int]:
+        st, b = call(
+            fast, wire.PUT_SLOTS, wire.pack_put_slots(node, region, [key], 4096, offs, [tok], 0)
+        )
+        assert st == 0
+        return wire.unpack_put_slots_resp(b, 1)[0]
+
+    assert commit(token ^ 1) == [0] and commit(0) == [0]
+    assert call(fast, wire.EXISTS, wire.pack_exists([key], True))[1] == wire.pack_exists_resp(
+        0, [False]
+    )
+    assert commit(token) == [1]
+    status, body = call(fast, wire.REMOVE, wire.pack_keys([key]))
+    assert status == 0
 
 
 def _valid_put_start(keys: list[bytes], sizes: list[int]) -> bytes:
@@ -264,7 +412,7 @@ def test_slot_frames_bad_input_gets_a_clear_status(store, fast):
     commit into a slot nobody holds (an unknown key, offset or segment) is status 0 and
     stores nothing."""
     res = wire.pack_put_reserve("fuzzer", 4096, 1, 0)
-    slots = wire.pack_put_slots("nobody", 0, [b"a" * 16, b"b" * 16], 4096, [0, 4096], 0)
+    slots = wire.pack_put_slots("nobody", 0, [b"a" * 16, b"b" * 16], 4096, [0, 4096], [1, 1], 0)
     at = 1 + len("nobody") + 4
     assert struct.unpack_from("<IH", slots, at) == (2, 16)
     cases = {
@@ -273,18 +421,24 @@ def test_slot_frames_bad_input_gets_a_clear_status(store, fast):
         (wire.PUT_RESERVE, "zero size"): wire.pack_put_reserve("fuzzer", 0, 1, 0),
         (wire.PUT_RESERVE, "huge size"): wire.pack_put_reserve("fuzzer", 1 << 40, 1, 0),
         (wire.PUT_RESERVE, "too many"): wire.pack_put_reserve("fuzzer", 4096, 1 << 20, 0),
+        (wire.PUT_RESERVE, "count 0"): wire.pack_put_reserve("fuzzer", 4096, 0, 3),
         (wire.PUT_SLOTS, "truncated"): slots[:-3],
         (wire.PUT_SLOTS, "trailing"): slots + b"\0",
         (wire.PUT_SLOTS, "lying count"): slots[:at] + struct.pack("<IH", 9, 16) + slots[at + 6 :],
-        (wire.PUT_SLOTS, "zero size"): wire.pack_put_slots("n", 0, [b"c" * 16], 0, [0], 0),
-        (wire.PUT_SLOTS, "too many"): wire.pack_put_slots("n", 0, [b"c" * 16], 1, [0], 1 << 20),
+        (wire.PUT_SLOTS, "no tokens"): slots[: -4 - 16] + slots[-4:],
+        (wire.PUT_SLOTS, "zero size"): wire.pack_put_slots("n", 0, [b"c" * 16], 0, [0], [1], 0),
+        (wire.PUT_SLOTS, "too many"): wire.pack_put_slots(
+            "n", 0, [b"c" * 16], 1, [0], [1], 1 << 20
+        ),
     }
     for (method, what), body in cases.items():
         status, msg = call(fast, method, body)
         assert status == INVALID, (what, status, msg)
         assert msg, what
+    status, msg = call(fast, wire.PUT_RESERVE, cases[(wire.PUT_RESERVE, "count 0")])
+    assert b"count" in msg
     status, body = call(fast, wire.PUT_SLOTS, slots)
-    assert status == 0 and wire.unpack_put_slots_resp(body, 2) == ([0, 0], [])
+    assert status == 0 and wire.unpack_put_slots_resp(body, 2) == ([0, 0], 0, [])
     status, body = call(fast, wire.EXISTS, wire.pack_exists([b"a" * 16, b"b" * 16], True))
     assert status == 0 and wire.unpack_exists_resp(body) == (0, [False, False])
 
@@ -308,7 +462,9 @@ def test_fuzz_put_frames(store, fast, stored, which, nkeys, flips, cut, extra):
             wire.PUT_START: lambda: _valid_put_start(keys, [4096] * nkeys),
             wire.PUT_END: lambda: wire.pack_put_end(keys, False),
             wire.PUT_RESERVE: lambda: wire.pack_put_reserve("fuzzer", 4096, nkeys, 0),
-            wire.PUT_SLOTS: lambda: wire.pack_put_slots("fuzzer", 0, keys, 4096, offs, 1),
+            wire.PUT_SLOTS: lambda: wire.pack_put_slots(
+                "fuzzer", 0, keys, 4096, offs, [1] * nkeys, 1
+            ),
         }[which]()
     )
     # the u64 size stays as it is: a huge one is a legal request that makes the master

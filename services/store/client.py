@@ -58,6 +58,7 @@ from kvmesh.services.store.copy import (
     fresh_bytes_target,
 )
 from kvmesh.services.store.fastconn import CallError, FastConn, FastConnError
+from kvmesh.services.store.remote_pool import RemotePool, put_pooled
 from kvmesh.services.store_master import wire
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,6 @@ PIPELINE_BYTES = 4 << 20
 # a remote value this large is read by ``get`` straight into the bytes it returns (on the
 # TCP transport, where registering a buffer is a table entry; RDMA verbs would pin it)
 DIRECT_GET_MIN = 256 << 10
-# a client that lends no memory puts a value up to this size into a slot it holds in a
-# remote segment (``PUT_RESERVE``): one transfer-engine write, then one ``PUT_SLOTS``
-# commit that also refills the pool, instead of PUT_START -> write -> PUT_END
-REMOTE_SLOT_MAX = 1 << 20
-# a remote slot is used only within this share of the master's hold on it (the rest is
-# the margin for a write in flight; the hold counts from when the request was sent)
-REMOTE_SLOT_USE = 0.5
 _PB_RESP = {
     "PutStart": pb.PutStartResponse,
     "PutEnd": pb.PutEndResponse,
@@ -158,13 +152,9 @@ class StoreClient:
         self._fast_connecting: asyncio.Future | None = None
         self._pool: dict[int, list[int]] = {}  # size -> reserved slot offsets
         self._pool_epoch = -1
-        # remote slots (no own segment): size -> [(use by, data address, region, node,
-        # offset)], valid for the fast connection they were reserved on (a new one may
-        # be a restarted master that never reserved them)
-        self.remote_pool_bytes, self.remote_pool_slots = remote_pool_bytes, remote_pool_slots
-        self._rpool: dict[int, list[tuple[float, str, int, str, int]]] = {}
-        self._rpool_conn: FastConn | None = None
-        self._slot_use_s = 0.0
+        # remote slots (no own segment), for the fast connection they were reserved on
+        # (see :mod:`kvmesh.services.store.remote_pool`)
+        self._rslots = RemotePool(remote_pool_bytes, remote_pool_slots)
         self.stats = {
             "puts": 0,
             "put_failed": 0,
@@ -282,6 +272,16 @@ class StoreClient:
             c = await self._conn()
             if c is None:
                 return False
+        return await self._call_on(c, method, body, check=False)
+
+    async def _call_on(
+        self, c: FastConn, method: int, body: bytes, check: bool = True
+    ) -> bytes | None | bool:
+        """As :meth:`_fast_call` on connection ``c`` only, never a new one: None when
+        ``c`` closed or (``check``) is no longer this client's connection to the current
+        master (the caller has just checked that when not ``check``)."""
+        if check and (c.closed or c is not self._fast or self._fast_addr != self.master_address()):
+            return None
         try:
             fut = c.call(method, body, self.rpc_timeout)
             if fut.done() and self._turns.owed():  # answered while polling: let others in
@@ -619,22 +619,6 @@ class StoreClient:
                 ok.update(i for i, *_ in placed if i not in bad and keys[i] not in lost)
         return [i in ok for i in range(len(keys))]
 
-    # -- remote slot pool ------------------------------------------------------------------
-    def _remote_target(self, size: int) -> int:
-        return max(1, min(self.remote_pool_slots, self.remote_pool_bytes // size))
-
-    def _remote_pool(self, size: int) -> list[tuple[float, str, int, str, int]]:
-        """The usable slots of ``size`` held on the current connection (older ones, and
-        those past their use-by time, are dropped: the master frees them itself)."""
-        if self._rpool_conn is not self._fast:
-            self._rpool.clear()
-            self._rpool_conn = self._fast
-        pool = self._rpool.setdefault(size, [])
-        now = time.monotonic()
-        if pool and pool[0][0] < now:
-            pool[:] = [s for s in pool if s[0] >= now]
-        return pool
-
     async def _put_pooled(
         self,
         keys: list[bytes],
@@ -643,108 +627,9 @@ class StoreClient:
         offsets: Sequence[int] | None = None,
         values: Sequence[memoryview] | None = None,
     ) -> list[bool] | None:
-        """A put of a few small values of one size by a client that lends no memory:
-        each value is written over the transfer engine into a slot this client holds in
-        a remote segment, then ONE ``PUT_SLOTS`` call commits them (and refills the pool
-        when it ran low). The commit point is that call: the master makes a key visible
-        only there, after every write it names was acknowledged by the holder; a failed
-        write is never committed (its slot is dropped and expires on the master). None
-        when the pool does not apply (the caller puts with PUT_START/PUT_END); a key the
-        master no longer holds a slot for is put that way too."""
-        size, n = sizes[0], len(keys)
-        if size > REMOTE_SLOT_MAX or self.segment is not None:
-            return None
-        conn = self._fast
-        if conn is None or conn.closed or self._fast_addr != self.master_address():
-            conn = await self._conn()
-        if (
-            conn is None
-            or conn.closed
-            or self._fast_addr != self.master_address()
-            or any(z != size for z in sizes)
-        ):
-            return None
-        target = self._remote_target(size)
-        if n > target:
-            return None
-        pool = self._remote_pool(size)
-        if len(pool) < n:
-            sent = time.monotonic()
-            body = await self._fast_call(
-                wire.PUT_RESERVE,
-                wire.pack_put_reserve(self.node_id, size, n - len(pool), target - n),
-            )
-            if not body:  # None (failed) or False (an older master): the usual path
-                return None
-            ttl_ms, region, addr, node, offs = wire.unpack_put_reserve_resp(body)
-            pool = self._remote_pool(size)
-            self._slot_use_s = ttl_ms / 1000 * REMOTE_SLOT_USE
-            use_by = sent + self._slot_use_s
-            pool.extend((use_by, addr, region, node, o) for o in offs)
-            if len(pool) < n:
-                return None
-        slots = [pool.pop() for _ in range(n)]
-        by_peer: dict[str, list[int]] = {}
-        pos = 0
-        src: list[int] = []
-        for i, (_, addr, *_rest) in enumerate(slots):
-            if values is not None:
-                copy_into(self._staging_view[pos : pos + size], values[i])
-                src.append(pos)
-                pos += size
-            elif offsets is not None:
-                src.append(offsets[i])
-            by_peer.setdefault(addr, []).append(i)
-        peers = list(by_peer)
-        writes = [
-            self._write(
-                p, [Slice(region_id, src[i], slots[i][2], slots[i][4], size) for i in by_peer[p]]
-            )
-            for p in peers
-        ]
-        oks = [await writes[0]] if len(writes) == 1 else await asyncio.gather(*writes)
-        out: list[bool | None] = [False] * n
-        # commit per segment (one, usually): only keys whose write was acknowledged
-        by_seg: dict[tuple[str, int], list[int]] = {}
-        for p, ok in zip(peers, oks):
-            if ok:
-                for i in by_peer[p]:
-                    by_seg.setdefault((slots[i][3], slots[i][2]), []).append(i)
-        for (node, region), idx in by_seg.items():
-            pool = self._remote_pool(size)
-            want = target - len(pool)
-            refill = want if want > target // 2 else 0
-            sent = time.monotonic()
-            body = await self._fast_call(
-                wire.PUT_SLOTS,
-                wire.pack_put_slots(
-                    node, region, [keys[i] for i in idx], size, [slots[i][4] for i in idx], refill
-                ),
-            )
-            if not body:
-                continue  # not committed: not stored (the slots expire on the master)
-            status, new = wire.unpack_put_slots_resp(body, len(idx))
-            same = self._rpool_conn is conn and self._fast is conn
-            pool = self._remote_pool(size)
-            for i, st in zip(idx, status):
-                out[i] = True if st in (1, 2) else None
-                if st == 2 and same:
-                    pool.append(slots[i])  # the key was present: the slot is still ours
-            if same and new:
-                use_by = sent + self._slot_use_s  # held as long as the first ones
-                pool.extend((use_by, slots[idx[0]][1], region, node, o) for o in new)
-        retry = [i for i in range(n) if out[i] is None]
-        if retry:  # slots the master does not hold (expired, restarted): the usual path
-            sub = await self._put_placed(
-                [keys[i] for i in retry],
-                [size] * len(retry),
-                region_id,
-                offsets=[src[i] for i in retry] if values is None else None,
-                values=[values[i] for i in retry] if values is not None else None,
-            )
-            for i, v in zip(retry, sub):
-                out[i] = v
-        return [bool(v) for v in out]
+        """A small put through the pool of remote slots (:func:`remote_pool.put_pooled`);
+        None when it does not apply."""
+        return await put_pooled(self, keys, sizes, region_id, offsets, values)
 
     async def _write(self, peer: str, slices: list[Slice]) -> bool:
         try:

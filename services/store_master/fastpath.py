@@ -228,6 +228,8 @@ class FastPathProtocol:
             return 0, self._put_start_resp(node, keys, sizes)
         if method == wire.PUT_RESERVE:
             node, size, count, spare = wire.unpack_put_reserve(body)
+            if count == 0:
+                return _INVALID, b"PutReserve: count must be >= 1 (spare slots come with one)"
             if count + spare > MAX_HASHES:
                 return _INVALID, f"PutReserve: at most {MAX_HASHES} slots per call".encode()
             if err := check_put_sizes(
@@ -239,16 +241,16 @@ class FastPathProtocol:
                 return self._reserve_slow(size * max(1, count), node, size, count, spare)
             return 0, self._reserve_resp(node, size, count, spare)
         if method == wire.PUT_SLOTS:
-            node, region, keys, size, offs, refill = wire.unpack_put_slots(body)
+            node, region, keys, size, offs, tokens, refill = wire.unpack_put_slots(body)
             if err := check_keys(keys, "PutSlots"):
                 return _INVALID, err.encode()
             if refill > MAX_HASHES:
                 return _INVALID, f"PutSlots: at most {MAX_HASHES} slots per call".encode()
             self.moved = size * len(keys)
-            status, new = s.meta.commit_remote(
-                node, region, [(k, o, size) for k, o in zip(keys, offs)], refill
+            status, token, new = s.meta.commit_remote(
+                node, region, [(k, o, size, t) for k, o, t in zip(keys, offs, tokens)], refill
             )
-            return 0, wire.pack_put_slots_resp(status, new)
+            return 0, wire.pack_put_slots_resp(status, token, new)
         if method == wire.PUT_END:
             keys, abort = wire.unpack_put_end(body)
             if err := check_keys(keys, "PutEnd"):
@@ -291,11 +293,13 @@ class FastPathProtocol:
 
     def _reserve_resp(self, node: str, size: int, count: int, spare: int) -> bytes:
         meta = self.s.meta
-        seg, offs = meta.reserve_remote(node, size, count, spare)
+        seg, offs, token = meta.reserve_remote(node, size, count, spare)
         ttl = int(meta.put_timeout_s * 1000)
         if seg is None:
-            return wire.pack_put_reserve_resp(ttl, 0, "", "", [])
-        return wire.pack_put_reserve_resp(ttl, seg.region_id, seg.data_address, seg.node_id, offs)
+            return wire.pack_put_reserve_resp(ttl, 0, "", "", 0, [])
+        return wire.pack_put_reserve_resp(
+            ttl, seg.region_id, seg.data_address, seg.node_id, token, offs
+        )
 
     async def _reserve_slow(
         self, need: int, node: str, size: int, count: int, spare: int

@@ -18,6 +18,7 @@ policy (allocation, eviction and spilling, promotion, hot-block replication) in
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -66,8 +67,13 @@ class StoreMetadata(ReplicaPolicy):
         # scan sets it to the earliest deadline left): puts skip the O(blocks) scan
         self._reclaim_at = math.inf
         # slots reserved for writers that lend no memory (see :meth:`reserve_remote`):
-        # (segment id, offset) -> deadline; counted in ``Segment.reserved`` as well
-        self.remote_slots: dict[tuple[str, int], float] = {}
+        # (segment id, offset) -> (deadline, token); counted in ``Segment.reserved`` as
+        # well. Token 0: quarantined (held till its deadline, never committed)
+        self.remote_slots: dict[tuple[str, int], tuple[float, int]] = {}
+        # remote slots of an unmounted segment, per (node, region, data address):
+        # [(offset, size, deadline)]: a writer may still be writing there until then, so
+        # a re-mount of that memory reserves them again (see :meth:`mount`)
+        self.quarantine: dict[tuple[str, int, str], list[tuple[int, int, float]]] = {}
         self.stats = {
             "evictions": 0,
             "spills": 0,
@@ -112,15 +118,36 @@ class StoreMetadata(ReplicaPolicy):
             self.unmount_segment(seg_id)
         seg = Segment(seg_id, node_id, data_address, region_id, size, grpc_address, ssd_bytes)
         self.segments[seg_id] = seg
+        self._requarantine(seg)
         return seg
+
+    def _requarantine(self, seg: Segment) -> None:
+        """Reserves again, in the freshly mounted ``seg``, the remote slots its memory
+        (same node, region and data address) held when it was unmounted and whose
+        deadline has not passed: a writer may still be writing into them, so no put is
+        placed there before then; they are never committed (token 0) and are freed at
+        their deadline as any remote slot."""
+        held = self.quarantine.pop((seg.node_id, seg.region_id, seg.data_address), [])
+        now = self.clock()
+        for off, size, deadline in held:
+            if deadline >= now and seg.fits(off, size) and off not in seg.reserved:
+                seg.reserved[off] = size
+                self.remote_slots[(seg.segment_id, off)] = (deadline, 0)
+                self._reclaim_at = min(self._reclaim_at, deadline)
+        if seg.reserved:
+            seg.rebuild(list(seg.reserved.items()))
 
     def unmount_segment(self, seg_id: str) -> int:
         """Drops every replica on the segment at once; returns blocks that vanished."""
         seg = self.segments.pop(seg_id, None)
         if seg is None:
             return 0
-        for key in [k for k in self.remote_slots if k[0] == seg_id]:
-            del self.remote_slots[key]
+        slots = [k for k in self.remote_slots if k[0] == seg_id]
+        if slots:
+            q = self.quarantine.setdefault((seg.node_id, seg.region_id, seg.data_address), [])
+            for key in slots:
+                deadline, _ = self.remote_slots.pop(key)
+                q.append((key[1], seg.reserved.get(key[1], 0), deadline))
         gone = 0
         for blk in list(self.blocks.values()):
             mine = [r for r in blk.replicas if r.segment is seg]
@@ -297,66 +324,73 @@ class StoreMetadata(ReplicaPolicy):
     # -- remote slots: reserved for a writer that lends no memory -------------------------
     def reserve_remote(
         self, writer: str, size: int, count: int, spare: int = 0
-    ) -> tuple[Segment | None, list[int]]:
+    ) -> tuple[Segment | None, list[int], int]:
         """Reserves slots of ``size`` bytes for a writer without a segment of its own,
         all in one segment placed as a put's would be (the writer's node first, else the
         most free): ``count`` of them evicting if needed, ``spare`` more only from free
         space. Each is the writer's until it commits a key into it
         (:meth:`commit_remote`) or ``put_timeout_s`` passes (then it is freed, as a put
-        that never ended). Nothing is visible until a commit."""
+        that never ended). Nothing is visible until a commit. -> (segment, offsets,
+        token): a commit must present the token (random, 64-bit, never 0)."""
         self.reclaim_abandoned()
         if size <= 0 or count + spare <= 0:
-            return None, []
+            return None, [], 0
         got = self.allocate(size, prefer_node=writer)
         if got is None:
-            return None, []
+            return None, [], 0
         seg, off = got
         seg.reserved[off] = size
         offs = [off] + self._reserve_in(seg, size, max(0, count - 1), spare)
-        self._hold_remote(seg, offs)
-        return seg, offs
+        return seg, offs, self._hold_remote(seg, offs)
 
-    def _hold_remote(self, seg: Segment, offs: list[int]) -> None:
+    def _hold_remote(self, seg: Segment, offs: list[int]) -> int:
+        """Holds ``offs`` of ``seg`` for ``put_timeout_s`` under a fresh token."""
         if not offs:
-            return
+            return 0
+        token = secrets.randbits(64) or 1
         deadline = self.clock() + self.put_timeout_s
         for off in offs:
-            self.remote_slots[(seg.segment_id, off)] = deadline
+            self.remote_slots[(seg.segment_id, off)] = (deadline, token)
         self._reclaim_at = min(self._reclaim_at, deadline)
+        return token
 
     def commit_remote(
         self,
         node_id: str,
         region_id: int,
-        items: Iterable[tuple[bytes, int, int]],
+        items: Iterable[tuple[bytes, int, int, int]],
         refill: int = 0,
-    ) -> tuple[list[int], list[int]]:
-        """As :meth:`commit_local`, for slots that :meth:`reserve_remote` holds on
-        segment ``node_id``/``region_id`` (the writer has written the bytes over the
-        transfer engine and its write was acknowledged): status per item 1 stored, 2
-        present (the slot stays the writer's), 0 no such slot (expired, a restarted
-        master). Then reserves up to ``refill`` more slots there, from free space, of
-        the items' size; -> (status, new offsets)."""
+    ) -> tuple[list[int], int, list[int]]:
+        """As :meth:`commit_local`, for (key, offset, size, token) slots that
+        :meth:`reserve_remote` holds on segment ``node_id``/``region_id`` under that
+        token (the writer has written the bytes over the transfer engine and its write
+        was acknowledged): status per item 1 stored, 2 present (the slot stays the
+        writer's), 0 no such slot held under that token (expired, perhaps reserved
+        again for another writer; quarantined; a restarted master). Then reserves up to
+        ``refill`` more slots there, from free space, of the items' size; -> (status,
+        token of the new slots, new offsets)."""
         self.reclaim_abandoned()
         seg_id = f"{node_id}/{region_id}"
         seg = self.segments.get(seg_id)
         items = list(items)
         held = self.remote_slots
-        ok = [
-            (h, off, size) if seg is not None and (seg_id, off) in held else (h, -1, size)
-            for h, off, size in items
-        ]
-        status = self.commit_local(node_id, region_id, ok) if seg is not None else [0] * len(ok)
+        ok = []
+        for h, off, size, token in items:
+            slot = held.get((seg_id, off))
+            mine = seg is not None and slot is not None and slot[1] == token and token != 0
+            ok.append((h, off if mine else -1, size))
+        status = self._commit_in(seg, ok) if seg is not None else [0] * len(ok)
         for (_, off, _), st in zip(ok, status):
             if st == 1:
                 del held[(seg_id, off)]
         new: list[int] = []
+        token = 0
         if seg is not None and refill > 0 and items:
             size = items[0][2]
             if 0 < size <= seg.size:
                 new = self._reserve_in(seg, size, 0, refill)
-                self._hold_remote(seg, new)
-        return status, new
+                token = self._hold_remote(seg, new)
+        return status, token, new
 
     def release_reserved(
         self, writer: str, region_id: int, slots: Iterable[tuple[int, int]]
@@ -366,6 +400,8 @@ class StoreMetadata(ReplicaPolicy):
         seg = self.local_segment(writer, region_id)
         n = 0
         for off, size in slots:
+            if seg is not None and (seg.segment_id, off) in self.remote_slots:
+                continue  # a remote writer's, not the lender's
             if seg is not None and seg.reserved.get(off) == size:
                 del seg.reserved[off]
                 seg.release(off, size)
@@ -377,12 +413,24 @@ class StoreMetadata(ReplicaPolicy):
     ) -> list[int]:
         """Publishes (key, offset, size) whose bytes the writer has already copied into
         its reserved slot at ``offset``: 1 stored (COMPLETE at once), 2 the key is
-        present or being put (the slot stays reserved), 0 no such reserved slot."""
+        present or being put (the slot stays reserved), 0 no such reserved slot (a slot
+        held for a remote writer is not the lender's: 0 too)."""
         seg = self.local_segment(writer, region_id)
+        if seg is None:
+            return [0 for _ in items]
+        remote = self.remote_slots
+        if not remote:
+            return self._commit_in(seg, items)
+        sid = seg.segment_id
+        return self._commit_in(
+            seg, [(h, -1 if (sid, off) in remote else off, size) for h, off, size in items]
+        )
+
+    def _commit_in(self, seg: Segment, items: Iterable[tuple[bytes, int, int]]) -> list[int]:
         now = self.clock()
         out = []
         for h, off, size in items:
-            if seg is None or seg.reserved.get(off) != size:
+            if seg.reserved.get(off) != size:
                 out.append(0)
                 continue
             if h in self.blocks:
@@ -409,7 +457,7 @@ class StoreMetadata(ReplicaPolicy):
             if r.state is BlockState.PENDING and r.kind == "put"
         ]
         stale = [(b, r) for b, r in pending if r.put_deadline < now]
-        for key in [k for k, d in self.remote_slots.items() if d < now]:
+        for key in [k for k, (d, _) in self.remote_slots.items() if d < now]:
             del self.remote_slots[key]
             seg = self.segments.get(key[0])
             size = seg.reserved.pop(key[1], None) if seg is not None else None
@@ -417,8 +465,14 @@ class StoreMetadata(ReplicaPolicy):
                 seg.release(key[1], size)
         self._reclaim_at = min(
             min((r.put_deadline for _, r in pending if r.put_deadline >= now), default=math.inf),
-            min(self.remote_slots.values(), default=math.inf),
+            min((d for d, _ in self.remote_slots.values()), default=math.inf),
         )
+        for qk, q in list(self.quarantine.items()):
+            q[:] = [s for s in q if s[2] >= now]
+            if not q:
+                del self.quarantine[qk]
+            else:
+                self._reclaim_at = min(self._reclaim_at, min(s[2] for s in q))
         for b, r in stale:
             self.drop_replica(b, r)
         self.stats["puts_reclaimed"] += len(stale)

@@ -330,9 +330,11 @@ def unpack_put_local_resp(buf, n: int) -> tuple[list[int], list[int]]:
     return status, list(struct.unpack_from(f"<{m}Q", buf, n + 4))
 
 
-# -- PUT_RESERVE: writer node_id | u64 size | u32 count | u32 spare
-#    ->  u32 ttl_ms | u32 region | u16 len + data address | node_id | u32 n | u64 offset*
-#        (n = 0 and empty strings when nothing could be reserved)
+# -- PUT_RESERVE: writer node_id | u64 size | u32 count (>= 1) | u32 spare
+#    ->  u32 ttl_ms | u32 region | u16 len + data address | node_id | u64 token
+#        | u32 n | u64 offset*   (n = 0 and empty strings when nothing could be reserved)
+#    The token (random, 64-bit) is the reservation's: a commit of a slot must present it,
+#    so a slot that expired and went to another writer is never committed by the first.
 _RESERVE = struct.Struct("<QII")
 
 
@@ -350,7 +352,7 @@ def unpack_put_reserve(buf) -> tuple[str, int, int, int]:
 
 
 def pack_put_reserve_resp(
-    ttl_ms: int, region: int, address: str, node_id: str, offsets: Sequence[int]
+    ttl_ms: int, region: int, address: str, node_id: str, token: int, offsets: Sequence[int]
 ) -> bytes:
     addr = address.encode()
     return b"".join(
@@ -359,32 +361,41 @@ def pack_put_reserve_resp(
             _SEG.pack(region, len(addr)),
             addr,
             pack_str(node_id),
+            _U64.pack(token),
             _U32.pack(len(offsets)),
             struct.pack(f"<{len(offsets)}Q", *offsets),
         ]
     )
 
 
-def unpack_put_reserve_resp(buf) -> tuple[int, int, str, str, list[int]]:
-    """-> (ttl_ms, region, data address, node_id, offsets)."""
+def unpack_put_reserve_resp(buf) -> tuple[int, int, str, str, int, list[int]]:
+    """-> (ttl_ms, region, data address, node_id, token, offsets)."""
     (ttl_ms,) = _U32.unpack_from(buf, 0)
     region, alen = _SEG.unpack_from(buf, 4)
     pos = 4 + _SEG.size
     addr = bytes(buf[pos : pos + alen]).decode()
     node, pos = unpack_str(buf, pos + alen)
-    (n,) = _U32.unpack_from(buf, pos)
-    return ttl_ms, region, addr, node, list(struct.unpack_from(f"<{n}Q", buf, pos + 4))
+    (token,) = _U64.unpack_from(buf, pos)
+    (n,) = _U32.unpack_from(buf, pos + 8)
+    return ttl_ms, region, addr, node, token, list(struct.unpack_from(f"<{n}Q", buf, pos + 12))
 
 
 # -- PUT_SLOTS: segment node_id | u32 region | keys | u64 size | u64 offset per key
-#               | u32 refill
-#    ->  n bytes status (1 stored, 2 present: the slot stays yours, 0 no such slot)
-#        | u32 m | u64 offset* (slots refilled in the same segment, same size)
+#               | u64 token per key | u32 refill
+#    ->  n bytes status (1 stored, 2 present: the slot stays yours, 0 no such slot held
+#        under that token) | u64 token | u32 m | u64 offset* (slots refilled in the same
+#        segment, same size, held under that token)
 _SLOTS_TAIL = struct.Struct("<I")
 
 
 def pack_put_slots(
-    node_id: str, region: int, keys: list[bytes], size: int, offsets: Sequence[int], refill: int
+    node_id: str,
+    region: int,
+    keys: list[bytes],
+    size: int,
+    offsets: Sequence[int],
+    tokens: Sequence[int],
+    refill: int,
 ) -> bytes:
     return b"".join(
         [
@@ -393,32 +404,45 @@ def pack_put_slots(
             pack_keys(keys),
             _U64.pack(size),
             struct.pack(f"<{len(offsets)}Q", *offsets),
+            struct.pack(f"<{len(tokens)}Q", *tokens),
             _SLOTS_TAIL.pack(refill),
         ]
     )
 
 
-def unpack_put_slots(buf) -> tuple[str, int, list[bytes], int, list[int], int]:
-    """-> (segment node_id, region, keys, size, offsets, refill); ValueError on a
-    truncated frame, trailing bytes or a size of 0."""
+def unpack_put_slots(buf) -> tuple[str, int, list[bytes], int, list[int], list[int], int]:
+    """-> (segment node_id, region, keys, size, offsets, tokens, refill); ValueError on
+    a truncated frame, trailing bytes or a size of 0."""
     node, pos = unpack_str(buf, 0)
     (region,) = _U32.unpack_from(buf, pos)
     keys, pos = unpack_keys(buf, pos + 4)
     (size,) = _U64.unpack_from(buf, pos)
     pos += 8
     n = len(keys)
-    if len(buf) - pos != 8 * n + _SLOTS_TAIL.size:
-        raise ValueError("PutSlots frame: one u64 offset per key, then u32 refill")
+    if len(buf) - pos != 16 * n + _SLOTS_TAIL.size:
+        raise ValueError(
+            "PutSlots frame: one u64 offset per key, one u64 token per key, then u32 refill"
+        )
     offsets = list(struct.unpack_from(f"<{n}Q", buf, pos))
-    (refill,) = _SLOTS_TAIL.unpack_from(buf, pos + 8 * n)
+    tokens = list(struct.unpack_from(f"<{n}Q", buf, pos + 8 * n))
+    (refill,) = _SLOTS_TAIL.unpack_from(buf, pos + 16 * n)
     if size <= 0:
         raise ValueError("PutSlots: size must be > 0")
-    return node, region, keys, size, offsets, refill
+    return node, region, keys, size, offsets, tokens, refill
 
 
-def pack_put_slots_resp(status: list[int], offsets: Sequence[int]) -> bytes:
-    return pack_put_local_resp(status, list(offsets))
+def pack_put_slots_resp(status: list[int], token: int, offsets: Sequence[int]) -> bytes:
+    return (
+        bytes(status)
+        + _U64.pack(token)
+        + _U32.pack(len(offsets))
+        + struct.pack(f"<{len(offsets)}Q", *offsets)
+    )
 
 
-def unpack_put_slots_resp(buf, n: int) -> tuple[list[int], list[int]]:
-    return unpack_put_local_resp(buf, n)
+def unpack_put_slots_resp(buf, n: int) -> tuple[list[int], int, list[int]]:
+    """-> (status per key, token of the refilled slots, refilled offsets)."""
+    status = list(buf[:n])
+    (token,) = _U64.unpack_from(buf, n)
+    (m,) = _U32.unpack_from(buf, n + 8)
+    return status, token, list(struct.unpack_from(f"<{m}Q", buf, n + 12))
