@@ -104,6 +104,11 @@ def test_the_factor_grows_to_the_measured_rate_as_prefills_are_counted():
         got.append(rate.factor(model))
     assert got == pytest.approx([2**0.25, 2**0.5, 2**0.75, 2.0, 2.0])
     assert rate.tokens_per_s == pytest.approx(N / (2 * FULL) * 1000)  # warm-up left out
+    # faster than its model: believed at once (no warm-up cost looks fast)
+    fast = MeasuredRate(window=20, warmup=1, least=4)
+    fast.observe(N, 0, 0.0, 10 * FULL)
+    fast.observe(N, 0, 0.0, 0.5 * FULL)
+    assert fast.factor(model) == pytest.approx(0.5)
 
 
 def test_a_node_slow_over_several_prefills_loses_the_prefix_to_recompute():

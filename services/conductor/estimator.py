@@ -212,10 +212,13 @@ class MeasuredRate:
 
     A node's first ``warmup`` prefills are not counted: they pay one-time costs (the
     worker thread, the first connection to a decode node, allocations) that say nothing
-    of its speed. Until ``least`` are counted the factor is trusted in proportion, from
-    1.0: ``f ** (n / least)`` for ``n`` of them. One cold or noisy prefill could otherwise
-    make the node holding a prefix look several times slower than an unmeasured peer, and
-    the conductor would recompute that prefix there (issue 15)."""
+    of its speed. Until ``least`` are counted a factor above 1 is trusted in proportion:
+    ``f ** (n / least)`` for ``n`` of them. One cold or noisy prefill could otherwise make
+    the node holding a prefix look several times slower than an unmeasured peer, and the
+    conductor would recompute that prefix there (issue 15). A node faster than its model
+    is believed at once: no warm-up cost looks fast, and estimates kept high by a shrunk
+    rate would teach admission's error tail (``ErrorTail``) to discount every estimate
+    by the time the rate has caught up (an overload burst then over-admits)."""
 
     def __init__(
         self,
@@ -260,7 +263,7 @@ class MeasuredRate:
 
     def factor(self, model: PrefillModel) -> float:
         """Real ms per predicted ms by ``model``'s current fit (1.0 before any counted
-        prefill; shrunk toward 1.0 while fewer than ``least`` are counted):
+        prefill; above 1, shrunk toward 1 while fewer than ``least`` are counted):
         the ratios are recomputed when the fit changes, else only the new ones added."""
         coef, fresh = model.coef, self._fresh
         if fresh or self._coef is not coef:
@@ -288,7 +291,7 @@ class MeasuredRate:
                 # the ratio of each of ``seen`` by this fit, in the same order)
                 last = sorted(self._ratios.tail(k))
                 f = max(f, last[k // 2])
-            if len(seen) < self.least:  # too few to trust in full: shrunk toward 1.0
+            if f > 1.0 and len(seen) < self.least:  # too few to say slower: shrunk
                 f = f ** (len(seen) / self.least)
             self._factor = f
             self._coef = coef
