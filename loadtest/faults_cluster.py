@@ -71,7 +71,9 @@ async def store_holders(master_addr: str, seconds: float = 1.0) -> dict[str, int
     """Replicas per node: the store-master's snapshot (+ events for ``seconds``)."""
     held: dict[str, int] = {}
     async with grpc.aio.insecure_channel(master_addr) as ch:
-        stream = pbg.StoreMasterStub(ch).WatchBlocks(pb.WatchBlocksRequest(snapshot=True))
+        stream = pbg.StoreMasterStub(ch).WatchBlocks(
+            pb.WatchBlocksRequest(snapshot=True, coalesce=True)
+        )
         try:
             async with asyncio.timeout(seconds):
                 async for msg in stream:

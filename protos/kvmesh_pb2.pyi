@@ -374,12 +374,14 @@ class PinResponse(_message.Message):
     def __init__(self, pinned: _Optional[int] = ...) -> None: ...
 
 class WatchBlocksRequest(_message.Message):
-    __slots__ = ("node_id", "snapshot")
+    __slots__ = ("node_id", "snapshot", "coalesce")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    COALESCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     snapshot: bool
-    def __init__(self, node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+    coalesce: bool
+    def __init__(self, node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., coalesce: _Optional[bool] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
     __slots__ = ("seq", "type", "hash", "node_id", "tier", "offset", "size", "region_id", "master_id", "more")

@@ -410,7 +410,7 @@ def test_watch_blocks_coalesces_what_is_published_together_in_order():
     host = SimpleNamespace(meta=SimpleNamespace(blocks={}), bus=EventBus())
 
     async def main():
-        req = pb.WatchBlocksRequest(node_id="")
+        req = pb.WatchBlocksRequest(node_id="", coalesce=True)
         s1 = StoreMasterServicer.WatchBlocks(host, req, None)
         s2 = StoreMasterServicer.WatchBlocks(host, req, None)
         first = [asyncio.ensure_future(s.__anext__()) for s in (s1, s2)]
@@ -440,3 +440,56 @@ def test_watch_blocks_coalesces_what_is_published_together_in_order():
         assert all(not e.more for e in msg.more)
     assert [(e.type, bytes(e.hash)[0]) for e in (last, *last.more)] == [("removed", 4)]
     assert ended
+
+
+def test_watch_blocks_coalesces_only_for_a_subscriber_that_asks():
+    """Review finding 8 (issue 13): a subscriber that does not set ``coalesce`` (one
+    built before ``BlockEvent.more``, which reads only the head of a message) gets every
+    event as a message of its own, none in ``more``; one that asks gets a lone event at
+    once, without the gathering wait, when nothing else is pending."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvmesh.protos import kvmesh_pb2 as pb
+    from kvmesh.services.store_master import server
+    from kvmesh.services.store_master.model import Block, BlockState, Replica, Segment
+    from kvmesh.services.store_master.server import EventBus, StoreMasterServicer
+
+    seg = Segment("s0", "node-a", "127.0.0.1:1", 1, 1 << 20)
+    blocks = [Block(bytes([i]) * 16, 4096, [Replica(seg, i * 4096, state=BlockState.COMPLETE)])
+              for i in range(1, 4)]  # fmt: skip
+    host = SimpleNamespace(meta=SimpleNamespace(blocks={}), bus=EventBus())
+
+    async def main():
+        old = StoreMasterServicer.WatchBlocks(host, pb.WatchBlocksRequest(), None)
+        new = StoreMasterServicer.WatchBlocks(host, pb.WatchBlocksRequest(coalesce=True), None)
+        first = asyncio.ensure_future(old.__anext__())
+        lone = asyncio.ensure_future(new.__anext__())
+        await asyncio.sleep(0.01)  # both subscribed and waiting
+        for b in blocks:
+            host.bus.publish("stored", b, b.replicas[0])
+        async with asyncio.timeout(30):  # coalesced for it: the next two never come
+            got = [await first] + [await old.__anext__() for _ in range(2)]
+        # the coalescing one: drain what was published together, then a lone event
+        head = await lone
+        assert len(head.more) == 2
+        server.EVENT_COALESCE_S = 600.0  # a wait would outlast the test's bound
+        try:
+            nxt = asyncio.ensure_future(new.__anext__())
+            await asyncio.sleep(0)
+            host.bus.publish("removed", blocks[0], blocks[0].replicas[0])
+            async with asyncio.timeout(30):
+                alone = await nxt
+        finally:
+            server.EVENT_COALESCE_S = 0.002
+        await old.aclose()
+        await new.aclose()
+        return got, alone
+
+    got, alone = asyncio.run(main())
+    assert [(e.type, bytes(e.hash)[0], len(e.more)) for e in got] == [
+        ("stored", 1, 0),
+        ("stored", 2, 0),
+        ("stored", 3, 0),
+    ]
+    assert (alone.type, bytes(alone.hash)[0], len(alone.more)) == ("removed", 1, 0)

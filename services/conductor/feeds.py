@@ -154,7 +154,7 @@ class NodeFeeds:
         backoff = 0.1
         while True:
             try:
-                stream = stub.WatchBlocks(pb.WatchBlocksRequest(snapshot=True))
+                stream = stub.WatchBlocks(pb.WatchBlocksRequest(snapshot=True, coalesce=True))
                 idx.store_reset(())
                 self.store_live = True
                 async for msg in stream:

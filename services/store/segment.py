@@ -293,7 +293,7 @@ class SegmentHost:
                 log.info("lent %d bytes to store-master %s", self.size, addr)
                 backoff = 0.2
                 stream = stub.WatchBlocks(
-                    pb.WatchBlocksRequest(node_id=self.node_id, snapshot=True)
+                    pb.WatchBlocksRequest(node_id=self.node_id, snapshot=True, coalesce=True)
                 )
                 async for msg in stream:
                     for ev in (msg, *msg.more) if msg.more else (msg,):

@@ -485,6 +485,8 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
     async def WatchBlocks(self, req, context):
         node = req.node_id
         bus = self.bus
+        coalesce = req.coalesce and EVENT_COALESCE_S > 0  # opt-in: older subscribers
+        # read only the head of a message and would drop ``more``
         # Subscribe, and take the snapshot, with no await in between; only then send the
         # snapshot. Sending suspends at every yield (the stream's flow control): had the
         # subscription waited until the snapshot was sent, a block stored meanwhile would
@@ -510,7 +512,7 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
                 ev = await q.get()
                 if ev is None:
                     return
-                if EVENT_COALESCE_S > 0:
+                if coalesce and not q.empty():  # nothing else pending: send it now
                     await asyncio.sleep(EVENT_COALESCE_S)  # publishing meanwhile wakes nobody
                     more: list[pb.BlockEvent] = []
                     cut = False
