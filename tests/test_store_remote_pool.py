@@ -1,0 +1,38 @@
+"""The client's pool of remote slots as plain data (no processes): its byte budget is
+shared by every size (review finding 5, issue 13), and taking slots checks each one's
+use-by time, wherever it sits in the pool (finding 4)."""
+
+from __future__ import annotations
+
+from kvmesh.services.store.remote_pool import RemotePool
+
+KB = 1024
+
+
+def slot(use_by: float, off: int) -> tuple[float, str, int, str, int, int]:
+    return (use_by, "peer:1", 0, "node", off, 7)
+
+
+def test_the_byte_budget_covers_every_size_together():
+    rp = RemotePool(max_bytes=64 * KB, max_slots=32)
+    conn = object()
+    assert rp.target(4 * KB) == 16 and rp.target(1 * KB) == 32  # the slot cap
+    rp.of(4 * KB, conn).extend(slot(10.0, i * 4 * KB) for i in range(12))  # 48 KiB held
+    assert rp.target(4 * KB) == 16  # its own slots do not count against it
+    assert rp.target(8 * KB) == 2  # 16 KiB left
+    assert rp.target(32 * KB) == 0  # no room: such a put takes the usual path
+    rp.of(8 * KB, conn).extend([slot(10.0, 1 << 20), slot(10.0, 2 << 20)])
+    assert rp.target(1 * KB) == 0 and rp.target(4 * KB) == 12
+    rp.of(4 * KB, object())  # another connection: every slot of the old one is dropped
+    assert rp.slots == {4 * KB: []} and rp.target(32 * KB) == 2
+
+
+def test_take_checks_every_slot_and_gives_back_on_a_shortfall():
+    pool = [slot(5.0, 0), slot(20.0, 4096), slot(1.0, 8192), slot(20.0, 12288)]
+    got = RemotePool.take(pool, 2, now=10.0)
+    assert got is not None and sorted(s[4] for s in got) == [4096, 12288]
+    assert pool == [slot(5.0, 0)]  # the expired one at the end was dropped on the way
+    assert RemotePool.take(pool, 1, now=10.0) is None and pool == []
+    pool = [slot(20.0, 0), slot(20.0, 4096)]
+    assert RemotePool.take(pool, 3, now=10.0) is None
+    assert sorted(s[4] for s in pool) == [0, 4096]  # given back, still usable
