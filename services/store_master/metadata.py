@@ -147,7 +147,8 @@ class StoreMetadata(ReplicaPolicy):
             q = self.quarantine.setdefault((seg.node_id, seg.region_id, seg.data_address), [])
             for key in slots:
                 deadline, _ = self.remote_slots.pop(key)
-                q.append((key[1], seg.reserved.get(key[1], 0), deadline))
+                if size := seg.reserved.get(key[1], 0):
+                    q.append((key[1], size, deadline))
         gone = 0
         for blk in list(self.blocks.values()):
             mine = [r for r in blk.replicas if r.segment is seg]
