@@ -123,3 +123,8 @@ def test_a_node_slow_over_several_prefills_loses_the_prefix_to_recompute():
     d = repeat(s)
     assert d.prefill_node != holder and d.estimate.cached_blocks == 0
     assert d.estimate.ttft_ms == pytest.approx(FULL)
+
+
+def test_a_rate_that_could_never_count_enough_prefills_is_refused() -> None:
+    with pytest.raises(ValueError, match="least"):
+        MeasuredRate(window=3, least=4)

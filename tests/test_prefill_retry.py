@@ -50,7 +50,12 @@ def cluster(tmp_path_factory):
 
 
 def prefill_free(c: LocalCluster) -> dict[str, int]:
-    return {n: node(c.conductor, n).kv_blocks_free for n in ("prefill-0", "prefill-1")}
+    out = {}
+    for n in ("prefill-0", "prefill-1"):
+        st = node(c.conductor, n)
+        assert st.reachable, f"{n} did not answer the status call (a loaded box?)"
+        out[n] = st.kv_blocks_free
+    return out
 
 
 def test_a_retried_prefill_gets_a_fresh_reservation_under_its_own_id(cluster):

@@ -229,6 +229,8 @@ class MeasuredRate:
         warmup: int = 1,
         least: int = 4,
     ) -> None:
+        if not 1 <= least <= window:
+            raise ValueError(f"least ({least}) must be between 1 and the window ({window})")
         self.lo, self.hi, self.recent = lo, hi, recent
         self.warmup, self.least = warmup, least
         self.observations = 0  # the warm-up ones included

@@ -486,8 +486,8 @@ class Conductor(Service):
         self.decisions.append(record)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "decision %s; candidates (route node: ttft = queue + work x speed, cached+fetched "
-                "blocks): %s",
+                "decision %s; candidates (route node: ttft [queue + work x speed; fetch, hand-off "
+                "and overhead make up the rest], cached+fetched blocks): %s",
                 record,
                 "; ".join(
                     f"{c.route} {c.node}: {c.ttft_ms:.1f} = {c.queue_ms:.1f} + {c.work_ms:.1f} x "
@@ -563,7 +563,8 @@ class Conductor(Service):
             dreq.request_id = record["node_request_id"] = att.rid  # a retry's own
             route.prefill_node = pnode.node_id
             dreq.first_token = presp.first_token
-            self._first_token_seen(r, d, presp, t_arrival, record)
+            retried = pnode.node_id != d.prefill_node
+            self._first_token_seen(r, d, presp, t_arrival, record, learn=not retried)
             first = self._response(
                 out_rid, [presp.first_token], decoder, usage, presp, route, req, eos_ids
             )
@@ -646,7 +647,11 @@ class Conductor(Service):
             logprobs=list(logprobs),
         )
 
-    def _first_token_seen(self, r, d, presp, t_arrival, record) -> None:
+    def _first_token_seen(self, r, d, presp, t_arrival, record, learn: bool = True) -> None:
+        """Books the first token: the estimate's error, and (``learn``) the node's slot
+        time and the TTFT for the rate and overhead models. A prefill retried on another
+        node frees its booking but teaches nothing: its times belong to the node that
+        served it plus a failed attempt, not to the node it was booked on."""
         ttft = (time.perf_counter() - t_arrival) * 1000
         record["actual_ttft_ms"] = ttft
         estimate, _ = d.booked()
@@ -673,9 +678,9 @@ class Conductor(Service):
             d,
             presp.computed_tokens,
             presp.cached_tokens + presp.fetched_tokens,
-            ttft_ms=ttft,
-            node_ms=presp.prefill_ms if presp.prefill_ms > 0 else None,
-            node_queue_ms=presp.queue_ms,
+            ttft_ms=ttft if learn else None,
+            node_ms=presp.prefill_ms if learn and presp.prefill_ms > 0 else None,
+            node_queue_ms=presp.queue_ms if learn else None,
         )
 
     def _node(self, role: str, node_id: str) -> NodeInfo:
@@ -711,15 +716,26 @@ class Conductor(Service):
 
     async def _release(self, d: NodeInfo, rid: str, writers: list[str]) -> None:
         """Frees ``rid``'s reservation on ``d`` (a no-op once its Decode call owns it),
-        naming the prefill nodes that may write it (``writers``)."""
-        try:
-            await self.view.decode_stub(d).Release(
-                pb.ReleaseRequest(request_id=rid),
-                timeout=5,
-                metadata=((WRITERS_MD, json.dumps(writers)),),
-            )
-        except grpc.aio.AioRpcError as e:
-            log.warning("releasing %s on %s failed: %s", rid, d.node_id, e.code())
+        naming the prefill nodes that may write it (``writers``). Release is idempotent:
+        a node that did not answer is asked again (three tries in all), since a missed
+        release holds the blocks until the decode node's owner reaper."""
+        for attempt in range(3):
+            try:
+                await self.view.decode_stub(d).Release(
+                    pb.ReleaseRequest(request_id=rid),
+                    timeout=5,
+                    metadata=((WRITERS_MD, json.dumps(writers)),),
+                )
+                return
+            except grpc.aio.AioRpcError as e:
+                again = e.code() in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                )
+                if not again or attempt == 2:
+                    log.warning("releasing %s on %s failed: %s", rid, d.node_id, e.code())
+                    return
+                await asyncio.sleep(0.2 * (attempt + 1))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -760,10 +776,21 @@ class Conductor(Service):
         last = ""
         for k, node_id in enumerate(order[:3]):
             if att.writers:  # an earlier attempt asked a node: this is a retry
-                self._spawn(self._release(dnode, att.rid, att.writers))
+                # the old reservation goes first (a full decode node may need its blocks
+                # for the new one); shielded, so a client leaving now cannot stop it
+                release = asyncio.ensure_future(self._release(dnode, att.rid, att.writers))
+                self._background.add(release)
+                release.add_done_callback(self._background.discard)
+                await asyncio.shield(release)
                 att.rid, att.writers = f"{r.request_id}.retry{k}", []
-                # (no room for it ends the request, as the first Reserve would have)
-                att.target = await self._reserve(dnode, att.rid, len(tokens), req.max_tokens)
+                try:
+                    att.target = await self._reserve(dnode, att.rid, len(tokens), req.max_tokens)
+                except Rejected as e:  # no room for the retry ends the request
+                    raise Rejected(
+                        e.code,
+                        f"prefill on {order[k - 1]} failed ({last}) and {e.message}",
+                        (("retry-after-ms", "1000"), ("kvmesh-reject-reason", "retry_reserve")),
+                    ) from None
             try:
                 node = self._node("prefill", node_id)
                 att.writers.append(node_id)
