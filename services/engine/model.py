@@ -492,15 +492,22 @@ class LlamaModel(nn.Module):
             pool.staging.ensure_device(int(x) for t in block_tables for x in t[:reach])
 
         h = self.embed_tokens(ids)
+        n_layers = len(self.layers)
+        if dev.type == "cpu":
+            # the pool as one row per (block, layer), a view (never a copy: the step writes
+            # its new K/V through pool.kv): a layer's blocks are gathered from a contiguous
+            # tensor by index_select (~4x faster than from the strided view of one layer,
+            # ~6x faster than advanced indexing)
+            rows = pool.kv.view(-1, *pool.kv.shape[2:])
+            flat = table.flatten() * n_layers
         for l, layer in enumerate(self.layers):
             q, k, v = layer.qkv(h, cos, sin)
             kv_l = pool.kv[:, l]
             kv_l[new_blk, 0, new_off] = k
             kv_l[new_blk, 1, new_off] = v
             if dev.type == "cpu":
-                # index_select of the flat table: ~6x faster than advanced indexing here
                 o = decode_attention(
-                    q, kv_l.index_select(0, table.flatten()).unflatten(0, table.shape), mask
+                    q, rows.index_select(0, flat + l).unflatten(0, table.shape), mask
                 )
             else:
                 keys = kv_l[table, 0].flatten(1, 2).transpose(1, 2)  # [B, KVH, T, D]
