@@ -58,7 +58,11 @@ from kvmesh.services.store.copy import (
     fresh_bytes_target,
 )
 from kvmesh.services.store.fastconn import CallError, FastConn, FastConnError
-from kvmesh.services.store.remote_pool import RemotePool, put_pooled
+from kvmesh.services.store.remote_pool import (
+    REMOTE_SLOT_MAX,
+    REMOTE_SLOT_USE,
+    RemotePool,
+)
 from kvmesh.services.store_master import wire
 
 log = logging.getLogger(__name__)
@@ -297,6 +301,22 @@ class StoreClient:
             self.stats["master_errors"] += 1
             log.warning("store fast call refused: %s", e)
             return None
+
+    async def _traced_on(
+        self, name: str, c: FastConn, method: int, body: bytes, check: bool = True
+    ) -> bytes | None | bool:
+        """``_call_on`` under a span named ``kvmesh.v1.StoreMaster/<name>``, as
+        :meth:`_fast_traced` (the pooled put's frames have no gRPC twin)."""
+        t0 = time.time_ns()
+        out = await self._call_on(c, method, body, check)
+        if out is not False:
+            record_span(
+                f"kvmesh.v1.StoreMaster/{name}",
+                t0,
+                attributes={"kvmesh.store_path": "fast"},
+                error=None if out is not None else "store call failed",
+            )
+        return out
 
     async def _fast_traced(self, name: str, method: int, body: bytes) -> bytes | None | bool:
         """``_fast_call`` under a span named as the gRPC call it stands for, so a trace
@@ -627,9 +647,139 @@ class StoreClient:
         offsets: Sequence[int] | None = None,
         values: Sequence[memoryview] | None = None,
     ) -> list[bool] | None:
-        """A small put through the pool of remote slots (:func:`remote_pool.put_pooled`);
-        None when it does not apply."""
-        return await put_pooled(self, keys, sizes, region_id, offsets, values)
+        """A put of a few small values of one size by a client that lends no memory (see the
+        module's rules). None when the pool does not apply (the caller puts with
+        PUT_START/PUT_END); a key whose slot is not committed for any reason but a failed
+        write is put that way too."""
+        size, n = sizes[0], len(keys)
+        if size > REMOTE_SLOT_MAX or self.segment is not None:
+            return None
+        rp = self._rslots
+        conn = self._fast
+        if conn is None or conn.closed or self._fast_addr != self.master_address():
+            conn = await self._conn()
+        if (
+            conn is None
+            or conn.closed
+            or self._fast_addr != self.master_address()
+            or any(z != size for z in sizes)
+        ):
+            return None
+        pool = rp.of(size, conn)
+        target = rp.target(size)
+        if n > target:
+            return None
+        slots = rp.take(pool, n, time.monotonic())
+        if slots is None:
+            sent = time.monotonic()
+            body = await self._traced_on(
+                "PutReserve",
+                conn,
+                wire.PUT_RESERVE,
+                wire.pack_put_reserve(self.node_id, size, n - len(pool), target - n),
+            )
+            if not body:  # None (failed, the connection changed) or False (an older master)
+                return None
+            ttl_ms, region, addr, node, token, offs = wire.unpack_put_reserve_resp(body)
+            pool = rp.of(size, conn)
+            rp.use_s = ttl_ms / 1000 * REMOTE_SLOT_USE
+            use_by = sent + rp.use_s
+            pool.extend((use_by, addr, region, node, o, token) for o in offs)
+            slots = rp.take(pool, n, time.monotonic())
+            if slots is None:
+                return None
+        by_peer: dict[str, list[int]] = {}
+        pos = 0
+        src: list[int] = []
+        for i, s in enumerate(slots):
+            if values is not None:
+                copy_into(self._staging_view[pos : pos + size], values[i])
+                src.append(pos)
+                pos += size
+            elif offsets is not None:
+                src.append(offsets[i])
+            by_peer.setdefault(s[1], []).append(i)
+        peers = list(by_peer)
+        writes = [
+            self._write_by(
+                p,
+                [Slice(region_id, src[i], slots[i][2], slots[i][4], size) for i in by_peer[p]],
+                min(slots[i][0] for i in by_peer[p]),
+            )
+            for p in peers
+        ]
+        oks = [await writes[0]] if len(writes) == 1 else await asyncio.gather(*writes)
+        # False: the write failed (not stored); None: put again (not acknowledged in time,
+        # not committed); True: stored or present
+        out: list[bool | None] = [False] * n
+        # commit per segment (one, usually): only keys whose write was acknowledged in time
+        by_seg: dict[tuple[str, int], list[int]] = {}
+        for p, ok in zip(peers, oks):
+            for i in by_peer[p]:
+                if ok:
+                    by_seg.setdefault((slots[i][3], slots[i][2]), []).append(i)
+                elif ok is None:
+                    out[i] = None
+        for (node, region), idx in by_seg.items():
+            pool = rp.of(size, conn)
+            want = rp.target(size) - len(pool)
+            refill = want if want > target // 2 else 0
+            sent = time.monotonic()
+            body = await self._traced_on(
+                "PutSlots",
+                conn,
+                wire.PUT_SLOTS,
+                wire.pack_put_slots(
+                    node,
+                    region,
+                    [keys[i] for i in idx],
+                    size,
+                    [slots[i][4] for i in idx],
+                    [slots[i][5] for i in idx],
+                    refill,
+                ),
+            )
+            if not body:  # not committed (or not known to be): put again
+                for i in idx:
+                    out[i] = None
+                continue
+            status, token, new = wire.unpack_put_slots_resp(body, len(idx))
+            pool = rp.of(size, conn)
+            for i, st in zip(idx, status):
+                out[i] = True if st in (1, 2) else None
+                if st == 2:
+                    pool.append(slots[i])  # the key was present: the slot is still ours
+            if new:
+                use_by = sent + rp.use_s  # held as long as the first ones
+                pool.extend((use_by, slots[idx[0]][1], region, node, o, token) for o in new)
+        retry = [i for i in range(n) if out[i] is None]
+        if retry:  # slots not committed (expired, another master): the usual path
+            sub = await self._put_placed(
+                [keys[i] for i in retry],
+                [size] * len(retry),
+                region_id,
+                offsets=[src[i] for i in retry] if values is None else None,
+                values=[values[i] for i in retry] if values is not None else None,
+            )
+            for i, v in zip(retry, sub):
+                out[i] = v
+        return [bool(v) for v in out]
+
+    async def _write_by(self, peer: str, slices: list[Slice], use_by: float) -> bool | None:
+        """The write into held slots, awaited until ``use_by``: True acknowledged in time,
+        False failed, None not acknowledged by then (not to be committed: its slot may be
+        another writer's once the master's hold ends)."""
+        left = use_by - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            async with asyncio.timeout(left):
+                ok = await self._write(peer, slices)
+        except TimeoutError:
+            return None
+        if ok and time.monotonic() > use_by:
+            return None
+        return ok
 
     async def _write(self, peer: str, slices: list[Slice]) -> bool:
         try:
