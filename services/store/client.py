@@ -37,7 +37,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -302,27 +302,15 @@ class StoreClient:
             log.warning("store fast call refused: %s", e)
             return None
 
-    async def _traced_on(
-        self, name: str, c: FastConn, method: int, body: bytes, check: bool = True
-    ) -> bytes | None | bool:
-        """``_call_on`` under a span named ``kvmesh.v1.StoreMaster/<name>``, as
-        :meth:`_fast_traced` (the pooled put's frames have no gRPC twin)."""
-        t0 = time.time_ns()
-        out = await self._call_on(c, method, body, check)
-        if out is not False:
-            record_span(
-                f"kvmesh.v1.StoreMaster/{name}",
-                t0,
-                attributes={"kvmesh.store_path": "fast"},
-                error=None if out is not None else "store call failed",
-            )
-        return out
-
     async def _fast_traced(self, name: str, method: int, body: bytes) -> bytes | None | bool:
-        """``_fast_call`` under a span named as the gRPC call it stands for, so a trace
-        reads alike whichever path served it (no span when there is no fast path)."""
+        return await self._traced(name, self._fast_call(method, body))
+
+    async def _traced(self, name: str, call: Awaitable[bytes | None | bool]) -> bytes | None | bool:
+        """Awaits the fast-path ``call`` under a span named as the gRPC call it stands for
+        (``kvmesh.v1.StoreMaster/<name>``; the pooled put's frames have no gRPC twin), so a
+        trace reads alike whichever path served it (no span when there is no fast path)."""
         t0 = time.time_ns()
-        out = await self._fast_call(method, body)
+        out = await call
         if out is not False:
             record_span(
                 f"kvmesh.v1.StoreMaster/{name}",
@@ -335,7 +323,9 @@ class StoreClient:
     async def _call(self, name: str, req, timeout: float | None = None, fast: bool = True):
         if fast and name in _PB_RESP:
             i = wire.PB_METHODS.index(name)
-            body = await self._fast_traced(name, wire.PB_BASE + i, req.SerializeToString())
+            body = await self._traced(
+                name, self._fast_call(wire.PB_BASE + i, req.SerializeToString())
+            )
             if body is not False:
                 return None if body is None else _PB_RESP[name].FromString(body)
         stub = self.stub()
@@ -672,11 +662,13 @@ class StoreClient:
         slots = rp.take(pool, n, time.monotonic())
         if slots is None:
             sent = time.monotonic()
-            body = await self._traced_on(
+            body = await self._traced(
                 "PutReserve",
-                conn,
-                wire.PUT_RESERVE,
-                wire.pack_put_reserve(self.node_id, size, n - len(pool), target - n),
+                self._call_on(
+                    conn,
+                    wire.PUT_RESERVE,
+                    wire.pack_put_reserve(self.node_id, size, n - len(pool), target - n),
+                ),
             )
             if not body:  # None (failed, the connection changed) or False (an older master)
                 return None
@@ -725,18 +717,20 @@ class StoreClient:
             want = rp.target(size) - len(pool)
             refill = want if want > target // 2 else 0
             sent = time.monotonic()
-            body = await self._traced_on(
+            body = await self._traced(
                 "PutSlots",
-                conn,
-                wire.PUT_SLOTS,
-                wire.pack_put_slots(
-                    node,
-                    region,
-                    [keys[i] for i in idx],
-                    size,
-                    [slots[i][4] for i in idx],
-                    [slots[i][5] for i in idx],
-                    refill,
+                self._call_on(
+                    conn,
+                    wire.PUT_SLOTS,
+                    wire.pack_put_slots(
+                        node,
+                        region,
+                        [keys[i] for i in idx],
+                        size,
+                        [slots[i][4] for i in idx],
+                        [slots[i][5] for i in idx],
+                        refill,
+                    ),
                 ),
             )
             if not body:  # not committed (or not known to be): put again
