@@ -14,7 +14,9 @@ which other processes on the box disturb far less than the wall-clock time.
   with the nodes' default ``--prefill-chunk-tokens`` of 2048, transformers: one SDPA
   forward of the whole prompt, logits of the last position only), with the ratio to 512;
 * decode: a step at batch 1 and 32, every request at context ``--context`` (kvmesh:
-  ``forward_decode`` on the paged pool; transformers: ``generate`` with a static cache,
+  ``forward_decode`` on the paged pool with its float32 mirror of each request's KV, as a
+  decode node runs it (``--kv-mirror``, the default on the CPU; the first step, which
+  fills the mirror from the pool, is the warm-up left out); transformers: ``generate`` with a static cache,
   greedy, one call: the step time is the interval between two consecutive calls of a
   logits processor, i.e. one decode forward plus its greedy pick, the first left out);
 * a float32 check: last-position logits of kvmesh against transformers at 512 tokens.
@@ -170,6 +172,7 @@ def child_decode(
 ) -> dict:
     import torch
 
+    from kvmesh.services.engine.kv_mirror import KVMirror
     from kvmesh.services.engine.kv_pool import KVPool
 
     m, hf = build(model_name, dtype, engine)
@@ -183,15 +186,19 @@ def child_decode(
         per = -(-(ctx + steps + 2) // bs)
         pool = KVPool(m.config, batch * per, bs, dtype=m.dtype)
         tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+        keys = list(range(batch))  # one mirror entry per request, as a decode node keeps
         firsts = [
             int(m.forward_prefill(prompts[i], 0, pool, tables[i]).argmax()) for i in range(batch)
         ]
         for _ in range(runs):
             cur = list(firsts)
-            m.forward_decode(cur, [ctx] * batch, tables, pool)  # warm-up (rewritten below)
+            mirror = KVMirror.for_pool(m.config, pool.num_blocks, bs, batch)  # fresh per run
+            # warm-up (rewritten below); it fills the mirror from the pool, as a request's
+            # first step on a decode node does
+            m.forward_decode(cur, [ctx] * batch, tables, pool, mirror, keys)
             for s in range(steps):
                 t0, c0 = time.perf_counter(), time.process_time()
-                logits = m.forward_decode(cur, [ctx + s] * batch, tables, pool)
+                logits = m.forward_decode(cur, [ctx + s] * batch, tables, pool, mirror, keys)
                 cur = logits.argmax(-1).tolist()
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
@@ -339,7 +346,8 @@ def render(doc: dict) -> str:
         "",
         "## Decode",
         "",
-        f"Context {a['context']} tokens per request; kvmesh: `forward_decode` on the paged pool; "
+        f"Context {a['context']} tokens per request; kvmesh: `forward_decode` on the paged pool with the KV mirror "
+        "(`--kv-mirror`, a decode node's default on the CPU); "
         'transformers: `generate` with `cache_implementation="static"`, greedy.',
         "",
         "| batch | kvmesh ms/step | transformers ms/step | kvmesh / transformers (speed) "

@@ -55,7 +55,7 @@ class FakeModel:
         self.prefills.append((ids, start_pos))
         return one_hot(ids[-1])
 
-    def forward_decode(self, token_ids, positions, tables, pool):
+    def forward_decode(self, token_ids, positions, tables, pool, mirror=None, keys=None):
         self.decodes.append(
             [(t, p, len(tb)) for t, p, tb in zip(token_ids.tolist(), positions, tables)]
         )

@@ -28,6 +28,7 @@ import torch
 from kvmesh.services.common.hashing import prefix_hashes
 from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.engine.cuda_graphs import DecodeRunner
+from kvmesh.services.engine.kv_mirror import KVMirror
 from kvmesh.services.engine.kv_pool import OutOfBlocks
 from kvmesh.services.engine.sampler_device import sample_batch
 from kvmesh.services.engine.sampling import sample_with_logprob
@@ -92,6 +93,7 @@ class BatchScheduler:
         counters: dict,
         prefill_chunk: int | None = None,
         cuda_graphs: bool = True,
+        kv_mirror: bool = True,
     ) -> None:
         self.model, self.pool, self.bs = model, pool, block_size
         self.max_batch, self.budget = max_batch, step_token_budget
@@ -109,6 +111,11 @@ class BatchScheduler:
         # on a GPU: padded batch buckets, static inputs, CUDA graphs (cuda_graphs.py)
         on_cpu = pool.kv.device.type == "cpu"
         self.decoder = None if on_cpu else DecodeRunner(model, pool, max_batch, cuda_graphs)
+        # on the CPU: each running request's KV also as float32, contiguous per head
+        # (kv_mirror.py), room for the whole pool plus each request's capacity rounding
+        self.mirror: KVMirror | None = None
+        if on_cpu and kv_mirror:
+            self.mirror = KVMirror.for_pool(pool.config, pool.num_blocks, block_size, max_batch)
 
     # -- prompt computation ----------------------------------------------------------------
     async def compute_prompt(self, tokens: list[int], start: int, table: list[int]):
@@ -174,6 +181,8 @@ class BatchScheduler:
         if any(r.res is res for r in self._in_step):
             self._deferred.append(res)  # the step thread may still write its KV
             return
+        if self.mirror is not None:
+            self.mirror.drop(res)
         self.cache_blocks(res)
         self.pool.free(res.blocks)
         res.blocks = []
@@ -275,7 +284,13 @@ class BatchScheduler:
                 tc = time.perf_counter()
                 if self.decoder is None:
                     logits = await asyncio.to_thread(
-                        self.model.forward_decode, tokens, positions, tables, self.pool
+                        self.model.forward_decode,
+                        tokens,
+                        positions,
+                        tables,
+                        self.pool,
+                        self.mirror,
+                        [r.res for r in batch],
                     )
                 else:
                     logits = await asyncio.to_thread(self.decoder.step, tokens, positions, tables)

@@ -88,6 +88,14 @@ class DecodeConfig(NodeConfig):
         "batch-size bucket (--no-cuda-graphs: run the same fixed-shape step eagerly)",
     )
 
+    kv_mirror: bool = option(
+        True,
+        "on the CPU: keep each running request's KV also as float32, contiguous per KV "
+        "head, so a decode step reads it without gathering blocks (about 3x faster steps "
+        "at batch 32 x 512 tokens; costs up to 2x the pool's bytes of a bfloat16 pool; "
+        "--no-kv-mirror saves that memory)",
+    )
+
     def validate(self) -> None:
         super().validate()
         if self.max_batch < 1:
@@ -323,6 +331,7 @@ class DecodeNode(ModelNode):
             counters=self.counters,
             prefill_chunk=self.cfg.prefill_chunk,
             cuda_graphs=self.cfg.cuda_graphs,
+            kv_mirror=self.cfg.kv_mirror,
         )
         self.te.add_notify_handler(self._on_notify)
         pbg.add_DecodeNodeServicer_to_server(DecodeServicer(self), self.server)

@@ -14,7 +14,7 @@ import functools
 import math
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from kvmesh.services.common.hashing import model_fingerprint, preset_weights_digest
 
 from .config import PRESETS, ModelConfig, dtype_name, resolve_dtype, rope_inv_freq
+from .kv_mirror import KVMirror, mirror_attention
 from .kv_pool import KVPool
 
 
@@ -454,6 +455,8 @@ class LlamaModel(nn.Module):
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         pool: KVPool,
+        mirror: KVMirror | None = None,
+        keys: Sequence[Hashable] | None = None,
     ) -> torch.Tensor:
         """One decode step for a batch of requests of different lengths.
 
@@ -462,6 +465,10 @@ class LlamaModel(nn.Module):
         and MLP run batched; attention gathers each request's blocks (whole, as far
         as the longest request reaches) into a padded, masked batch and runs grouped-query
         SDPA on it (no copy of the keys per query head). Returns float32 logits [B, vocab].
+
+        On the CPU, with a ``mirror`` and one key per request (:mod:`kv_mirror`), attention
+        reads each request's float32 copy of its KV instead of gathering from the pool
+        (the same values; the step appends its new K/V to both).
         """
         self._check_pool(pool)
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
@@ -500,20 +507,30 @@ class LlamaModel(nn.Module):
             # ~6x faster than advanced indexing)
             rows = pool.kv.view(-1, *pool.kv.shape[2:])
             flat = table.flatten() * n_layers
+            mats = None
+            if mirror is not None and keys is not None:
+                at = [int(p) for p in positions]
+                mats = mirror.prepare(keys, at, block_tables, pool.kv)
+                lengths = [p + 1 for p in at]
         for l, layer in enumerate(self.layers):
             q, k, v = layer.qkv(h, cos, sin)
             kv_l = pool.kv[:, l]
             kv_l[new_blk, 0, new_off] = k
             kv_l[new_blk, 1, new_off] = v
-            if dev.type == "cpu":
+            if dev.type == "cpu" and mats is not None:
+                new = torch.stack((k, v), 1).to(pool.kv.dtype).float()  # the pool's values
+                for i, m in enumerate(mats):
+                    m[l, :, :, at[i]] = new[i]
+                o = mirror_attention(q, mats, l, lengths)
+            elif dev.type == "cpu":
                 o = decode_attention(
                     q, rows.index_select(0, flat + l).unflatten(0, table.shape), mask
                 )
             else:
-                keys = kv_l[table, 0].flatten(1, 2).transpose(1, 2)  # [B, KVH, T, D]
-                vals = kv_l[table, 1].flatten(1, 2).transpose(1, 2)
+                k_all = kv_l[table, 0].flatten(1, 2).transpose(1, 2)  # [B, KVH, T, D]
+                v_all = kv_l[table, 1].flatten(1, 2).transpose(1, 2)
                 o = F.scaled_dot_product_attention(
-                    q[:, :, None, :], keys, vals, attn_mask=mask, enable_gqa=True
+                    q[:, :, None, :], k_all, v_all, attn_mask=mask, enable_gqa=True
                 )
             h = layer.finish(h, o.reshape(b, -1))
         return self._logits(h)
