@@ -144,7 +144,27 @@ class PrefillModel(_Regression):
         return a + b * new + k * new * (new + cached)
 
     def observe(self, new: int, cached: int, ms: float) -> None:
-        self.add((new, cached), ms)
+        # ``self.add((new, cached), ms)``, inlined: a node's every prefill report comes
+        # here (the features, the error of the prediction and the ring write, as there)
+        f2 = new * (new + cached)
+        if ms > 0:
+            c = self.coef
+            self._errors.append(abs(c[0] * 1.0 + c[1] * new + c[2] * f2 - ms) / ms)
+        i, w = self._head, self._window
+        xr = self._xraw
+        xr[i] = xr[i + w] = 1.0
+        j = i + 2 * w
+        xr[j] = xr[j + w] = new
+        j += 2 * w
+        xr[j] = xr[j + w] = f2
+        self._yraw[i] = self._yraw[i + w] = ms
+        self._head = (i + 1) % w
+        if self._rows < w:
+            self._rows += 1
+        self.observations += 1
+        self._pending += 1
+        if self._pending >= self._refit_every or self.observations <= 4:
+            self.fit()
 
     def warm_start(self, samples: Iterable[Sequence[float]]) -> None:
         """Profile samples ``(new, cached, ms)`` measured by the node at start."""
@@ -267,37 +287,61 @@ class MeasuredRate:
         """Real ms per predicted ms by ``model``'s current fit (1.0 before any counted
         prefill; above 1, shrunk toward 1 while fewer than ``least`` are counted):
         the ratios are recomputed when the fit changes, else only the new ones added."""
-        coef, fresh = model.coef, self._fresh
-        if fresh or self._coef is not coef:
-            seen = self._seen
-            if len(coef) != 3:  # pragma: no cover - another model's features
-                ratios = [
-                    min(self.hi, max(self.lo, ms / pred))
-                    if (pred := model.predict(n, c) + x) > 0
-                    else 1.0
-                    for n, c, x, ms in seen
-                ]
-                self._ratios = RollingWindow(seen.maxlen or len(seen), ratios)
-            elif self._coef is not coef or fresh > len(seen):
-                ratio = self._ratio
-                ratios = [ratio(coef, n, c, x, ms) for n, c, x, ms in seen]
+        coef = model.coef
+        if self._fresh or self._coef is not coef:
+            return self._refactor(model, coef)
+        return self._factor
+
+    def _refactor(self, model: PrefillModel, coef: list[float]) -> float:
+        """``factor`` after a refit or new prefills: the ratios brought up to date (the
+        arithmetic of ``_ratio``, inlined: every booked request's node comes here)."""
+        seen, fresh = self._seen, self._fresh
+        lo, hi = self.lo, self.hi
+        if len(coef) != 3:  # pragma: no cover - another model's features
+            ratios = [
+                min(hi, max(lo, ms / pred)) if (pred := model.predict(n, c) + x) > 0 else 1.0
+                for n, c, x, ms in seen
+            ]
+            self._ratios = RollingWindow(seen.maxlen or len(seen), ratios)
+        else:
+            a, b, k = coef
+            full = self._coef is not coef or fresh > len(seen)
+            ratios = []
+            for i in range(0 if full else len(seen) - fresh, len(seen)):
+                n, c, x, ms = seen[i]  # ``_ratio``, term for term
+                pred = a + b * n + k * n * (n + c) + x
+                if not pred > 0:
+                    ratios.append(1.0)
+                    continue
+                r = ms / pred
+                r = r if r > lo else lo  # max(lo, r): lo for a NaN
+                ratios.append(r if r < hi else hi)
+            if full:
                 self._ratios = RollingWindow(seen.maxlen or len(seen), ratios)
             else:
-                for i in range(len(seen) - fresh, len(seen)):
-                    self._ratios.append(self._ratio(coef, *seen[i]))
-            self._fresh = 0
-            s = self._ratios.sorted()
-            f = s[len(s) // 2] if s else 1.0
-            k = self.recent
-            if k and len(seen) >= k:  # the last few, slower of late? (``_ratios`` holds
-                # the ratio of each of ``seen`` by this fit, in the same order)
-                last = sorted(self._ratios.tail(k))
-                f = max(f, last[k // 2])
-            if f > 1.0 and len(seen) < self.least:  # too few to say slower: shrunk
-                f = f ** (len(seen) / self.least)
-            self._factor = f
-            self._coef = coef
-        return self._factor
+                for r in ratios:
+                    self._ratios.append(r)
+        self._fresh = 0
+        s = self._ratios.sorted()
+        f = s[len(s) // 2] if s else 1.0
+        k = self.recent
+        if k and len(seen) >= k:  # the last few, slower of late? (``_ratios`` holds
+            # the ratio of each of ``seen`` by this fit, in the same order)
+            if k == 3:  # the median of three, without a sort (never a NaN: see _ratio)
+                items = self._ratios._items
+                x, y, z = items[-1], items[-2], items[-3]
+                if x > y:
+                    x, y = y, x
+                m = z if z < y else y  # min(max(x, y), z)
+                m = m if m > x else x  # the middle one: max(min(x, y), that)
+            else:
+                m = sorted(self._ratios.tail(k))[k // 2]
+            f = max(f, m)
+        if f > 1.0 and len(seen) < self.least:  # too few to say slower: shrunk
+            f = f ** (len(seen) / self.least)
+        self._factor = f
+        self._coef = coef
+        return f
 
     @property
     def tokens_per_s(self) -> float:
@@ -329,8 +373,11 @@ class ErrorTail:
     def add(self, estimated: float, actual: float) -> None:
         if not (estimated > 0 and actual > 0):
             return
-        self._ratios.append(actual / estimated)
-        if len(self._ratios) >= self.least:
-            r = self._ratios.sorted()
-            q = r[min(len(r) - 1, int(self.quantile * len(r)))]
-            self.value = min(self.hi, max(self.lo, q))
+        ratios = self._ratios
+        ratios.append(actual / estimated)
+        if len(ratios) >= self.least:
+            r = ratios.sorted()
+            last, i = len(r) - 1, int(self.quantile * len(r))
+            q = r[i if i < last else last]  # r[min(last, i)]
+            q = q if q > self.lo else self.lo  # max(lo, q), written out: every booking
+            self.value = q if q < self.hi else self.hi  # min(hi, q)

@@ -386,7 +386,8 @@ class Scheduler:
         # (the hot path of every decision: ``PrefillModel.predict`` is inlined from the
         # fit's coefficients, term for term, and ``min``/``max`` of ints are written out)
         bs = p.block_size
-        a, b, k2 = p.model.coef
+        coef = p.model.coef
+        a, b, k2 = coef
         if usable < local:
             local = usable
         fetch_blocks, fetch_ms = 0, 0.0
@@ -397,10 +398,13 @@ class Scheduler:
                 if dram_prefix is not None:
                     top = usable if usable < dram_prefix else dram_prefix
                 on_ssd = k - (top - local if top > local else 0)
+                nbytes = k * p.block_nbytes
+                sf = p.store_fetch  # ``sf.predict_ms(nbytes, p.bandwidth)``, inlined
                 fetch_ms = (
-                    p.store_fetch.predict_ms(k * p.block_nbytes, p.bandwidth)
-                    + on_ssd * p.block_nbytes / self.cfg.ssd_bytes_per_ms
-                )
+                    nbytes / p.bandwidth
+                    if sf.bytes_per_ms <= 0
+                    else sf.fixed_ms + nbytes / sf.bytes_per_ms
+                ) + on_ssd * p.block_nbytes / self.cfg.ssd_bytes_per_ms
                 new, cached = n - local * bs, local * bs
                 new2, cached2 = n - (local + k) * bs, (local + k) * bs
                 saved = (a + b * new + k2 * new * (new + cached)) - (
@@ -420,9 +424,27 @@ class Scheduler:
         bw = p.bandwidth
         over = held * p.block_nbytes / bw - prefill_ms
         handoff_ms = (over if over > 0.0 else 0.0) + new_blocks * p.layer_nbytes / bw
-        # the slot time (what the node's measured rate scales) and the wait for the slot
+        # the slot time (what the node's measured rate scales) and the wait for the slot:
+        # ``p.wait(now)``, inlined (as ``factor``'s check of a rate already up to date)
         work = prefill_ms + fetch_ms + handoff_ms
-        queue, f = p.wait(now)
+        rate = p.rate
+        f = rate._refactor(p.model, coef) if rate._fresh or rate._coef is not coef else rate._factor
+        pq = p.queue
+        if not pq:
+            queue = p.foreign_ms
+        else:
+            head = next(iter(pq.values()))
+            since = now - p.head_since
+            if head > 0:
+                late = since / head
+                if late > f:
+                    f = late
+            done = head * f
+            served = since if since > 0.0 else 0.0
+            if served < done:
+                done = served
+            foreign = p.foreign_ms
+            queue = (p._queue_ms - foreign) * f + foreign - done  # type: ignore[attr-defined]
         if overhead_ms is None:
             overhead_ms = self.overhead_ms[DISAGG]
         return Candidate(
@@ -628,7 +650,7 @@ class Scheduler:
             # booked, plus this one's. (Each search is skipped where the answer is at an
             # end: all joined by then, or none ended.)
             ends = d.ends
-            batch = now_batch = len(ends)
+            now_batch = len(ends)
             if predict:
                 joins = d.joins
                 batch = len(joins)
@@ -636,10 +658,12 @@ class Scheduler:
                     batch = bisect_right(joins, at)
                 if now_batch and not ends[0] > at:  # (a NaN: as the search)
                     batch -= bisect_right(ends, at)
+            else:
+                batch = now_batch
             kv = d.kv_tokens * batch / now_batch if now_batch else 0
-            batch, kv = batch + d.foreign, kv + d.foreign_kv  # other conductors' requests
             a_, b_, k_ = d.model.coef
-            tbt = a_ + b_ * (batch + 1) + k_ * (kv + n)
+            # with other conductors' requests (``foreign``) and their KV
+            tbt = a_ + b_ * (batch + d.foreign + 1) + k_ * (kv + d.foreign_kv + n)
             if tbt > tbt_limit:
                 misses.reason = "tbt"
                 if misses.least_tbt is None or tbt < misses.least_tbt:
@@ -740,7 +764,14 @@ class Scheduler:
         """Books an accepted decision: queue time on the prefill node, the request's
         predicted decode interval and KV on the decode node."""
         now = self.clock()
-        c, decode_node = d.booked()
+        c, decode_node = d.estimate, d.decode_node
+        if (
+            not d.accepted
+            or c is None
+            or decode_node is None
+            or (d.prefill_node is None and d.route == DISAGG)
+        ):
+            c, decode_node = d.booked()  # (raises: the request was not accepted)
         if d.route == DISAGG and d.prefill_node is not None:
             self.prefill[d.prefill_node].enqueue(r.request_id, c.work_ms, now)
         else:
@@ -773,7 +804,14 @@ class Scheduler:
         model) and from the TTFT seen: the part of it no node time explains (RPC hops,
         event loops; with ``node_queue_ms``, the TTFT less the node's queue and slot
         time) becomes the route's learned overhead."""
-        c, decode_node = d.booked()
+        c, decode_node = d.estimate, d.decode_node
+        if (
+            not d.accepted
+            or c is None
+            or decode_node is None
+            or (d.prefill_node is None and d.route == DISAGG)
+        ):
+            c, decode_node = d.booked()  # (raises: the request was not accepted)
         now = self.clock()
         dn = self.decode.get(decode_node)
         if dn is not None:
