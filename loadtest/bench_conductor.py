@@ -3,7 +3,9 @@
 Each decision runs what a conductor runs per request: ``decide``, ``commit`` of an
 accepted decision, and the booking of completions (the prefill node's report feeding its
 time model, ``prefill_done`` with the TTFT seen and ``request_done``) for the request
-256 decisions older, with the garbage collector on. Requests have 32 blocks (8,192 tokens
+256 decisions older, with the garbage collector on (the requests to come, made before
+the loop, are frozen out of its collections: a conductor does not hold them; a decision
+is dropped once booked). Requests have 32 blocks (8,192 tokens
 at block size 256), their prefix held by some node in 70% of them. The process is pinned
 to one core (``os.sched_setaffinity``).
 
@@ -169,11 +171,14 @@ def _takes_node_times(scheduler: type) -> bool:
     return "node_ms" in inspect.signature(scheduler.prefill_done).parameters
 
 
-def loop(s, reqs: list) -> tuple[float, list[int], list, float]:
-    """The whole loop, GC on: wall seconds, each iteration's ns, the decisions, and the
-    CPU seconds the loop itself used (what foreign load on the core cannot inflate)."""
+def loop(s, reqs: list) -> tuple[float, list[int], int, float]:
+    """The whole loop, GC on: wall seconds, each iteration's ns, the number accepted,
+    and the CPU seconds the loop itself used (what foreign load on the core cannot
+    inflate). A decision is dropped once booked, as a conductor drops it (kept, the
+    20,000 decisions and their candidates would be walked by every full collection)."""
     pending: deque = deque()
-    lat, decisions = [], []
+    lat = []
+    accepted = 0
     now = _now_ns
     gc.collect()
     cpu0 = time.thread_time()
@@ -182,13 +187,13 @@ def loop(s, reqs: list) -> tuple[float, list[int], list, float]:
         t = now()
         d = s.decide(r)
         if d.accepted:
+            accepted += 1
             s.commit(r, d)
             pending.append((r, d))
             if len(pending) > PENDING:
                 book(s, *pending.popleft())
         lat.append(now() - t)
-        decisions.append(d)
-    return (now() - t_all) / 1e9, lat, decisions, time.thread_time() - cpu0
+    return (now() - t_all) / 1e9, lat, accepted, time.thread_time() - cpu0
 
 
 def decide_commit_only(s, reqs: list) -> list[int]:
@@ -230,16 +235,25 @@ def run(
     reqs = requests(chains, n_decisions, random.Random(seed + 1), impl)
     # the generator's own lists of every indexed chain (10^6 hashes in 31,250 lists) are
     # no part of a conductor: dropped, so that the loop's full collections walk only
-    # what a conductor holds (its index, the requests in flight, the decisions)
+    # what a conductor holds (its index, the requests in flight, the decisions). Nor is
+    # the generator's list of every request to come (20,000 requests and their lists of
+    # hashes, made before the loop; a conductor holds only those in flight): frozen
+    # (``gc.freeze``) with the scheduler as built, its collections then walk what the
+    # loop allocates (the GC stays on)
     del chains
-    total, lat, decisions, cpu = loop(s, reqs)
+    gc.collect()
+    gc.freeze()
+    try:
+        total, lat, accepted, cpu = loop(s, reqs)
+    finally:
+        gc.unfreeze()
     lat.sort()
     row = {
         "prefill_nodes": n_prefill,
         "decode_nodes": len(s.decode),
         "blocks": n_blocks,
         "decisions": n_decisions,
-        "accepted": sum(d.accepted for d in decisions),
+        "accepted": accepted,
         "decisions_per_s": n_decisions / total,
         "cpu_decisions_per_s": n_decisions / cpu if cpu > 0 else float("nan"),
         "p50_us": _pct(lat, 0.5),
@@ -291,6 +305,9 @@ def main() -> None:
         "--baseline", help="a git revision or directory: its scheduler runs interleaved"
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "conductor.json")
+    ap.add_argument(
+        "--note", default="", help="a paragraph for the results (what the versions are)"
+    )
     args = ap.parse_args()
     try:
         core = sorted(os.sched_getaffinity(0))[0]
@@ -346,6 +363,8 @@ def main() -> None:
         "load_average_1m": {"before": load_before[0], "after": load_after[0]},
         "cpus": os.cpu_count(),
     }
+    if args.note:
+        doc["comment"] = args.note
     args.out.write_text(json.dumps(doc, indent=2))
     args.out.with_suffix(".md").write_text(markdown(doc))
     print(f"load average {load_after[0]:.2f}; wrote {args.out} and its .md")
@@ -361,6 +380,7 @@ def markdown(doc: dict) -> str:
         f"{load.get('before', float('nan')):.2f} before, {load.get('after', float('nan')):.2f} "
         f"after, on {doc.get('cpus')} shared CPUs.",
         "",
+        *([doc["comment"], ""] if doc.get("comment") else []),
         f"- **Headline**: {doc['headline']}.",
         f"- Secondary (for comparison only): {doc['secondary']}.",
         "",
