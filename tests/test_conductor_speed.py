@@ -335,6 +335,39 @@ def test_ring_refit_is_bit_identical(model):
         assert m.coef == coef, i
 
 
+def test_kept_scale_equals_the_reduction_over_the_window():
+    """The refit's per-feature scale, kept up from refit to refit (a maximum recomputed
+    only when its row leaves the window), equals numpy's reduction over the window:
+    through evictions, equal maxima, zeros of both signs, NaNs, infinities, huge values
+    and windows of 2 to 64 rows (the fit itself is left out: only the scale is tested)."""
+    rng = random.Random(12)
+    checks = 0
+    for _ in range(150):
+        m = DecodeModel(window=rng.choice((2, 3, 5, 16, 64)))
+        m.fit = lambda: None  # type: ignore[method-assign]
+        for _ in range(rng.randint(1, 200)):
+            r = rng.random()
+            if r < 0.02:
+                a = float("nan")
+            elif r < 0.04:
+                a = float("inf")
+            elif r < 0.3:
+                a = rng.choice((0.0, -0.0, 5.0, -5.0, 1e-13))
+            else:
+                a = rng.uniform(-100, 100)
+            m.observe(a, rng.choice((rng.randint(-50, 50), 7, 0, -1e300)), 1.0)
+            if rng.random() < 0.3:
+                start = m._head if m._rows == m._window else 0
+                xt = m._xbuf[:, start : start + m._rows]
+                want = np.maximum(np.maximum.reduce(np.abs(xt), axis=1), 1e-12).tolist()
+                got = m._scales(xt)
+                assert [g if g == g else "nan" for g in got] == [
+                    x if x == x else "nan" for x in want
+                ]
+                checks += 1
+    assert checks > 1000
+
+
 def test_bench_counts_the_whole_loop(monkeypatch):
     """The headline's latency is one iteration of the whole loop: the booking of a
     completion inside it, the GC on; its rate is decisions over the loop's wall time."""

@@ -65,6 +65,13 @@ class _Regression:
         self._refit_every = refit_every
         self._pending = 0
         self.observations = 0
+        # the refit's per-feature scale (max |x| over the window) kept up from one refit
+        # to the next: the largest |x| of each feature and the number of the observation
+        # that last brought it (None: to be recomputed over the whole window), and the
+        # observations it covers (see ``_scales``)
+        self._amax: list[float] = [0.0] * nf
+        self._amax_obs: list[int] | None = None
+        self._scaled_to = 0
 
     def _features(self, x: float, y: float, /) -> tuple[float, ...]:
         raise NotImplementedError
@@ -101,9 +108,8 @@ class _Regression:
         # (features x rows; each division and comparison below is elementwise IEEE, the
         # same bits as the row-major arithmetic it replaced)
         xt, y = self._xbuf[:, start : start + rows], self._ybuf[start : start + rows]
-        scale = np.maximum.reduce(np.abs(xt), axis=1)
-        np.maximum(scale, 1e-12, out=scale)
-        scales = scale.tolist()
+        scales = self._scales(xt)
+        scale = np.array(scales)
         nf = self._nf
         active = list(range(nf))
         coef = [0.0] * nf
@@ -122,6 +128,44 @@ class _Regression:
             active = [a for a, s in zip(active, sol) if s >= 0]
         if all(map(math.isfinite, coef)) and any(coef):
             self.coef = coef
+
+    def _scales(self, xt: np.ndarray) -> list[float]:
+        """Each feature's ``max(max |x| over the window, 1e-12)``, as
+        ``np.maximum(np.maximum.reduce(np.abs(xt), axis=1), 1e-12)``: from the maxima
+        of the last refit and the few rows observed since (in Python: ~8 rows of 3
+        features cost less than the two numpy reductions), recomputed over the window
+        only when the row holding a maximum has left it (or a NaN came in)."""
+        obs, rows, w = self.observations, self._rows, self._window
+        gone = obs - rows  # the observations numbered up to this one have left the window
+        amax, at = self._amax, self._amax_obs
+        if at is not None and self._scaled_to >= gone and min(at) > gone:
+            xr, stride = self._xraw, 2 * w
+            for o in range(self._scaled_to + 1, obs + 1):  # observation o is at (o-1) % w
+                j = (o - 1) % w
+                for f in range(self._nf):
+                    v = abs(xr[j])
+                    if v >= amax[f]:
+                        amax[f], at[f] = v, o
+                    elif v != v:  # a NaN: the reduction's own answer
+                        at = None
+                        break
+                    j += stride
+                if at is None:
+                    break
+        else:
+            at = None
+        if at is None:
+            ab = np.abs(xt)
+            m = np.maximum.reduce(ab, axis=1)
+            amax[:] = m.tolist()
+            if np.isnan(m).any():
+                self._amax_obs = None
+            else:  # the oldest row holding each maximum (a later equal one moves it on)
+                self._amax_obs = [gone + 1 + i for i in np.argmax(ab, axis=1).tolist()]
+        else:
+            self._amax_obs = at
+        self._scaled_to = obs
+        return [m if m >= 1e-12 or m != m else 1e-12 for m in amax]  # np.maximum's
 
     def error_quantiles(self, qs: Iterable[float] = (0.5, 0.9)) -> list[float]:
         if not self._errors:
