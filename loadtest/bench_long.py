@@ -192,7 +192,7 @@ def child_decode(
         ]
         for _ in range(runs):
             cur = list(firsts)
-            mirror = KVMirror.for_pool(m.config, pool.num_blocks, bs, batch)  # fresh per run
+            mirror = KVMirror.for_pool(m.config, pool.num_blocks, bs)  # fresh per run
             # warm-up (rewritten below); it fills the mirror from the pool, as a request's
             # first step on a decode node does
             m.forward_decode(cur, [ctx] * batch, tables, pool, mirror, keys)

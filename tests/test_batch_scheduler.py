@@ -264,3 +264,63 @@ async def test_a_failed_victim_frees_its_blocks_before_anyone_else_is_preempted(
     assert (a.preemptions, b.preemptions, h.sched.preemptions) == (0, 0, 0)
     h.sched.free(held)
     assert h.pool.num_used == 0
+
+
+def test_a_request_that_leaves_while_its_kv_is_recomputed_frees_after_and_stays_gone():
+    """Preempted request b is being resumed (its prompt recomputed in a worker thread) when
+    its client goes away: its blocks go back only after the compute that writes them, it
+    is not re-added to the batch, and the request queued behind it (c) still decodes."""
+    import threading
+
+    gate, started = threading.Event(), threading.Event()
+
+    class Blocking(FakeModel):
+        def forward_prefill(self, token_ids, start_pos, pool, table, on_layer_done=None):
+            started.set()
+            gate.wait(10)
+            return super().forward_prefill(token_ids, start_pos, pool, table)
+
+    async def go():
+        pool = KVPool(CFG, 32, BS)
+        s = BatchScheduler(
+            Blocking(),
+            pool,
+            BS,
+            8,
+            64,
+            frozenset(),
+            lambda *a: None,
+            lambda *a: None,
+            {"generated": 0},
+        )
+
+        def preempted(rid):
+            res = Reservation(rid, 8, [])
+            res.prompt_ids = list(range(8))
+            res.hashes = prefix_hashes(b"x", res.prompt_ids, BS)
+            res.generated = [9, 10]
+            res.kv_ready.set()
+            return Running(res, 10, 9, 3, 2, Sampling(ignore_eos=True), frozenset())
+
+        b, c = preempted("b"), preempted("c")
+        s.waiting.extend([b, c])
+        task = asyncio.create_task(s.run())
+        try:
+            while not started.is_set():
+                await asyncio.sleep(0.01)
+            table = list(b.res.blocks)
+            s.leave(b)
+            s.free(b.res)  # what retire does
+            assert [pool.refcount(x) for x in table] == [1] * len(table)  # still written
+            gate.set()
+            for _ in range(200):
+                if len(c.res.generated) > 2 + 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert b not in s.running and b not in s.waiting and b.res.blocks == []
+            assert len(c.res.generated) > 4  # c was resumed and decoded, not dropped
+        finally:
+            gate.set()
+            task.cancel()
+
+    asyncio.run(go())

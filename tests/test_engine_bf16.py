@@ -101,7 +101,7 @@ def test_a_bfloat16_model_upcast_tracks_the_native_one(upcast):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_matches_masked_sdpa(dtype):
     """The CPU decode kernel against SDPA with the same mask, over blocks of uneven reach."""
-    from kvmesh.services.engine.model import decode_attention
+    from kvmesh.services.engine.cpu_attention import decode_attention
 
     g = torch.Generator().manual_seed(7)
     b, blocks, bs, kvh, heads, d = 3, 4, 8, 2, 6, 16

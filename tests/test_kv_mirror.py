@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.services.engine.kv_mirror import GROW, KVMirror
+from kvmesh.services.engine.kv_mirror import KVMirror
 from kvmesh.services.engine.kv_pool import KVPool
 from kvmesh.services.engine.model import LlamaModel
 
@@ -71,31 +71,50 @@ def test_a_rewound_position_reads_the_rows_it_still_has():
     assert mirror.rebuilt_tokens == 30
 
 
-def test_capacity_grows_past_its_rounding():
+def test_capacity_grows_past_its_headroom_by_copying_not_rereading():
     m, a, b = _setup("bfloat16", blocks=40)
     mirror = KVMirror(m.config, BS, 1 << 30)
     table = list(range(40))
-    for p in range(GROW - 2, GROW + 2):
+    _both(m, mirror, ["r"], [1], [100], [table], a, b)
+    cap = mirror._entries["r"].kv.shape[3]
+    assert 101 < cap <= 101 + 101 // 8 + 2 * BS
+    for p in range(101, cap + 2):
         _both(m, mirror, ["r"], [p % 50], [p], [table], a, b)
-    assert mirror._entries["r"].kv.shape[3] == 2 * GROW
-    assert mirror.rebuilt_tokens == GROW - 2  # growing copies the rows, not re-reads them
+    assert mirror._entries["r"].kv.shape[3] > cap
+    assert mirror.rebuilt_tokens == 100  # growing copies the rows, not re-reads them
+    assert mirror.nbytes == mirror._entries["r"].kv.shape[3] * mirror.bytes_per_token
 
 
-def test_over_budget_the_step_gathers_and_other_entries_are_evicted_first():
+def test_requests_past_the_budget_are_gathered_in_the_same_step_and_nothing_is_evicted():
     m, a, b = _setup("bfloat16")
-    one = GROW * KVMirror(m.config, BS, 0).bytes_per_token  # a request of < GROW tokens
-    mirror = KVMirror(m.config, BS, 2 * one)
+    per = KVMirror(m.config, BS, 0).bytes_per_token
+    mirror = KVMirror(m.config, BS, 2 * 32 * per)  # two requests of < 16 tokens
     _both(m, mirror, ["x"], [1], [10], [[0]], a, b)
     _both(m, mirror, ["y"], [1], [10], [[1]], a, b)
     assert set(mirror._entries) == {"x", "y"}
-    _both(m, mirror, ["z"], [1], [10], [[2]], a, b)  # evicts the least recently used, x
-    assert set(mirror._entries) == {"y", "z"}
-    # three at once cannot fit: None, and the step still matches (gathered)
-    assert mirror.prepare(["x", "y", "z"], [10, 10, 10], [[0], [1], [2]], a.kv) is None
-    _both(m, mirror, ["x", "y", "z"], [1, 2, 3], [11, 11, 11], [[0], [1], [2]], a, b)
+    # z does not fit: x and y stay (a round-robin batch would refill them otherwise) and
+    # z is gathered from the pool, in a step that reads x and y from their mirrors
+    _both(m, mirror, ["x", "z", "y"], [1, 2, 3], [11, 10, 11], [[0], [2], [1]], a, b)
+    assert set(mirror._entries) == {"x", "y"} and mirror.gathered == 1
     mirror.drop("y")
-    assert "y" not in mirror and len(mirror) == 1
-    assert mirror.nbytes == one
+    assert "y" not in mirror  # at once for readers; applied by the next step
+    _both(m, mirror, ["z", "x"], [4, 5], [11, 12], [[2], [0]], a, b)
+    assert set(mirror._entries) == {"x", "z"} and mirror.gathered == 1
+    assert mirror.nbytes == 2 * 32 * per
+
+
+def test_a_drop_from_another_thread_waits_for_the_next_step():
+    m, a, b = _setup("bfloat16")
+    mirror = KVMirror(m.config, BS, 1 << 30)
+    _both(m, mirror, ["x", "y"], [1, 2], [10, 20], [[0], [1, 2]], a, b)
+    import threading
+
+    t = threading.Thread(target=mirror.drop, args=("x",))
+    t.start()
+    t.join()
+    assert set(mirror._entries) == {"x", "y"}  # the step's dict is not touched
+    got = mirror.prepare(["y"], [21], [[1, 2]], a.kv)
+    assert set(mirror._entries) == {"y"} and got[0] is not None
 
 
 def test_the_decode_batch_drops_a_freed_request():

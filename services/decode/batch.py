@@ -77,6 +77,7 @@ class Running:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: int = field(default_factory=lambda: next(_seq))  # admission order: youngest = max
     preemptions: int = 0
+    left: bool = False  # its client went away (leave)
 
 
 class BatchScheduler:
@@ -108,6 +109,7 @@ class BatchScheduler:
         self._wake = asyncio.Event()
         self._in_step: list[Running] = []
         self._deferred: list[Reservation] = []
+        self._resuming: Running | None = None  # a preempted request whose KV is recomputed
         # on a GPU: padded batch buckets, static inputs, CUDA graphs (cuda_graphs.py)
         on_cpu = pool.kv.device.type == "cpu"
         self.decoder = None if on_cpu else DecodeRunner(model, pool, max_batch, cuda_graphs)
@@ -115,7 +117,7 @@ class BatchScheduler:
         # (kv_mirror.py), room for the whole pool plus each request's capacity rounding
         self.mirror: KVMirror | None = None
         if on_cpu and kv_mirror:
-            self.mirror = KVMirror.for_pool(pool.config, pool.num_blocks, block_size, max_batch)
+            self.mirror = KVMirror.for_pool(pool.config, pool.num_blocks, block_size)
 
     # -- prompt computation ----------------------------------------------------------------
     async def compute_prompt(self, tokens: list[int], start: int, table: list[int]):
@@ -178,7 +180,9 @@ class BatchScheduler:
             )
 
     def free(self, res: Reservation) -> None:
-        if any(r.res is res for r in self._in_step):
+        if any(r.res is res for r in self._in_step) or (
+            self._resuming is not None and self._resuming.res is res
+        ):
             self._deferred.append(res)  # the step thread may still write its KV
             return
         if self.mirror is not None:
@@ -188,12 +192,18 @@ class BatchScheduler:
         res.blocks = []
         self._wake.set()  # a preempted request may fit now
 
+    def _free_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for res in deferred:
+            self.free(res)
+
     # -- admission ---------------------------------------------------------------------------
     def admit(self, r: Running) -> None:
         self.running.append(r)
         self._wake.set()
 
     def leave(self, r: Running) -> None:
+        r.left = True
         if r in self.running:
             self.running.remove(r)
         if r in self.waiting:
@@ -221,8 +231,14 @@ class BatchScheduler:
         local = self.match_prefix(tokens, hashes)
         table = local + self.pool.allocate(need - len(local))
         r.res.blocks = table
-        await self.compute_prompt(tokens, len(local) * self.bs, table)
-        self.running.append(r)
+        self._resuming = r  # a free() meanwhile waits for the compute (it writes the blocks)
+        try:
+            await self.compute_prompt(tokens, len(local) * self.bs, table)
+        finally:
+            self._resuming = None
+            self._free_deferred()
+        if not r.left and r.res.blocks:  # its client may have gone (or its blocks) meanwhile
+            self.running.append(r)
         return True
 
     def _grow(self, batch: list[Running]) -> list[Running]:
@@ -252,8 +268,9 @@ class BatchScheduler:
     # -- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
-            while self.waiting and await self._resume(self.waiting[0]):
-                self.waiting.popleft()
+            while self.waiting and await self._resume(r := self.waiting[0]):
+                if r in self.waiting:  # leave() may have taken it out meanwhile
+                    self.waiting.remove(r)
             if self.waiting and self.waiting[0].position // self.bs + 1 > self.pool.num_blocks:
                 r = self.waiting.popleft()  # it could never fit, even alone
                 r.out.put_nowait(
@@ -307,9 +324,7 @@ class BatchScheduler:
             return
         finally:
             self._in_step = []
-            deferred, self._deferred = self._deferred, []
-            for res in deferred:
-                self.free(res)
+            self._free_deferred()
         if self.decoder is None:  # CPU: row by row (batched ops are not faster there,
             # loadtest/bench_sampler.py), the same tokens as the batch sampler
             drawn = [

@@ -92,7 +92,7 @@ class DecodeConfig(NodeConfig):
         True,
         "on the CPU: keep each running request's KV also as float32, contiguous per KV "
         "head, so a decode step reads it without gathering blocks (about 3x faster steps "
-        "at batch 32 x 512 tokens; costs up to 2x the pool's bytes of a bfloat16 pool; "
+        "at batch 32 x 512 tokens; costs up to 2.25x the bytes of a bfloat16 pool; "
         "--no-kv-mirror saves that memory)",
     )
 

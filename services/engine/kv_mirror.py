@@ -13,14 +13,24 @@ request first decodes here (or after its blocks change) and appended by each ste
 the token it writes. The values are the pool's (a bfloat16 pool's values widened), so
 attention over the mirror reads exactly what attention over the pool reads.
 
-Memory: 2x the pool bytes of the requests it mirrors (float32 of bfloat16), in capacity
-steps of :data:`GROW` tokens. ``budget_bytes`` caps it; a step whose batch does not fit
-falls back to the gather path (:meth:`KVMirror.prepare` returns None).
+Memory: float32 of what it mirrors (2x a bfloat16 pool's bytes for the same tokens) plus
+a headroom of 1/:data:`HEADROOM` (a request grows into it; outgrowing it copies the rows
+once), allocated as requests decode. ``budget_bytes`` caps
+it: a request that does not fit (or whose allocation fails) is not mirrored, and the step
+gathers that request's blocks from the pool as before (:meth:`KVMirror.prepare` gives
+None for it). Nothing is evicted to make room: an entry goes only when its request's
+blocks go back to the pool (:meth:`KVMirror.drop`), so a batch that round-robins over
+more requests than fit does not refill them step after step.
+
+Threads: a decode step runs :meth:`KVMirror.prepare` in a worker thread while the event
+loop may :meth:`KVMirror.drop` requests that ended; drops are queued and applied by the
+next ``prepare``, in the step's thread.
 """
 
 from __future__ import annotations
 
-import math
+import collections
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +38,8 @@ import torch
 
 from kvmesh.services.engine.config import ModelConfig
 
-GROW = 256  # capacity grows in steps of this many tokens
+HEADROOM = 8  # capacity is a request's tokens plus 1/HEADROOM of them (>= one block)
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -36,7 +47,6 @@ class _Entry:
     kv: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim] float32
     blocks: list[int]  # the pool blocks the rows [0, rows) came from, in order
     rows: int  # positions [0, rows) hold valid K/V
-    used: int  # the step that last used it (for eviction)
 
 
 class KVMirror:
@@ -50,34 +60,37 @@ class KVMirror:
     def __init__(self, config: ModelConfig, block_size: int, budget_bytes: int) -> None:
         self.config, self.bs, self.budget = config, block_size, int(budget_bytes)
         self._entries: dict[Hashable, _Entry] = {}
-        self._step = 0
+        self._drops: collections.deque[Hashable] = collections.deque()  # thread-safe appends
+        self._held = 0  # bytes of all entries
         per = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
         self.bytes_per_token = per  # float32 bytes one token's mirrored K/V takes
         self.rebuilt_tokens = 0  # tokens copied from the pool (fills), for tests and stats
+        self.gathered = 0  # requests a step gathered instead (no room), for tests and stats
 
     @classmethod
-    def for_pool(
-        cls, config: ModelConfig, num_blocks: int, block_size: int, max_batch: int
-    ) -> KVMirror:
-        """A mirror with room for a whole pool of ``num_blocks`` plus the capacity
-        rounding of ``max_batch`` requests: a decode batch always fits it."""
+    def for_pool(cls, config: ModelConfig, num_blocks: int, block_size: int) -> KVMirror:
+        """A mirror with room for as many tokens as a pool of ``num_blocks`` holds, with
+        their headroom (float32: 2.25x a bfloat16 pool's bytes at most); past it, requests
+        are gathered from the pool."""
         per = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
-        return cls(config, block_size, (num_blocks * block_size + max_batch * GROW) * per)
+        tokens = num_blocks * block_size
+        return cls(config, block_size, (tokens + tokens // HEADROOM + block_size) * per)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by all mirrored requests."""
-        return sum(e.kv.numel() * 4 for e in self._entries.values())
+        return self._held
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._entries
+        return key in self._entries and key not in self._drops
 
     def drop(self, key: Hashable) -> None:
-        """Forget ``key``'s rows (its blocks went back to the pool)."""
-        self._entries.pop(key, None)
+        """Forget ``key``'s rows (its blocks went back to the pool). Safe to call from
+        another thread than the one stepping: applied at the next :meth:`prepare`."""
+        self._drops.append(key)
 
     def prepare(
         self,
@@ -85,44 +98,65 @@ class KVMirror:
         positions: Sequence[int],
         tables: Sequence[Sequence[int]],
         kv: torch.Tensor,
-    ) -> list[torch.Tensor] | None:
+    ) -> list[torch.Tensor | None]:
         """Each request's mirror covering positions ``[0, positions[i])`` and with room
-        for ``positions[i]`` (the step writes it); None if the batch does not fit the
-        budget (the step then gathers from the pool). ``kv`` is the pool's tensor."""
-        self._step += 1
-        caps = [_round_up(p + 1, GROW) for p in positions]
-        need = 0
-        for key, cap in zip(keys, caps, strict=True):
+        for ``positions[i]`` (the step writes it), or None for a request that does not fit
+        the budget (the step gathers it from the pool). ``kv`` is the pool's tensor."""
+        while self._drops:
+            self._forget(self._drops.popleft())
+        out: list[torch.Tensor | None] = []
+        for key, p, table in zip(keys, positions, tables, strict=True):
             e = self._entries.get(key)
-            have = e.kv.shape[3] if e is not None else 0
-            need += max(cap, have) * self.bytes_per_token
-        if need > self.budget:
-            return None
-        self._evict(self.budget - need, set(keys))
-        out = []
-        for key, p, cap, table in zip(keys, positions, caps, tables, strict=True):
-            e = self._entries.get(key)
-            if e is not None and (p < e.rows or e.blocks != list(table[: len(e.blocks)])):
-                e.rows = min(e.rows, p)  # rewound: rows past p are stale
-                if e.blocks != list(table[: len(e.blocks)]):
-                    e = None  # its blocks changed: rebuild
+            if e is not None:
+                held = list(table[: len(e.blocks)])
+                if e.blocks != held:
+                    self._forget(key)  # its blocks changed: rebuild
+                    e = None
+                elif p < e.rows:
+                    e.rows = p  # rewound: rows from p on are stale
+            cap = _round_up(p + 1 + max(self.bs, (p + 1) // HEADROOM), self.bs)
             if e is None:
-                e = self._entries[key] = _Entry(self._alloc(cap), [], 0, 0)
+                kvm = self._alloc(cap)
+                if kvm is None:
+                    out.append(None)
+                    continue
+                e = self._entries[key] = _Entry(kvm, [], 0)
             elif e.kv.shape[3] < p + 1:
-                grown = self._alloc(cap)
+                grown = self._alloc(cap, e.kv.shape[3])
+                if grown is None:
+                    self._forget(key)
+                    out.append(None)
+                    continue
                 grown[:, :, :, : e.rows].copy_(e.kv[:, :, :, : e.rows])
                 e.kv = grown
             if e.rows < p:
                 self._fill(e, table, p, kv)
             e.blocks = list(table[: -(-(p + 1) // self.bs)])
-            e.rows, e.used = p + 1, self._step  # the step writes row p
+            e.rows = p + 1  # the step writes row p
             out.append(e.kv)
+        self.gathered += sum(m is None for m in out)
         return out
 
     # -- internals --------------------------------------------------------------------------
-    def _alloc(self, cap: int) -> torch.Tensor:
+    def _alloc(self, cap: int, replaces: int = 0) -> torch.Tensor | None:
+        """A [layers, 2, kv_heads, cap, D] float32 tensor if the budget has room for it
+        (``replaces`` tokens of capacity are given back), else None."""
         c = self.config
-        return torch.empty(c.num_layers, 2, c.num_kv_heads, cap, c.head_dim)
+        grow = (cap - replaces) * self.bytes_per_token
+        if self._held + grow > self.budget:
+            return None
+        try:
+            t = torch.empty(c.num_layers, 2, c.num_kv_heads, cap, c.head_dim)
+        except RuntimeError as e:  # out of host memory: this request is gathered instead
+            log.warning("KV mirror: cannot allocate %d tokens (%s)", cap, e)
+            return None
+        self._held += grow
+        return t
+
+    def _forget(self, key: Hashable) -> None:
+        e = self._entries.pop(key, None)
+        if e is not None:
+            self._held -= e.kv.shape[3] * self.bytes_per_token
 
     def _fill(self, e: _Entry, table: Sequence[int], p: int, kv: torch.Tensor) -> None:
         """Rows [e.rows, p) from the pool's blocks."""
@@ -134,36 +168,6 @@ class KVMirror:
         lo = e.rows - first * bs
         e.kv[:, :, :, e.rows : p].copy_(got[:, :, :, lo : lo + p - e.rows])
         self.rebuilt_tokens += p - e.rows
-
-    def _evict(self, room: int, keep: set) -> None:
-        """Drops the least recently used entries outside ``keep`` until the others fit."""
-        held = self.nbytes - sum(e.kv.numel() * 4 for k, e in self._entries.items() if k in keep)
-        if held <= room:
-            return
-        for key, _ in sorted(
-            ((k, e) for k, e in self._entries.items() if k not in keep), key=lambda x: x[1].used
-        ):
-            held -= self._entries.pop(key).kv.numel() * 4
-            if held <= room:
-                return
-
-
-def mirror_attention(
-    q: torch.Tensor, mirrors: Sequence[torch.Tensor], layer: int, lengths: Sequence[int]
-) -> torch.Tensor:
-    """Decode attention of ``q`` [B, heads, D] over each request's mirrored keys and values
-    (rows [0, lengths[i])) of ``layer``: two float32 products per request, the g query heads
-    of a KV head as g rows against its keys. Returns [B, heads*D] in ``q``'s dtype."""
-    b, heads, d = q.shape
-    kvh = mirrors[0].shape[2]
-    qg = q.float().view(b, kvh, heads // kvh, d)
-    out = torch.empty(b, kvh, heads // kvh, d)
-    scale = 1.0 / math.sqrt(d)
-    for i, m in enumerate(mirrors):
-        t = lengths[i]
-        scores = torch.bmm(qg[i], m[layer, 0, :, :t].transpose(1, 2)).mul_(scale)
-        torch.bmm(scores.softmax(-1), m[layer, 1, :, :t], out=out[i])
-    return out.to(q.dtype).reshape(b, heads * d)
 
 
 def _round_up(n: int, m: int) -> int:

@@ -24,7 +24,8 @@ from torch import nn
 from kvmesh.services.common.hashing import model_fingerprint, preset_weights_digest
 
 from .config import PRESETS, ModelConfig, dtype_name, resolve_dtype, rope_inv_freq
-from .kv_mirror import KVMirror, mirror_attention
+from .cpu_attention import CpuDecodeAttention
+from .kv_mirror import KVMirror
 from .kv_pool import KVPool
 
 
@@ -214,32 +215,6 @@ def prefill_attention(
             attn_mask=causal_lower_right(n, keys.shape[1]),
         )[0]
     return o.transpose(0, 1).reshape(n, heads * d)
-
-
-def decode_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of one new query per request over its gathered blocks, on the CPU.
-
-    ``q`` [B, heads, D]; ``kv`` [B, blocks, 2, block_size, kv_heads, D] (one gather for K
-    and V); ``mask`` [B, 1, 1, T] is True where a key is visible. Two batched products in
-    float32, the g query heads of a KV head as g rows against its keys (no copy of the
-    keys per query head). SDPA's CPU kernels take 4x (bfloat16 at batch 1) to 1.5x
-    longer for this shape of one query row. Returns [B, heads*D] in ``q``'s dtype.
-    """
-    b, heads, d = q.shape
-    kvh = kv.shape[4]
-    # [B, KVH, blocks, block_size, D] -> [B, KVH, T, D]: one copy each, widened on the way
-    keys, vals = (
-        kv[:, :, i]
-        .permute(0, 3, 1, 2, 4)
-        .to(torch.float32, memory_format=torch.contiguous_format)
-        .flatten(2, 3)
-        for i in (0, 1)
-    )
-    qg = q.float().view(b, kvh, heads // kvh, d)  # [B, KVH, g, D]
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(1.0 / math.sqrt(d))  # [B,KVH,g,T]
-    scores.masked_fill_(~mask, float("-inf"))
-    o = torch.matmul(scores.softmax(-1), vals)  # [B, KVH, g, D]
-    return o.to(q.dtype).reshape(b, heads * d)
 
 
 class LlamaModel(nn.Module):
@@ -499,33 +474,17 @@ class LlamaModel(nn.Module):
             pool.staging.ensure_device(int(x) for t in block_tables for x in t[:reach])
 
         h = self.embed_tokens(ids)
-        n_layers = len(self.layers)
-        if dev.type == "cpu":
-            # the pool as one row per (block, layer), a view (never a copy: the step writes
-            # its new K/V through pool.kv): a layer's blocks are gathered from a contiguous
-            # tensor by index_select (~4x faster than from the strided view of one layer,
-            # ~6x faster than advanced indexing)
-            rows = pool.kv.view(-1, *pool.kv.shape[2:])
-            flat = table.flatten() * n_layers
-            mats = None
-            if mirror is not None and keys is not None:
-                at = [int(p) for p in positions]
-                mats = mirror.prepare(keys, at, block_tables, pool.kv)
-                lengths = [p + 1 for p in at]
+        if dev.type == "cpu":  # the mirror's rows, or the pool's blocks gathered
+            keyed = mirror is not None and keys is not None
+            got = mirror.prepare(keys, pos.tolist(), block_tables, pool.kv) if keyed else None
+            cpu = CpuDecodeAttention(pool, table, mask, pos.tolist(), got)
         for l, layer in enumerate(self.layers):
             q, k, v = layer.qkv(h, cos, sin)
             kv_l = pool.kv[:, l]
             kv_l[new_blk, 0, new_off] = k
             kv_l[new_blk, 1, new_off] = v
-            if dev.type == "cpu" and mats is not None:
-                new = torch.stack((k, v), 1).to(pool.kv.dtype).float()  # the pool's values
-                for i, m in enumerate(mats):
-                    m[l, :, :, at[i]] = new[i]
-                o = mirror_attention(q, mats, l, lengths)
-            elif dev.type == "cpu":
-                o = decode_attention(
-                    q, rows.index_select(0, flat + l).unflatten(0, table.shape), mask
-                )
+            if dev.type == "cpu":
+                o = cpu(q, k, v, l)
             else:
                 k_all = kv_l[table, 0].flatten(1, 2).transpose(1, 2)  # [B, KVH, T, D]
                 v_all = kv_l[table, 1].flatten(1, 2).transpose(1, 2)
