@@ -372,8 +372,7 @@ class MeasuredRate:
         if k and len(seen) >= k:  # the last few, slower of late? (``_ratios`` holds
             # the ratio of each of ``seen`` by this fit, in the same order)
             if k == 3:  # the median of three, without a sort (never a NaN: see _ratio)
-                items = self._ratios._items
-                x, y, z = items[-1], items[-2], items[-3]
+                x, y, z = self._ratios.tail(3)
                 if x > y:
                     x, y = y, x
                 m = z if z < y else y  # min(max(x, y), z)

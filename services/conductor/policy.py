@@ -386,8 +386,7 @@ class Scheduler:
         # (the hot path of every decision: ``PrefillModel.predict`` is inlined from the
         # fit's coefficients, term for term, and ``min``/``max`` of ints are written out)
         bs = p.block_size
-        coef = p.model.coef
-        a, b, k2 = coef
+        a, b, k2 = p.model.coef
         if usable < local:
             local = usable
         fetch_blocks, fetch_ms = 0, 0.0
@@ -425,10 +424,9 @@ class Scheduler:
         over = held * p.block_nbytes / bw - prefill_ms
         handoff_ms = (over if over > 0.0 else 0.0) + new_blocks * p.layer_nbytes / bw
         # the slot time (what the node's measured rate scales) and the wait for the slot:
-        # ``p.wait(now)``, inlined (as ``factor``'s check of a rate already up to date)
+        # ``p.wait(now)``, inlined
         work = prefill_ms + fetch_ms + handoff_ms
-        rate = p.rate
-        f = rate._refactor(p.model, coef) if rate._fresh or rate._coef is not coef else rate._factor
+        f = p.rate.factor(p.model)
         pq = p.queue
         if not pq:
             queue = p.foreign_ms
