@@ -188,27 +188,7 @@ class PrefillModel(_Regression):
         return a + b * new + k * new * (new + cached)
 
     def observe(self, new: int, cached: int, ms: float) -> None:
-        # ``self.add((new, cached), ms)``, inlined: a node's every prefill report comes
-        # here (the features, the error of the prediction and the ring write, as there)
-        f2 = new * (new + cached)
-        if ms > 0:
-            c = self.coef
-            self._errors.append(abs(c[0] * 1.0 + c[1] * new + c[2] * f2 - ms) / ms)
-        i, w = self._head, self._window
-        xr = self._xraw
-        xr[i] = xr[i + w] = 1.0
-        j = i + 2 * w
-        xr[j] = xr[j + w] = new
-        j += 2 * w
-        xr[j] = xr[j + w] = f2
-        self._yraw[i] = self._yraw[i + w] = ms
-        self._head = (i + 1) % w
-        if self._rows < w:
-            self._rows += 1
-        self.observations += 1
-        self._pending += 1
-        if self._pending >= self._refit_every or self.observations <= 4:
-            self.fit()
+        self.add((new, cached), ms)
 
     def warm_start(self, samples: Iterable[Sequence[float]]) -> None:
         """Profile samples ``(new, cached, ms)`` measured by the node at start."""
@@ -316,17 +296,6 @@ class MeasuredRate:
             self._seen.append((new, cached, extra_ms, actual_ms))
             self._fresh += 1
 
-    def _ratio(self, coef: list[float], n: int, c: int, x: float, ms: float) -> float:
-        """``min(hi, max(lo, ms / pred))`` for the prediction by ``coef`` (as
-        ``PrefillModel.predict``) plus ``x``, or 1.0 where that is not positive."""
-        a, b, k = coef
-        pred = a + b * n + k * n * (n + c) + x
-        if not pred > 0:
-            return 1.0
-        r = ms / pred
-        r = r if r > self.lo else self.lo  # max(lo, r): lo for a NaN
-        return r if r < self.hi else self.hi
-
     def factor(self, model: PrefillModel) -> float:
         """Real ms per predicted ms by ``model``'s current fit (1.0 before any counted
         prefill; above 1, shrunk toward 1 while fewer than ``least`` are counted):
@@ -337,8 +306,10 @@ class MeasuredRate:
         return self._factor
 
     def _refactor(self, model: PrefillModel, coef: list[float]) -> float:
-        """``factor`` after a refit or new prefills: the ratios brought up to date (the
-        arithmetic of ``_ratio``, inlined: every booked request's node comes here)."""
+        """``factor`` after a refit or new prefills: the ratios brought up to date. A
+        ratio is ``min(hi, max(lo, ms / pred))`` for the prediction ``pred`` by ``coef``
+        (as ``PrefillModel.predict``) plus the ms the model does not cover, or 1.0 where
+        that is not positive; never a NaN (a NaN ``ms / pred`` is taken as ``lo``)."""
         seen, fresh = self._seen, self._fresh
         lo, hi = self.lo, self.hi
         if len(coef) != 3:  # pragma: no cover - another model's features
@@ -352,7 +323,7 @@ class MeasuredRate:
             full = self._coef is not coef or fresh > len(seen)
             ratios = []
             for i in range(0 if full else len(seen) - fresh, len(seen)):
-                n, c, x, ms = seen[i]  # ``_ratio``, term for term
+                n, c, x, ms = seen[i]
                 pred = a + b * n + k * n * (n + c) + x
                 if not pred > 0:
                     ratios.append(1.0)
@@ -371,7 +342,7 @@ class MeasuredRate:
         k = self.recent
         if k and len(seen) >= k:  # the last few, slower of late? (``_ratios`` holds
             # the ratio of each of ``seen`` by this fit, in the same order)
-            if k == 3:  # the median of three, without a sort (never a NaN: see _ratio)
+            if k == 3:  # the median of three, without a sort (a ratio is never a NaN)
                 x, y, z = self._ratios.tail(3)
                 if x > y:
                     x, y = y, x

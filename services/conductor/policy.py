@@ -397,13 +397,10 @@ class Scheduler:
                 if dram_prefix is not None:
                     top = usable if usable < dram_prefix else dram_prefix
                 on_ssd = k - (top - local if top > local else 0)
-                nbytes = k * p.block_nbytes
-                sf = p.store_fetch  # ``sf.predict_ms(nbytes, p.bandwidth)``, inlined
                 fetch_ms = (
-                    nbytes / p.bandwidth
-                    if sf.bytes_per_ms <= 0
-                    else sf.fixed_ms + nbytes / sf.bytes_per_ms
-                ) + on_ssd * p.block_nbytes / self.cfg.ssd_bytes_per_ms
+                    p.store_fetch.predict_ms(k * p.block_nbytes, p.bandwidth)
+                    + on_ssd * p.block_nbytes / self.cfg.ssd_bytes_per_ms
+                )
                 new, cached = n - local * bs, local * bs
                 new2, cached2 = n - (local + k) * bs, (local + k) * bs
                 saved = (a + b * new + k2 * new * (new + cached)) - (
@@ -423,26 +420,9 @@ class Scheduler:
         bw = p.bandwidth
         over = held * p.block_nbytes / bw - prefill_ms
         handoff_ms = (over if over > 0.0 else 0.0) + new_blocks * p.layer_nbytes / bw
-        # the slot time (what the node's measured rate scales) and the wait for the slot:
-        # ``p.wait(now)``, inlined
+        # the slot time (what the node's measured rate scales) and the wait for the slot
         work = prefill_ms + fetch_ms + handoff_ms
-        f = p.rate.factor(p.model)
-        pq = p.queue
-        if not pq:
-            queue = p.foreign_ms
-        else:
-            head = next(iter(pq.values()))
-            since = now - p.head_since
-            if head > 0:
-                late = since / head
-                if late > f:
-                    f = late
-            done = head * f
-            served = since if since > 0.0 else 0.0
-            if served < done:
-                done = served
-            foreign = p.foreign_ms
-            queue = (p._queue_ms - foreign) * f + foreign - done  # type: ignore[attr-defined]
+        queue, f = p.wait(now)
         if overhead_ms is None:
             overhead_ms = self.overhead_ms[DISAGG]
         return Candidate(
@@ -762,14 +742,7 @@ class Scheduler:
         """Books an accepted decision: queue time on the prefill node, the request's
         predicted decode interval and KV on the decode node."""
         now = self.clock()
-        c, decode_node = d.estimate, d.decode_node
-        if (
-            not d.accepted
-            or c is None
-            or decode_node is None
-            or (d.prefill_node is None and d.route == DISAGG)
-        ):
-            c, decode_node = d.booked()  # (raises: the request was not accepted)
+        c, decode_node = d.booked()
         if d.route == DISAGG and d.prefill_node is not None:
             self.prefill[d.prefill_node].enqueue(r.request_id, c.work_ms, now)
         else:
@@ -802,14 +775,7 @@ class Scheduler:
         model) and from the TTFT seen: the part of it no node time explains (RPC hops,
         event loops; with ``node_queue_ms``, the TTFT less the node's queue and slot
         time) becomes the route's learned overhead."""
-        c, decode_node = d.estimate, d.decode_node
-        if (
-            not d.accepted
-            or c is None
-            or decode_node is None
-            or (d.prefill_node is None and d.route == DISAGG)
-        ):
-            c, decode_node = d.booked()  # (raises: the request was not accepted)
+        c, decode_node = d.booked()
         now = self.clock()
         dn = self.decode.get(decode_node)
         if dn is not None:
