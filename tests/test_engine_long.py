@@ -245,9 +245,9 @@ class _Spy:
         self.calls.append(("prefill", start, len(ids)))
         return self.model.forward_prefill(ids, start, pool, table, on_layer_done)
 
-    def forward_decode(self, ids, positions, tables, pool):
+    def forward_decode(self, ids, positions, tables, pool, mirror=None, keys=None):
         self.calls.append(("decode", positions[0], len(ids)))
-        return self.model.forward_decode(ids, positions, tables, pool)
+        return self.model.forward_decode(ids, positions, tables, pool, mirror=mirror, keys=keys)
 
 
 def test_decode_batch_steps_between_the_chunks_of_a_long_prompt(model):

@@ -69,6 +69,8 @@ def test_a_rewound_position_reads_the_rows_it_still_has():
     _both(m, mirror, ["r"], [9], [20], [[0, 1, 2]], a, b)  # back to position 20
     _both(m, mirror, ["r"], [9], [21], [[0, 1, 2]], a, b)
     assert mirror.rebuilt_tokens == 30
+    mirror.drop("r", at_once=True)  # no step running: the memory goes now
+    assert len(mirror) == 0 and mirror.nbytes == 0
 
 
 def test_capacity_grows_past_its_headroom_by_copying_not_rereading():
@@ -101,6 +103,17 @@ def test_requests_past_the_budget_are_gathered_in_the_same_step_and_nothing_is_e
     _both(m, mirror, ["z", "x"], [4, 5], [11, 12], [[2], [0]], a, b)
     assert set(mirror._entries) == {"x", "z"} and mirror.gathered == 1
     assert mirror.nbytes == 2 * 32 * per
+
+
+def test_a_gathered_short_request_next_to_a_mirrored_long_one():
+    m, a, b = _setup("float32")
+    per = KVMirror(m.config, BS, 0).bytes_per_token
+    mirror = KVMirror(m.config, BS, 200 * per)  # room for the long one only
+    long_t, short_t = list(range(10)), [20, 21]
+    _both(m, mirror, ["long"], [3], [150], [long_t], a, b)
+    for s in range(3):  # the short one reads 2 blocks, not the long one's 10
+        _both(m, mirror, ["s", "long"], [4, 5], [20 + s, 151 + s], [short_t, long_t], a, b)
+    assert set(mirror._entries) == {"long"} and mirror.gathered == 3
 
 
 def test_a_drop_from_another_thread_waits_for_the_next_step():

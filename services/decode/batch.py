@@ -185,8 +185,8 @@ class BatchScheduler:
         ):
             self._deferred.append(res)  # the step thread may still write its KV
             return
-        if self.mirror is not None:
-            self.mirror.drop(res)
+        if self.mirror is not None:  # at once when no step runs (nothing reads the mirror)
+            self.mirror.drop(res, at_once=not self._in_step)
         self.cache_blocks(res)
         self.pool.free(res.blocks)
         res.blocks = []
@@ -237,8 +237,14 @@ class BatchScheduler:
         finally:
             self._resuming = None
             self._free_deferred()
-        if not r.left and r.res.blocks:  # its client may have gone (or its blocks) meanwhile
-            self.running.append(r)
+        if r.left:  # its client went away meanwhile
+            return True
+        if not r.res.blocks:  # freed meanwhile by something else than its client leaving
+            r.out.put_nowait(
+                MemoryError(f"request {r.res.request_id} lost its KV while resuming; retry")
+            )
+            return True
+        self.running.append(r)
         return True
 
     def _grow(self, batch: list[Running]) -> list[Running]:
@@ -300,14 +306,11 @@ class BatchScheduler:
             async with self.compute:
                 tc = time.perf_counter()
                 if self.decoder is None:
+                    kw = {}
+                    if self.mirror is not None:
+                        kw = {"mirror": self.mirror, "keys": [r.res for r in batch]}
                     logits = await asyncio.to_thread(
-                        self.model.forward_decode,
-                        tokens,
-                        positions,
-                        tables,
-                        self.pool,
-                        self.mirror,
-                        [r.res for r in batch],
+                        self.model.forward_decode, tokens, positions, tables, self.pool, **kw
                     )
                 else:
                     logits = await asyncio.to_thread(self.decoder.step, tokens, positions, tables)

@@ -84,8 +84,11 @@ class CpuDecodeAttention:
         self.at = [int(positions[i]) for i in self.mi]
         self.lengths = [p + 1 for p in self.at]
         if self.gi:
-            sub = table if not self.mi else table[self.gi]
-            self.mask = mask if not self.mi else mask[self.gi]
+            sub, self.mask = table, mask
+            if self.mi:  # only the gathered rows, as far as the longest of them reaches
+                reach = max(int(positions[i]) for i in self.gi) // pool.block_size + 1
+                sub = table[self.gi, :reach]
+                self.mask = mask[self.gi, ..., : reach * pool.block_size]
             # the pool as one row per (block, layer), a view (never a copy: the step writes
             # its new K/V through pool.kv): a layer's blocks are gathered from a contiguous
             # tensor by index_select (~4x faster than from the strided view of one layer,

@@ -87,10 +87,14 @@ class KVMirror:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries and key not in self._drops
 
-    def drop(self, key: Hashable) -> None:
+    def drop(self, key: Hashable, at_once: bool = False) -> None:
         """Forget ``key``'s rows (its blocks went back to the pool). Safe to call from
-        another thread than the one stepping: applied at the next :meth:`prepare`."""
-        self._drops.append(key)
+        another thread than the one stepping: applied at the next :meth:`prepare`, or now
+        with ``at_once`` (the caller knows no step is running)."""
+        if at_once:
+            self._forget(key)
+        else:
+            self._drops.append(key)
 
     def prepare(
         self,
@@ -112,8 +116,6 @@ class KVMirror:
                 if e.blocks != held:
                     self._forget(key)  # its blocks changed: rebuild
                     e = None
-                elif p < e.rows:
-                    e.rows = p  # rewound: rows from p on are stale
             cap = _round_up(p + 1 + max(self.bs, (p + 1) // HEADROOM), self.bs)
             if e is None:
                 kvm = self._alloc(cap)

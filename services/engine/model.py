@@ -470,14 +470,15 @@ class LlamaModel(nn.Module):
         table = table[:, :reach]  # padding entries (block 0) are masked out
         mask = (torch.arange(reach * bs, device=dev) <= pos[:, None])[:, None, None, :]
         cos, sin = self._rope(pos)
-        if pool.staging is not None:  # KV handed off or fetched into the mirror: upload
+        if pool.staging is not None:  # KV handed off or fetched into host staging: upload
             pool.staging.ensure_device(int(x) for t in block_tables for x in t[:reach])
 
         h = self.embed_tokens(ids)
         if dev.type == "cpu":  # the mirror's rows, or the pool's blocks gathered
             keyed = mirror is not None and keys is not None
-            got = mirror.prepare(keys, pos.tolist(), block_tables, pool.kv) if keyed else None
-            cpu = CpuDecodeAttention(pool, table, mask, pos.tolist(), got)
+            at = pos.tolist()
+            got = mirror.prepare(keys, at, block_tables, pool.kv) if keyed else None
+            cpu = CpuDecodeAttention(pool, table, mask, at, got)
         for l, layer in enumerate(self.layers):
             q, k, v = layer.qkv(h, cos, sin)
             kv_l = pool.kv[:, l]
