@@ -103,20 +103,22 @@ class CpuDecodeAttention:
         """Attention of ``q`` [B, heads, D] for ``layer``, whose new ``k``/``v`` [B, KVH, D]
         the step has written to the pool. Returns [B, heads*D] in ``q``'s dtype."""
         om = og = None
+        q_all = q
         if self.mats:
-            mi = self.mi
+            if self.gi:
+                q, k, v = q[self.mi], k[self.mi], v[self.mi]
             # the pool's values (rounded to its dtype), widened
-            new = torch.stack((k[mi], v[mi]), 1).to(self.pool.kv.dtype).float()
+            new = torch.stack((k, v), 1).to(self.pool.kv.dtype).float()
             for j, m in enumerate(self.mats):
                 m[layer, :, :, self.at[j]] = new[j]
-            om = mirror_attention(q[mi], self.mats, layer, self.lengths)
+            om = mirror_attention(q, self.mats, layer, self.lengths)
         if self.gi:
             kv = self.rows.index_select(0, self.flat + layer).unflatten(0, self.shape)
-            og = decode_attention(q[self.gi] if self.mats else q, kv, self.mask)
+            og = decode_attention(q_all[self.gi] if self.mats else q_all, kv, self.mask)
         if og is None:
             return om
         if om is None:
             return og
-        o = q.new_empty(q.shape[0], om.shape[1])
+        o = q_all.new_empty(q_all.shape[0], om.shape[1])
         o[self.mi], o[self.gi] = om, og
         return o
