@@ -302,7 +302,8 @@ class TransferEngine:
         # per-peer busy-period bandwidth measurement (see bandwidth())
         self._bw: dict[str, float] = {}
         self._bw_inflight: dict[str, int] = {}
-        self._bw_window: dict[str, list] = {}  # peer -> [start, bytes]
+        self._bw_window: dict[str, list] = {}  # peer -> [start, bytes, first period]
+        self._bw_seen: set[str] = set()  # peers with a busy period behind them
         self._fault_every = _FAULT_CORRUPT_EVERY  # test-only, see KVMESH_FAULT_CORRUPT_EVERY
         self._fault_count = 0
         if self._fault_every:
@@ -430,7 +431,8 @@ class TransferEngine:
         The engine tracks *busy periods* per peer (at least one write/read to
         it in flight) and takes a sample of bytes completed / period length
         when a period ends, or every ``BW_MAX_WINDOW`` s while traffic is
-        continuous, if it moved at least ``BW_MIN_BYTES``.  Concurrent
+        continuous, if it moved at least ``BW_MIN_BYTES``; never from the first
+        period to a peer, which includes connecting to it.  Concurrent
         transfers therefore measure the aggregate rate, not a per-transfer
         share.  Samples are smoothed with an EWMA (``BW_ALPHA``)."""
         with self._lock:
@@ -456,7 +458,7 @@ class TransferEngine:
             n = self._bw_inflight.get(peer, 0)
             self._bw_inflight[peer] = n + 1
             if n == 0:
-                self._bw_window[peer] = [time.monotonic(), 0]
+                self._bw_window[peer] = [time.monotonic(), 0, peer not in self._bw_seen]
         t._add_callback(self._transfer_finished)
         if self._closed:
             t._fail_now("transfer engine closed")
@@ -532,11 +534,15 @@ class TransferEngine:
         elapsed = now - window[0]
         if left > 0 and elapsed < BW_MAX_WINDOW:
             return
-        if window[1] >= BW_MIN_BYTES and elapsed > 0:
+        # a peer's first busy period is not sampled: it holds the connection's setup (the
+        # transport connects on first use), which once made a node holding a prefix look
+        # slower to hand off from than recomputing it elsewhere
+        if window[1] >= BW_MIN_BYTES and elapsed > 0 and not window[2]:
             sample = window[1] / elapsed
             old = self._bw.get(peer)
             self._bw[peer] = sample if old is None else old + BW_ALPHA * (sample - old)
-        window[0], window[1] = now, 0
+        self._bw_seen.add(peer)
+        window[0], window[1], window[2] = now, 0, False
 
     def _on_notify(self, payload: bytes) -> None:
         """Called by the transport (any thread) in arrival order."""

@@ -713,3 +713,17 @@ def test_server_state_refuses_connections_once_shut():
     finally:
         a.close()
         b.close()
+
+
+async def test_bandwidth_is_not_sampled_from_the_first_busy_period(pair):
+    """The first busy period to a peer includes connecting to it (the transport connects
+    on first use): it gives no sample, however many bytes it moves; the next one does."""
+    a, b = pair
+    n = 4 * MiB
+    src, dst = np.ones(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
+    rs, rd = a.register(src), b.register(dst)
+    await a.write(b.address, [Slice(rs, 0, rd, 0, n)])
+    assert dst.all()
+    assert a.bandwidth(b.address) is None
+    await a.write(b.address, [Slice(rs, 0, rd, 0, n)])
+    assert a.bandwidth(b.address) is not None and a.bandwidth(b.address) > 0
