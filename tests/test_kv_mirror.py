@@ -69,6 +69,8 @@ def test_a_rewound_position_reads_the_rows_it_still_has():
     _both(m, mirror, ["r"], [9], [20], [[0, 1, 2]], a, b)  # back to position 20
     _both(m, mirror, ["r"], [9], [21], [[0, 1, 2]], a, b)
     assert mirror.rebuilt_tokens == 30
+    with pytest.raises(ValueError, match="2 mirror keys for a batch of 1"):
+        m.forward_decode([1], [22], [[0, 1, 2]], a, mirror, ["r", "x"])
     mirror.drop("r", at_once=True)  # no step running: the memory goes now
     assert len(mirror) == 0 and mirror.nbytes == 0
 

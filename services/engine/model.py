@@ -476,6 +476,8 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(ids)
         if dev.type == "cpu":  # the mirror's rows, or the pool's blocks gathered
             keyed = mirror is not None and keys is not None
+            if keyed and len(keys) != b:
+                raise ValueError(f"{len(keys)} mirror keys for a batch of {b} requests")
             at = pos.tolist()
             got = mirror.prepare(keys, at, block_tables, pool.kv) if keyed else None
             cpu = CpuDecodeAttention(pool, table, mask, at, got)
