@@ -62,8 +62,7 @@ class KVMirror:
         self._entries: dict[Hashable, _Entry] = {}
         self._drops: collections.deque[Hashable] = collections.deque()  # thread-safe appends
         self._held = 0  # bytes of all entries
-        per = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
-        self.bytes_per_token = per  # float32 bytes one token's mirrored K/V takes
+        self.bytes_per_token = _bytes_per_token(config)  # float32, one token's K/V
         self.rebuilt_tokens = 0  # tokens copied from the pool (fills), for tests and stats
         self.gathered = 0  # requests a step gathered instead (no room), for tests and stats
 
@@ -72,7 +71,7 @@ class KVMirror:
         """A mirror with room for as many tokens as a pool of ``num_blocks`` holds, with
         their headroom (float32: 2.25x a bfloat16 pool's bytes at most); past it, requests
         are gathered from the pool."""
-        per = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
+        per = _bytes_per_token(config)
         tokens = num_blocks * block_size
         return cls(config, block_size, (tokens + tokens // HEADROOM + block_size) * per)
 
@@ -170,6 +169,10 @@ class KVMirror:
         lo = e.rows - first * bs
         e.kv[:, :, :, e.rows : p].copy_(got[:, :, :, lo : lo + p - e.rows])
         self.rebuilt_tokens += p - e.rows
+
+
+def _bytes_per_token(config: ModelConfig) -> int:
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
 
 
 def _round_up(n: int, m: int) -> int:
