@@ -393,7 +393,7 @@ def test_long_prompts_are_tokenized_off_the_event_loop():
     import aiohttp
 
     from kvmesh.services.common.tokenizer import ByteTokenizer
-    from kvmesh.services.conductor.server import tokenize_prompt
+    from kvmesh.services.conductor.request_input import tokenize_prompt
 
     class Gated(ByteTokenizer):
         def __init__(self) -> None:
@@ -435,7 +435,7 @@ def test_the_byte_bound_never_refuses_a_prompt_that_fits():
 
     from kvmesh.services.common.tokenizer import ByteTokenizer
     from kvmesh.services.conductor.frontend import Rejected
-    from kvmesh.services.conductor.server import tokenize_prompt
+    from kvmesh.services.conductor.request_input import tokenize_prompt
 
     tok = ByteTokenizer()
     fits = "é" * 50  # 100 bytes + BOS = 101 tokens

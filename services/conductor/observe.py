@@ -5,6 +5,7 @@ routes, estimate error, token usage, and the request span's attributes."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -14,6 +15,7 @@ import grpc
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.common import metrics as m
 from kvmesh.services.common import telemetry
+from kvmesh.services.conductor.cluster import NodeInfo
 from kvmesh.services.conductor.frontend import ConductorApi, Rejected
 
 
@@ -163,3 +165,50 @@ def fill_status(conductor: ConductorApi, out: pb.ClusterStatusResponse) -> None:
         info = raw.get(n.node_id, {})
         n.metrics_address = info.get("metrics", "")
         n.http_address = info.get("http", "")
+
+
+async def cluster_status(conductor: ConductorApi, cluster: str) -> pb.ClusterStatusResponse:
+    """``ClusterStatus``: every live node's own status (``reachable`` false for one that
+    did not answer within a second), the store's totals and the request summary."""
+    out = pb.ClusterStatusResponse(cluster=cluster)
+    nodes = conductor.view.nodes()
+
+    async def one(n: NodeInfo) -> pb.NodeStatus:
+        base = pb.NodeStatus(
+            node_id=n.node_id,
+            role=n.role,
+            grpc_address=n.grpc,
+            data_address=n.raw.get("data", ""),
+            model=n.model,
+            fingerprint=n.fingerprint,
+            reachable=True,
+        )
+        stub = (
+            conductor.view.prefill_stub(n)
+            if n.role == "prefill"
+            else conductor.view.decode_stub(n)
+            if n.role == "decode"
+            else None
+        )
+        if stub is None:
+            return base
+        try:
+            return await stub.Status(pb.NodeStatusRequest(), timeout=1)
+        except grpc.aio.AioRpcError:
+            base.reachable = False
+            return base
+
+    out.nodes.extend(await asyncio.gather(*(one(n) for n in nodes)))
+    stub = conductor.view.store_stub()
+    if stub is not None:
+        try:
+            s = await stub.Stats(pb.StoreStatsRequest(), timeout=1)
+            out.store_blocks, out.store_bytes_used, out.store_bytes_total = (
+                s.blocks,
+                s.bytes_used,
+                s.bytes_total,
+            )
+        except grpc.aio.AioRpcError:
+            pass
+    fill_status(conductor, out)
+    return out

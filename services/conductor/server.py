@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import time
 import uuid
@@ -47,19 +46,18 @@ from kvmesh.services.common.etcd import EtcdError
 from kvmesh.services.common.hashing import prefix_hashes
 from kvmesh.services.common.metrics import REGISTRY as METRICS_REGISTRY
 from kvmesh.services.common.metrics import RequestStats
-from kvmesh.services.common.ownership import WRITERS_MD, OwnerKey
+from kvmesh.services.common.ownership import OwnerKey
 from kvmesh.services.common.registry import Membership, nodes_prefix
-from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import Service, run, setup_logging
 from kvmesh.services.common.settings import ServiceConfig
 from kvmesh.services.common.telemetry import record_span
-from kvmesh.services.common.tokenizer import load_tokenizer
 from kvmesh.services.conductor.cluster import ClusterView, NodeInfo
 from kvmesh.services.conductor.feeds import NodeFeeds
 from kvmesh.services.conductor.frontend import Rejected, client_id
 from kvmesh.services.conductor.http_api import HttpApi
 from kvmesh.services.conductor.model_metrics import ModelErrorCollector
-from kvmesh.services.conductor.observe import admission_attributes, fill_status, observed
+from kvmesh.services.conductor.node_calls import Attempt, NodeCalls
+from kvmesh.services.conductor.observe import admission_attributes, cluster_status, observed
 from kvmesh.services.conductor.policy import (
     DISAGG,
     INFEASIBLE,
@@ -70,40 +68,10 @@ from kvmesh.services.conductor.policy import (
     Request,
     Scheduler,
 )
+from kvmesh.services.conductor.request_input import RequestInput
 from kvmesh.services.conductor.text import TextStream
 
 log = logging.getLogger(__name__)
-
-# prompts longer than this are tokenized off the event loop
-LONG_PROMPT_BYTES = 16 << 10
-
-
-async def tokenize_prompt(tok, prompt: str, max_tokens: int, ctx: int, cap: int) -> list[int]:
-    """The tokens of ``prompt`` (BOS first). A prompt whose bytes alone make more tokens
-    than the model's context ``ctx`` (less ``max_tokens``) or ``cap`` (--max-prompt-tokens,
-    0 = none) allows, even at the tokenizer's most bytes per token (``max_token_bytes``),
-    is refused (INVALID_ARGUMENT) before any tokenizing; a prompt that could fit is
-    tokenized, a long one in a thread, so the event loop (other requests, /health) runs
-    on meanwhile. The caller checks the exact count."""
-    nbytes = len(prompt.encode("utf-8"))
-    per_token = getattr(tok, "max_token_bytes", None)
-    if per_token:
-        least = -(-nbytes // per_token) + (tok.bos_id is not None)
-        said = f"the prompt is {nbytes} bytes, at least {least} tokens for this model"
-        if least + max_tokens > ctx:
-            raise Rejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{said}, and max_tokens is {max_tokens}: together they exceed the model's "
-                f"context of {ctx} tokens; shorten the prompt or lower max_tokens",
-            )
-        if cap and least > cap:
-            raise Rejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{said}; this cluster accepts at most {cap} prompt tokens",
-            )
-    if nbytes <= LONG_PROMPT_BYTES:
-        return tok.encode(prompt)
-    return await asyncio.to_thread(tok.encode, prompt)
 
 
 @dataclass
@@ -173,18 +141,6 @@ class ConductorConfig(ServiceConfig):
         )
 
 
-@dataclass
-class _Attempt:
-    """The decode reservation one prefill attempt writes into: the id the nodes know the
-    attempt by, its KV target, and the prefill nodes asked to write it. A retry on another
-    node gets a fresh one (``Conductor._prefill``), so nothing the failed node may still
-    write or notify lands in blocks the retry owns."""
-
-    rid: str
-    target: pb.KVTarget
-    writers: list[str]
-
-
 class ConductorServicer(pbg.ConductorServicer):
     def __init__(self, c: Conductor) -> None:
         self.c = c
@@ -228,17 +184,19 @@ class Conductor(Service):
         self.view = ClusterView(self.membership)
         self.sched = Scheduler(cfg.policy_config())
         self.feeds = NodeFeeds(self.view, self.sched, cfg.report_interval_ms)
-        self._tokenizers: dict[str, object] = {}
+        self.input = RequestInput(self.view, cfg.max_tokens_limit, cfg.max_prompt_tokens)
         self.request_stats = RequestStats()
         self.http: HttpApi | None = None
         self.decisions: deque[dict] = deque(maxlen=1024)
         self._streams: collections.Counter[str] = collections.Counter()
         self._ids_in_flight: set[tuple[str, str]] = set()  # (tenant, client's request_id)
-        self._background: set[asyncio.Task] = set()  # releases outliving their request
         self._draining = False  # no new requests
         self._abort_streams = False  # in-flight streams end with UNAVAILABLE
         # owns this process's decode reservations until teardown, after the drain
         self.owner = OwnerKey(self.etcd, cfg.cluster, self.role, self.node_id, cfg.lease_ttl)
+        self.calls = NodeCalls(
+            self.view, lambda: self.owner.metadata(self.node_id), cfg.request_timeout_s
+        )
 
     async def setup(self) -> None:
         pbg.add_ConductorServicer_to_server(ConductorServicer(self), self.server)
@@ -271,8 +229,8 @@ class Conductor(Service):
         if self.http is not None:
             await self.http.stop()
         METRICS_REGISTRY.unregister(self._model_metrics)
-        if self._background:  # reservations being released
-            await asyncio.wait(self._background, timeout=5)
+        if self.calls.background:  # reservations being released
+            await asyncio.wait(self.calls.background, timeout=5)
         try:  # the decode nodes free what this incarnation still holds
             async with asyncio.timeout(3):
                 await self.owner.stop()
@@ -283,85 +241,6 @@ class Conductor(Service):
         await self.view.close()
 
     # -- admission -----------------------------------------------------------------------
-    def _resolve_model(self, name: str) -> tuple[str, str]:
-        models = self.view.models()
-        if not models:
-            raise Rejected(
-                grpc.StatusCode.UNAVAILABLE,
-                "no model is served yet: the cluster has no live decode node",
-            )
-        if not name:
-            if len(models) > 1:
-                raise Rejected(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"model is required: this cluster serves {sorted(models)}",
-                )
-            name = next(iter(models))
-        if name not in models:
-            raise Rejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown model {name!r}; this cluster serves {sorted(models)}",
-            )
-        return name, models[name][0]
-
-    def tokenizer(self, info: dict):
-        """The tokenizer of the model a node registered (a preset or a checkpoint dir)."""
-        spec = info.get("model_path") or info.get("model", "")
-        tok = self._tokenizers.get(spec)
-        if tok is None:
-            tok = self._tokenizers[spec] = load_tokenizer(spec)
-        return tok
-
-    async def _tokens(self, req: pb.GenerateRequest, info: dict) -> list[int]:
-        bad = grpc.StatusCode.INVALID_ARGUMENT
-        if req.max_tokens <= 0:
-            raise Rejected(bad, f"max_tokens must be > 0, got {req.max_tokens}")
-        if req.max_tokens > self.cfg.max_tokens_limit:
-            raise Rejected(
-                bad,
-                f"max_tokens is {req.max_tokens}; this cluster allows at most "
-                f"{self.cfg.max_tokens_limit}",
-            )
-        if req.token_ids:
-            tokens = list(req.token_ids)
-            vocab = int(info.get("vocab_size", 0))
-            if any(t < 0 or t >= vocab for t in tokens):
-                raise Rejected(bad, f"token_ids must be in [0, {vocab}) for this model")
-        else:
-            tokens = await self._encode(req, info) if req.prompt else []
-        if not tokens or (not req.token_ids and not req.prompt.strip()):
-            raise Rejected(bad, "the prompt is empty: give prompt text or token_ids")
-        if self.cfg.max_prompt_tokens and len(tokens) > self.cfg.max_prompt_tokens:
-            raise Rejected(
-                bad,
-                f"the prompt has {len(tokens)} tokens; this cluster accepts at "
-                f"most {self.cfg.max_prompt_tokens}",
-            )
-        ctx = int(info.get("max_context", 0))
-        if len(tokens) + req.max_tokens > ctx:
-            raise Rejected(
-                bad,
-                f"the prompt has {len(tokens)} tokens and max_tokens is "
-                f"{req.max_tokens}: together they exceed the model's context "
-                f"of {ctx} tokens; shorten the prompt or lower max_tokens",
-            )
-        err = Sampling.from_proto(req.sampling).validate(int(info.get("vocab_size", 0)))
-        if err:
-            raise Rejected(bad, err)
-        if not (req.slo.ttft_ms >= 0 and req.slo.tbt_ms >= 0):  # NaN included
-            raise Rejected(
-                bad,
-                f"slo.ttft_ms and slo.tbt_ms must be numbers >= 0 (0 = the cluster "
-                f"default), got {req.slo.ttft_ms:g} and {req.slo.tbt_ms:g}",
-            )
-        return tokens
-
-    async def _encode(self, req: pb.GenerateRequest, info: dict) -> list[int]:
-        ctx = int(info.get("max_context", 0))
-        return await tokenize_prompt(
-            self.tokenizer(info), req.prompt, req.max_tokens, ctx, self.cfg.max_prompt_tokens
-        )
-
     async def _store_prefix(self, hashes: list[bytes]) -> int | None:
         stub = self.view.store_stub()
         if not hashes or stub is None:
@@ -429,13 +308,13 @@ class Conductor(Service):
 
     async def _generate(self, req: pb.GenerateRequest):
         t_arrival = time.perf_counter()
-        model, fp = self._resolve_model(req.model)
+        model, fp = self.input.resolve_model(req.model)
         info = next(
             n.raw
             for n in self.view.nodes("prefill") + self.view.nodes("decode")
             if n.fingerprint == fp
         )
-        tokens = await self._tokens(req, info)
+        tokens = await self.input.tokens(req, info)
         # the id the nodes know the request by is unique (clients and tenants may repeat
         # theirs); responses carry the client's
         rid = f"{req.request_id}.{uuid.uuid4().hex[:12]}" if req.request_id else uuid.uuid4().hex
@@ -515,8 +394,8 @@ class Conductor(Service):
     ):
         rid = r.request_id
         estimate, decode_node = d.booked()
-        dnode = self._node("decode", decode_node)
-        att = _Attempt(rid, await self._reserve(dnode, rid, len(tokens), req.max_tokens), [])
+        dnode = self.calls.node("decode", decode_node)
+        att = Attempt(rid, await self.calls.reserve(dnode, rid, len(tokens), req.max_tokens), [])
         decoded: list[bool] = []  # set once the Decode call ended (and freed it)
         try:
             async for resp in self._serve_reserved(
@@ -529,7 +408,7 @@ class Conductor(Service):
                 # prefilling, transferring or decoding): the reservation goes at once,
                 # in a task of its own that a second cancellation cannot stop; the decode
                 # node frees it now if every writer has said it is done, else after a fence
-                self._spawn(self._release(dnode, att.rid, att.writers))
+                self.calls.spawn(self.calls.release(dnode, att.rid, att.writers))
 
     async def _serve_reserved(
         self,
@@ -541,12 +420,12 @@ class Conductor(Service):
         record: dict,
         info: dict,
         dnode: NodeInfo,
-        att: _Attempt,
+        att: Attempt,
         decoded: list[bool],
     ):
         out_rid = req.request_id or r.request_id
         estimate, _ = d.booked()
-        tok = self.tokenizer(info)
+        tok = self.input.tokenizer(info)
         decoder = TextStream(tok, tuple(req.sampling.stop))
         eos_ids = frozenset(info.get("eos_ids") or [tok.eos_id])
         usage = pb.Usage(prompt_tokens=len(tokens))
@@ -559,7 +438,7 @@ class Conductor(Service):
             block_hashes=r.hashes,
         )
         if d.route == DISAGG:
-            presp, pnode = await self._prefill(r, d, tokens, req, dnode, att)
+            presp, pnode = await self.calls.prefill(r, d, tokens, req, dnode, att)
             dreq.request_id = record["node_request_id"] = att.rid  # a retry's own
             route.prefill_node = pnode.node_id
             dreq.first_token = presp.first_token
@@ -683,188 +562,8 @@ class Conductor(Service):
             node_queue_ms=presp.queue_ms if learn else None,
         )
 
-    def _node(self, role: str, node_id: str) -> NodeInfo:
-        for n in self.view.nodes(role):
-            if n.node_id == node_id:
-                return n
-        raise Rejected(grpc.StatusCode.UNAVAILABLE, f"{role} node {node_id} left; retry")
-
-    async def _reserve(self, d: NodeInfo, rid: str, n: int, max_tokens: int) -> pb.KVTarget:
-        try:
-            resp = await self.view.decode_stub(d).Reserve(
-                pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens),
-                timeout=5,
-                metadata=self.owner.metadata(self.node_id),  # freed when it ends
-            )
-            return resp.target
-        except asyncio.CancelledError:  # the client went away: the node may have reserved
-            self._spawn(self._release(d, rid, []))
-            raise
-        except grpc.aio.AioRpcError as e:
-            code = e.code()
-            if code not in (
-                grpc.StatusCode.INVALID_ARGUMENT,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.ALREADY_EXISTS,
-            ):
-                code = grpc.StatusCode.UNAVAILABLE
-            raise Rejected(
-                code,
-                f"decode node {d.node_id} could not reserve KV for "
-                f"{n + max_tokens} tokens ({e.details()}); retry",
-            ) from None
-
-    async def _release(self, d: NodeInfo, rid: str, writers: list[str]) -> None:
-        """Frees ``rid``'s reservation on ``d`` (a no-op once its Decode call owns it),
-        naming the prefill nodes that may write it (``writers``). Release is idempotent:
-        a node that did not answer is asked again (three tries in all), since a missed
-        release holds the blocks until the decode node's owner reaper."""
-        for attempt in range(3):
-            try:
-                await self.view.decode_stub(d).Release(
-                    pb.ReleaseRequest(request_id=rid),
-                    timeout=5,
-                    metadata=((WRITERS_MD, json.dumps(writers)),),
-                )
-                return
-            except grpc.aio.AioRpcError as e:
-                again = e.code() in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                )
-                if not again or attempt == 2:
-                    log.warning("releasing %s on %s failed: %s", rid, d.node_id, e.code())
-                    return
-                await asyncio.sleep(0.2 * (attempt + 1))
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _unless_gone(self, node: NodeInfo, call, poll_s: float = 0.25):
-        """Awaits the unary ``call`` to ``node``, cancelling it with UNAVAILABLE once the
-        node leaves the membership (lease expired: e.g. cut off by the network, where the
-        call would otherwise hang until its deadline with no RST to end it)."""
-        task = asyncio.ensure_future(call)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=poll_s)
-                if done:
-                    return task.result()
-                if all(n.node_id != node.node_id for n in self.view.nodes(node.role)):
-                    raise Rejected(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"{node.role} node {node.node_id} left the cluster mid-request",
-                    )
-        finally:
-            if not task.done():
-                task.cancel()
-
-    async def _prefill(self, r: Request, d: Decision, tokens, req, dnode: NodeInfo, att: _Attempt):
-        """Prefill on the chosen node; a node that fails is skipped for the next
-        disaggregated candidate (at most three tries). Each node asked is added to
-        ``att.writers`` before it is asked. A retry first gives back the failed attempt's
-        reservation (naming its writers: the decode node fences those blocks until they
-        are done) and reserves afresh under an id of its own (``<id>.retry<k>``): the failed
-        node may still write its blocks or say they are ready, which must not reach
-        blocks the retry owns. The client sees the request's own id throughout."""
-        first = d.prefill_node
-        if first is None:
-            raise ValueError("only a disaggregated decision has a prefill node")
-        order = [first] + [c.node for c in d.candidates if c.route == DISAGG and c.node != first]
-        last = ""
-        for k, node_id in enumerate(order[:3]):
-            if att.writers:  # an earlier attempt asked a node: this is a retry
-                # the old reservation goes first (a full decode node may need its blocks
-                # for the new one); shielded, so a client leaving now cannot stop it
-                release = asyncio.ensure_future(self._release(dnode, att.rid, att.writers))
-                self._background.add(release)
-                release.add_done_callback(self._background.discard)
-                await asyncio.shield(release)
-                att.rid, att.writers = f"{r.request_id}.retry{k}", []
-                try:
-                    att.target = await self._reserve(dnode, att.rid, len(tokens), req.max_tokens)
-                except Rejected as e:  # no room for the retry ends the request
-                    raise Rejected(
-                        e.code,
-                        f"prefill on {order[k - 1]} failed ({last}) and {e.message}",
-                        (("retry-after-ms", "1000"), ("kvmesh-reject-reason", "retry_reserve")),
-                    ) from None
-            try:
-                node = self._node("prefill", node_id)
-                att.writers.append(node_id)
-                resp = await self._unless_gone(
-                    node,
-                    self.view.prefill_stub(node).Prefill(
-                        pb.PrefillRequest(
-                            request_id=att.rid,
-                            token_ids=tokens,
-                            block_hashes=r.hashes,
-                            target=att.target,
-                            sampling=req.sampling,
-                        ),
-                        timeout=self.cfg.request_timeout_s,
-                    ),
-                )
-                return resp, node
-            except grpc.aio.AioRpcError as e:
-                last = f"{node_id}: {e.code().name} {e.details()}"
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise Rejected(e.code(), e.details()) from None
-                log.warning("prefill on %s failed (%s); trying the next node", node_id, last)
-            except Rejected as e:
-                last = e.message
-                log.warning("prefill on %s failed (%s); trying the next node", node_id, last)
-        raise Rejected(
-            grpc.StatusCode.UNAVAILABLE,
-            f"prefill failed on every candidate (last: {last}); retry the request",
-        )
-
-    # -- status --------------------------------------------------------------------------
     async def cluster_status(self) -> pb.ClusterStatusResponse:
-        out = pb.ClusterStatusResponse(cluster=self.cfg.cluster)
-        nodes = self.view.nodes()
-
-        async def one(n: NodeInfo) -> pb.NodeStatus:
-            base = pb.NodeStatus(
-                node_id=n.node_id,
-                role=n.role,
-                grpc_address=n.grpc,
-                data_address=n.raw.get("data", ""),
-                model=n.model,
-                fingerprint=n.fingerprint,
-                reachable=True,
-            )
-            stub = (
-                self.view.prefill_stub(n)
-                if n.role == "prefill"
-                else self.view.decode_stub(n)
-                if n.role == "decode"
-                else None
-            )
-            if stub is None:
-                return base
-            try:
-                return await stub.Status(pb.NodeStatusRequest(), timeout=1)
-            except grpc.aio.AioRpcError:
-                base.reachable = False
-                return base
-
-        out.nodes.extend(await asyncio.gather(*(one(n) for n in nodes)))
-        stub = self.view.store_stub()
-        if stub is not None:
-            try:
-                s = await stub.Stats(pb.StoreStatsRequest(), timeout=1)
-                out.store_blocks, out.store_bytes_used, out.store_bytes_total = (
-                    s.blocks,
-                    s.bytes_used,
-                    s.bytes_total,
-                )
-            except grpc.aio.AioRpcError:
-                pass
-        fill_status(self, out)
-        return out
+        return await cluster_status(self, self.cfg.cluster)
 
 
 def main(argv: list[str] | None = None) -> None:

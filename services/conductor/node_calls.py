@@ -1,0 +1,194 @@
+"""The conductor's calls to the nodes on a request's behalf: the decode reservation
+(``Reserve``, and ``Release`` when the request ends before its ``Decode`` call owns it),
+and the ``Prefill`` call with its retries on other nodes.
+
+A reservation belongs to an :class:`Attempt`. A prefill retried on another node first
+gives back the failed attempt's reservation, naming the nodes that may still write it (the
+decode node fences those blocks), then reserves afresh under an id of its own. Releases
+run in tasks of their own (``background``) that a client going away cannot stop; the
+conductor waits for them at shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.services.common.ownership import WRITERS_MD
+from kvmesh.services.conductor.cluster import ClusterView, NodeInfo
+from kvmesh.services.conductor.frontend import Rejected
+from kvmesh.services.conductor.policy import DISAGG, Decision, Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Attempt:
+    """The decode reservation one prefill attempt writes into: the id the nodes know the
+    attempt by, its KV target, and the prefill nodes asked to write it. A retry on another
+    node gets a fresh one (``NodeCalls.prefill``), so nothing the failed node may still
+    write or notify lands in blocks the retry owns."""
+
+    rid: str
+    target: pb.KVTarget
+    writers: list[str]
+
+
+class NodeCalls:
+    """Reserve, release and prefill calls to the nodes of ``view``. ``owner_metadata``
+    gives the metadata that ties a reservation to this conductor's incarnation (freed
+    when it ends); ``request_timeout_s`` bounds a prefill call."""
+
+    def __init__(
+        self,
+        view: ClusterView,
+        owner_metadata: Callable[[], tuple[tuple[str, str], ...]],
+        request_timeout_s: float,
+    ) -> None:
+        self.view = view
+        self.owner_metadata = owner_metadata
+        self.request_timeout_s = request_timeout_s
+        self.background: set[asyncio.Task] = set()  # releases outliving their request
+
+    def node(self, role: str, node_id: str) -> NodeInfo:
+        for n in self.view.nodes(role):
+            if n.node_id == node_id:
+                return n
+        raise Rejected(grpc.StatusCode.UNAVAILABLE, f"{role} node {node_id} left; retry")
+
+    async def reserve(self, d: NodeInfo, rid: str, n: int, max_tokens: int) -> pb.KVTarget:
+        try:
+            resp = await self.view.decode_stub(d).Reserve(
+                pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens),
+                timeout=5,
+                metadata=self.owner_metadata(),  # freed when it ends
+            )
+            return resp.target
+        except asyncio.CancelledError:  # the client went away: the node may have reserved
+            self.spawn(self.release(d, rid, []))
+            raise
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code not in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.ALREADY_EXISTS,
+            ):
+                code = grpc.StatusCode.UNAVAILABLE
+            raise Rejected(
+                code,
+                f"decode node {d.node_id} could not reserve KV for "
+                f"{n + max_tokens} tokens ({e.details()}); retry",
+            ) from None
+
+    async def release(self, d: NodeInfo, rid: str, writers: list[str]) -> None:
+        """Frees ``rid``'s reservation on ``d`` (a no-op once its Decode call owns it),
+        naming the prefill nodes that may write it (``writers``). Release is idempotent:
+        a node that did not answer is asked again (three tries in all), since a missed
+        release holds the blocks until the decode node's owner reaper."""
+        for attempt in range(3):
+            try:
+                await self.view.decode_stub(d).Release(
+                    pb.ReleaseRequest(request_id=rid),
+                    timeout=5,
+                    metadata=((WRITERS_MD, json.dumps(writers)),),
+                )
+                return
+            except grpc.aio.AioRpcError as e:
+                again = e.code() in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                )
+                if not again or attempt == 2:
+                    log.warning("releasing %s on %s failed: %s", rid, d.node_id, e.code())
+                    return
+                await asyncio.sleep(0.2 * (attempt + 1))
+
+    def spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def unless_gone(self, node: NodeInfo, call, poll_s: float = 0.25):
+        """Awaits the unary ``call`` to ``node``, cancelling it with UNAVAILABLE once the
+        node leaves the membership (lease expired: e.g. cut off by the network, where the
+        call would otherwise hang until its deadline with no RST to end it)."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
+                if done:
+                    return task.result()
+                if all(n.node_id != node.node_id for n in self.view.nodes(node.role)):
+                    raise Rejected(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"{node.role} node {node.node_id} left the cluster mid-request",
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def prefill(self, r: Request, d: Decision, tokens, req, dnode: NodeInfo, att: Attempt):
+        """Prefill on the chosen node; a node that fails is skipped for the next
+        disaggregated candidate (at most three tries). Each node asked is added to
+        ``att.writers`` before it is asked. A retry first gives back the failed attempt's
+        reservation (naming its writers: the decode node fences those blocks until they
+        are done) and reserves afresh under an id of its own (``<id>.retry<k>``): the failed
+        node may still write its blocks or say they are ready, which must not reach
+        blocks the retry owns. The client sees the request's own id throughout."""
+        first = d.prefill_node
+        if first is None:
+            raise ValueError("only a disaggregated decision has a prefill node")
+        order = [first] + [c.node for c in d.candidates if c.route == DISAGG and c.node != first]
+        last = ""
+        for k, node_id in enumerate(order[:3]):
+            if att.writers:  # an earlier attempt asked a node: this is a retry
+                # the old reservation goes first (a full decode node may need its blocks
+                # for the new one); shielded, so a client leaving now cannot stop it
+                release = asyncio.ensure_future(self.release(dnode, att.rid, att.writers))
+                self.background.add(release)
+                release.add_done_callback(self.background.discard)
+                await asyncio.shield(release)
+                att.rid, att.writers = f"{r.request_id}.retry{k}", []
+                try:
+                    att.target = await self.reserve(dnode, att.rid, len(tokens), req.max_tokens)
+                except Rejected as e:  # no room for the retry ends the request
+                    raise Rejected(
+                        e.code,
+                        f"prefill on {order[k - 1]} failed ({last}) and {e.message}",
+                        (("retry-after-ms", "1000"), ("kvmesh-reject-reason", "retry_reserve")),
+                    ) from None
+            try:
+                node = self.node("prefill", node_id)
+                att.writers.append(node_id)
+                resp = await self.unless_gone(
+                    node,
+                    self.view.prefill_stub(node).Prefill(
+                        pb.PrefillRequest(
+                            request_id=att.rid,
+                            token_ids=tokens,
+                            block_hashes=r.hashes,
+                            target=att.target,
+                            sampling=req.sampling,
+                        ),
+                        timeout=self.request_timeout_s,
+                    ),
+                )
+                return resp, node
+            except grpc.aio.AioRpcError as e:
+                last = f"{node_id}: {e.code().name} {e.details()}"
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise Rejected(e.code(), e.details()) from None
+                log.warning("prefill on %s failed (%s); trying the next node", node_id, last)
+            except Rejected as e:
+                last = e.message
+                log.warning("prefill on %s failed (%s); trying the next node", node_id, last)
+        raise Rejected(
+            grpc.StatusCode.UNAVAILABLE,
+            f"prefill failed on every candidate (last: {last}); retry the request",
+        )

@@ -1,0 +1,139 @@
+"""A request's input, checked before the scheduler sees it: the model it names, its
+prompt as tokens (tokenized off the event loop when long) and its limits (max_tokens,
+context, sampling, SLOs). Anything wrong raises :class:`Rejected` with
+INVALID_ARGUMENT (UNAVAILABLE when no model is served yet) and a message that says
+what to fix."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.services.common.sampling_params import Sampling
+from kvmesh.services.common.tokenizer import load_tokenizer
+from kvmesh.services.conductor.cluster import ClusterView
+from kvmesh.services.conductor.frontend import Rejected
+
+# prompts longer than this are tokenized off the event loop
+LONG_PROMPT_BYTES = 16 << 10
+
+
+async def tokenize_prompt(tok, prompt: str, max_tokens: int, ctx: int, cap: int) -> list[int]:
+    """The tokens of ``prompt`` (BOS first). A prompt whose bytes alone make more tokens
+    than the model's context ``ctx`` (less ``max_tokens``) or ``cap`` (--max-prompt-tokens,
+    0 = none) allows, even at the tokenizer's most bytes per token (``max_token_bytes``),
+    is refused (INVALID_ARGUMENT) before any tokenizing; a prompt that could fit is
+    tokenized, a long one in a thread, so the event loop (other requests, /health) runs
+    on meanwhile. The caller checks the exact count."""
+    nbytes = len(prompt.encode("utf-8"))
+    per_token = getattr(tok, "max_token_bytes", None)
+    if per_token:
+        least = -(-nbytes // per_token) + (tok.bos_id is not None)
+        said = f"the prompt is {nbytes} bytes, at least {least} tokens for this model"
+        if least + max_tokens > ctx:
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{said}, and max_tokens is {max_tokens}: together they exceed the model's "
+                f"context of {ctx} tokens; shorten the prompt or lower max_tokens",
+            )
+        if cap and least > cap:
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{said}; this cluster accepts at most {cap} prompt tokens",
+            )
+    if nbytes <= LONG_PROMPT_BYTES:
+        return tok.encode(prompt)
+    return await asyncio.to_thread(tok.encode, prompt)
+
+
+class RequestInput:
+    """Checks a ``GenerateRequest`` against the models the cluster serves and this
+    conductor's limits (``max_tokens_limit``, ``max_prompt_tokens``: 0 = the model's
+    context); keeps one tokenizer per model."""
+
+    def __init__(self, view: ClusterView, max_tokens_limit: int, max_prompt_tokens: int) -> None:
+        self.view = view
+        self.max_tokens_limit = max_tokens_limit
+        self.max_prompt_tokens = max_prompt_tokens
+        self._tokenizers: dict[str, object] = {}
+
+    def resolve_model(self, name: str) -> tuple[str, str]:
+        models = self.view.models()
+        if not models:
+            raise Rejected(
+                grpc.StatusCode.UNAVAILABLE,
+                "no model is served yet: the cluster has no live decode node",
+            )
+        if not name:
+            if len(models) > 1:
+                raise Rejected(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"model is required: this cluster serves {sorted(models)}",
+                )
+            name = next(iter(models))
+        if name not in models:
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown model {name!r}; this cluster serves {sorted(models)}",
+            )
+        return name, models[name][0]
+
+    def tokenizer(self, info: dict):
+        """The tokenizer of the model a node registered (a preset or a checkpoint dir)."""
+        spec = info.get("model_path") or info.get("model", "")
+        tok = self._tokenizers.get(spec)
+        if tok is None:
+            tok = self._tokenizers[spec] = load_tokenizer(spec)
+        return tok
+
+    async def tokens(self, req: pb.GenerateRequest, info: dict) -> list[int]:
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        if req.max_tokens <= 0:
+            raise Rejected(bad, f"max_tokens must be > 0, got {req.max_tokens}")
+        if req.max_tokens > self.max_tokens_limit:
+            raise Rejected(
+                bad,
+                f"max_tokens is {req.max_tokens}; this cluster allows at most "
+                f"{self.max_tokens_limit}",
+            )
+        if req.token_ids:
+            tokens = list(req.token_ids)
+            vocab = int(info.get("vocab_size", 0))
+            if any(t < 0 or t >= vocab for t in tokens):
+                raise Rejected(bad, f"token_ids must be in [0, {vocab}) for this model")
+        else:
+            tokens = await self._encode(req, info) if req.prompt else []
+        if not tokens or (not req.token_ids and not req.prompt.strip()):
+            raise Rejected(bad, "the prompt is empty: give prompt text or token_ids")
+        if self.max_prompt_tokens and len(tokens) > self.max_prompt_tokens:
+            raise Rejected(
+                bad,
+                f"the prompt has {len(tokens)} tokens; this cluster accepts at "
+                f"most {self.max_prompt_tokens}",
+            )
+        ctx = int(info.get("max_context", 0))
+        if len(tokens) + req.max_tokens > ctx:
+            raise Rejected(
+                bad,
+                f"the prompt has {len(tokens)} tokens and max_tokens is "
+                f"{req.max_tokens}: together they exceed the model's context "
+                f"of {ctx} tokens; shorten the prompt or lower max_tokens",
+            )
+        err = Sampling.from_proto(req.sampling).validate(int(info.get("vocab_size", 0)))
+        if err:
+            raise Rejected(bad, err)
+        if not (req.slo.ttft_ms >= 0 and req.slo.tbt_ms >= 0):  # NaN included
+            raise Rejected(
+                bad,
+                f"slo.ttft_ms and slo.tbt_ms must be numbers >= 0 (0 = the cluster "
+                f"default), got {req.slo.ttft_ms:g} and {req.slo.tbt_ms:g}",
+            )
+        return tokens
+
+    async def _encode(self, req: pb.GenerateRequest, info: dict) -> list[int]:
+        ctx = int(info.get("max_context", 0))
+        return await tokenize_prompt(
+            self.tokenizer(info), req.prompt, req.max_tokens, ctx, self.max_prompt_tokens
+        )
