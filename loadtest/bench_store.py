@@ -774,7 +774,8 @@ def breakdown(res: dict) -> str:
         f"{'size':>6} {'api':<9} {'total':>8} {'rtts':>5} {'ctrl':>8} {'wire':>8} "
         f"{'copy':>8} {'rest':>8}",
     ]
-    from kvmesh.services.store.client import StoreClient
+    from kvmesh.services.store.client import DIRECT_GET_MIN, StoreClient
+    from kvmesh.services.store.direct import DIRECT_PUT_MIN
     from kvmesh.services.store.remote_pool import REMOTE_SLOT_MAX
 
     for label, size in SIZES:
@@ -794,6 +795,8 @@ def breakdown(res: dict) -> str:
                 kind = "put_pooled"  # into a slot held before: the commit only
             n = StoreClient.CONTROL_ROUND_TRIPS[kind]
             wire = eng[f"{op}_single_p50_us"]
+            if size >= (DIRECT_PUT_MIN if api.startswith("put") else DIRECT_GET_MIN):
+                copies = 0  # sent from / read into the caller's bytes
             copy = copies * row["copy_us"]
             rest = total - n * rtt - wire - copy
             lines.append(

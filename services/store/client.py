@@ -50,6 +50,7 @@ from kvmesh.services.common import channels
 from kvmesh.services.common.channels import make_channel
 from kvmesh.services.common.registry import Membership
 from kvmesh.services.common.telemetry import record_span
+from kvmesh.services.store import direct
 from kvmesh.services.store.copy import (
     FILLABLE_BYTES,
     copy_into,
@@ -103,6 +104,18 @@ async def _all(coros) -> None:
         await asyncio.gather(*cs)
 
 
+def _per_key(region_id: int | Sequence[int], n: int) -> Sequence[int]:
+    """One source region per key: ``region_id`` for all, or the sequence given."""
+    return [region_id] * n if isinstance(region_id, int) else region_id
+
+
+async def _gather_bools(coros: list) -> list:
+    """The results of ``coros`` in order; a single one awaited directly (no task)."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    return list(await asyncio.gather(*coros)) if coros else []
+
+
 def _bytes_view(v) -> memoryview:
     mv = memoryview(v)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
@@ -132,7 +145,7 @@ class StoreClient:
         pool_bytes: int = 32 << 20,
         pool_slots: int = 64,
         tls: channels.TlsFiles | None = None,
-        remote_pool_bytes: int = 8 << 20,
+        remote_pool_bytes: int = 64 << 20,
         remote_pool_slots: int = 32,
     ) -> None:
         self.te = te
@@ -570,21 +583,24 @@ class StoreClient:
         self,
         keys: list[bytes],
         sizes: Sequence[int],
-        region_id: int,
+        region_id: int | Sequence[int],
         offsets: Sequence[int] | None = None,
         values: Sequence[memoryview] | None = None,
     ) -> list[bool]:
         """PutStart -> write (transfer engine; a copy for a placement in the own
         segment) -> PutEnd: two round trips to the master whatever the batch.
 
-        The bytes come from ``offsets`` of region ``region_id`` (zero-copy), or from
-        ``values``, copied into the staging region ``region_id`` one by one after the
-        placements are known (present keys are not copied) while the writes of those
-        copied before are already on the wire (``PIPELINE_BYTES`` a write)."""
+        The bytes come from ``offsets`` of region ``region_id`` (zero-copy; one region
+        per key when it is a sequence), or from ``values``, copied into the staging
+        region ``region_id`` one by one after the placements are known (present keys are
+        not copied) while the writes of those copied before are already on the wire
+        (``PIPELINE_BYTES`` a write). Zero-copy writes are issued together and awaited
+        directly (no task each)."""
         got = await self._put_start(keys, sizes)
         if got is None:
             return [False] * len(keys)
         placed, present = got
+        regs = _per_key(region_id, len(keys))
         pos = 0
         inflight: list[tuple[asyncio.Future, list[int]]] = []
         batch: dict[
@@ -602,19 +618,26 @@ class StoreClient:
             else:
                 src_off = offsets[i]
             if self._is_local(addr, region):
-                src = self._region_view(region_id, src_off, size)
+                src = self._region_view(regs[i], src_off, size)
                 if src is not None:
                     self.segment.view[off : off + size] = src
                     continue
             item = batch.setdefault(addr, ([], [], [0]))
-            item[0].append(Slice(region_id, src_off, region, off, size))
+            item[0].append(Slice(regs[i], src_off, region, off, size))
             item[1].append(i)
             item[2][0] += size
             if values is not None and item[2][0] >= PIPELINE_BYTES:
                 issue(addr)
-        for peer in list(batch):
-            issue(peer)
         failed: list[int] = []
+        if values is None:  # nothing left to copy: every peer's write at once
+            peers = list(batch)
+            oks = await _gather_bools([self._write(p, batch[p][0]) for p in peers])
+            for p, ok in zip(peers, oks):
+                if not ok:
+                    failed.extend(batch[p][1])
+        else:
+            for peer in list(batch):
+                issue(peer)
         for fut, idx in inflight:
             if not await fut:
                 failed.extend(idx)
@@ -633,7 +656,7 @@ class StoreClient:
         self,
         keys: list[bytes],
         sizes: Sequence[int],
-        region_id: int,
+        region_id: int | Sequence[int],
         offsets: Sequence[int] | None = None,
         values: Sequence[memoryview] | None = None,
     ) -> list[bool] | None:
@@ -681,6 +704,7 @@ class StoreClient:
             if slots is None:
                 return None
         by_peer: dict[str, list[int]] = {}
+        regs = _per_key(region_id, n)
         pos = 0
         src: list[int] = []
         for i, s in enumerate(slots):
@@ -695,12 +719,12 @@ class StoreClient:
         writes = [
             self._write_by(
                 p,
-                [Slice(region_id, src[i], slots[i][2], slots[i][4], size) for i in by_peer[p]],
+                [Slice(regs[i], src[i], slots[i][2], slots[i][4], size) for i in by_peer[p]],
                 min(slots[i][0] for i in by_peer[p]),
             )
             for p in peers
         ]
-        oks = [await writes[0]] if len(writes) == 1 else await asyncio.gather(*writes)
+        oks = await _gather_bools(writes)
         # False: the write failed (not stored); None: put again (not acknowledged in time,
         # not committed); True: stored or present
         out: list[bool | None] = [False] * n
@@ -751,7 +775,7 @@ class StoreClient:
             sub = await self._put_placed(
                 [keys[i] for i in retry],
                 [size] * len(retry),
-                region_id,
+                region_id if isinstance(region_id, int) else [regs[i] for i in retry],
                 offsets=[src[i] for i in retry] if values is None else None,
                 values=[values[i] for i in retry] if values is not None else None,
             )
@@ -871,13 +895,23 @@ class StoreClient:
         if self._local_region() >= 0:
             rest = await self._put_local(keys, sizes, views.__getitem__, ok)
         if rest:
-            async with self._staging_lock:
-                _, region = self._stage(sum(sizes[i] for i in rest))
-                rk, rz = [keys[i] for i in rest], [sizes[i] for i in rest]
-                rv = [views[i] for i in rest]
-                sub = await self._put_pooled(rk, rz, region, values=rv)
-                if sub is None:
-                    sub = await self._put_placed(rk, rz, region, values=rv)
+            rk, rz = [keys[i] for i in rest], [sizes[i] for i in rest]
+            rv = [views[i] for i in rest]
+            if direct.usable(self.te, rv):  # large values go from the caller's buffers
+                regions = direct.register(self.te, rv)
+                try:
+                    zero = [0] * len(rv)
+                    sub = await self._put_pooled(rk, rz, regions, offsets=zero)
+                    if sub is None:
+                        sub = await self._put_placed(rk, rz, regions, offsets=zero)
+                finally:
+                    direct.unregister(self.te, regions)
+            else:
+                async with self._staging_lock:
+                    _, region = self._stage(sum(rz))
+                    sub = await self._put_pooled(rk, rz, region, values=rv)
+                    if sub is None:
+                        sub = await self._put_placed(rk, rz, region, values=rv)
             for i, v in zip(rest, sub):
                 ok[i] = v
         self.stats["puts"] += sum(ok)

@@ -1,7 +1,9 @@
 """The pool of remote slots of a :class:`~kvmesh.services.store.client.StoreClient` that
-lends no memory: a small put (<= ``REMOTE_SLOT_MAX``) is one transfer-engine write into a
-slot the client holds in a remote segment, then ONE ``PUT_SLOTS`` commit that also refills
-the pool (``PUT_RESERVE`` fills it), instead of PUT_START -> write -> PUT_END.
+lends no memory: a put of one size (<= ``REMOTE_SLOT_MAX``, as many values as the pool
+holds) is one transfer-engine write into slots the client holds in a remote segment, then
+ONE ``PUT_SLOTS`` commit that also refills the pool (``PUT_RESERVE`` fills it), instead of
+PUT_START -> write -> PUT_END. Large values too: the round trip it saves was ~7% of a
+remote 4 MiB put on a busy host, and the pool's byte budget bounds what it holds.
 
 Rules that keep a key pointing at its own bytes:
   * every reservation (``PUT_RESERVE``, a refill) carries a random 64-bit token, and a
@@ -28,8 +30,9 @@ from __future__ import annotations
 
 from kvmesh.services.store.fastconn import FastConn
 
-# a client that lends no memory puts a value up to this size through the pool
-REMOTE_SLOT_MAX = 1 << 20
+# a client that lends no memory puts a value up to this size through the pool (when
+# the byte budget holds at least as many slots of that size as the put has values)
+REMOTE_SLOT_MAX = 64 << 20
 # a remote slot is used only within this share of the master's hold on it (the rest is
 # the margin for the commit; the hold counts from when the request was sent)
 REMOTE_SLOT_USE = 0.5
