@@ -130,8 +130,9 @@ def test_a_failed_direct_write_stores_nothing_and_leaves_no_region(store, monkey
 
 
 def test_large_puts_are_one_commit_each_through_held_slots(store, monkeypatch):
-    """4 MiB puts (bytes and zero-copy) and a 16 MiB one: after the PUT_RESERVE that
-    fills the pool, each is a write and ONE PUT_SLOTS commit; every byte comes back."""
+    """4 MiB puts (bytes and zero-copy), and 16 MiB ones by a fresh client (the default
+    budget holds two such slots): after the PUT_RESERVE that fills the pool, each is a
+    write and ONE PUT_SLOTS commit (which refills the pool); every byte comes back."""
     vals = [os.urandom(4 * MiB) for _ in range(5)]
     keys = [f"large-pooled-{i}".encode() for i in range(len(vals))]
 
@@ -151,19 +152,28 @@ def test_large_puts_are_one_commit_each_through_held_slots(store, monkeypatch):
         for i, k in enumerate(zk):
             assert await cl.put_from([k], rs, [i * 4 * MiB], [4 * MiB]) == [True]
         assert sent == [wire.PUT_SLOTS, wire.PUT_SLOTS]
-        huge = os.urandom(16 * MiB)
-        sent.clear()
-        assert await cl.put(b"large-pooled-16", huge)
-        assert wire.PUT_START not in sent and sent[-1] == wire.PUT_SLOTS
         assert await cl.get_into(zk, rd, [0, 4 * MiB]) == [4 * MiB] * 2
         assert np.array_equal(src, dst)
         assert await cl.batch_get(keys) == vals
-        assert await cl.get(b"large-pooled-16") == huge
-        await cl.remove([*keys, *zk, b"large-pooled-16"])
+        await cl.remove([*keys, *zk])
         return cl.stats
 
     stats = run(store.master, body)
     assert stats["master_errors"] == 0 and stats["put_failed"] == 0
+    huge = [os.urandom(16 * MiB) for _ in range(3)]
+
+    async def body16(cl: StoreClient, te: TransferEngine):  # a fresh client's whole budget
+        assert await cl.exists(b"warm-up") is False
+        sent = spy_methods(monkeypatch)
+        for i, v in enumerate(huge):
+            assert await cl.put(f"large-pooled-16-{i}".encode(), v)
+        assert sent.count(wire.PUT_SLOTS) == 3 and sent.count(wire.PUT_RESERVE) == 1
+        assert wire.PUT_START not in sent
+        ks = [f"large-pooled-16-{i}".encode() for i in range(3)]
+        assert await cl.batch_get(ks) == huge
+        await cl.remove(ks)
+
+    run(store.master, body16)
 
 
 def test_a_value_the_pool_budget_cannot_hold_is_put_with_start_and_end(store, monkeypatch):

@@ -145,7 +145,7 @@ class StoreClient:
         pool_bytes: int = 32 << 20,
         pool_slots: int = 64,
         tls: channels.TlsFiles | None = None,
-        remote_pool_bytes: int = 64 << 20,
+        remote_pool_bytes: int = 32 << 20,
         remote_pool_slots: int = 32,
     ) -> None:
         self.te = te
