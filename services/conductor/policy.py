@@ -66,9 +66,10 @@ INFEASIBLE = "infeasible"
 # recent error is allowed for separately (Scheduler.error_tail), not by a wide margin
 SLO_MARGIN = 0.95
 _TTFT = attrgetter("ttft_ms")
+_QUEUED = attrgetter("queue_ms")
 
 
-@dataclass(slots=True)
+@dataclass
 class Request:
     """What admission needs to know about a request."""
 
@@ -85,7 +86,7 @@ def _ms(x: float) -> str:
     return f"{x:.1f}" if x >= 0.1 else f"{x:.2g}"
 
 
-@dataclass(slots=True)
+@dataclass
 class Candidate:
     """One estimated way to serve a request."""
 
@@ -102,18 +103,42 @@ class Candidate:
     speed: float = 1.0  # the node's real ms per model ms the estimate counted on
 
 
-@dataclass(slots=True)
+@dataclass(init=False)  # (its own __init__: a default factory costs ~1 us compiled)
 class Decision:
     accepted: bool
-    route: str = DISAGG
-    prefill_node: str | None = None
-    decode_node: str | None = None
-    estimate: Candidate | None = None
-    tbt_ms: float = 0.0
-    candidates: list[Candidate] = field(default_factory=list)
-    reason: str = ""  # when rejected: ttft, tbt, kv, no-nodes, infeasible
-    message: str = ""
-    retry_after_ms: float = 0.0
+    route: str
+    prefill_node: str | None
+    decode_node: str | None
+    estimate: Candidate | None
+    tbt_ms: float
+    candidates: list[Candidate]
+    reason: str  # when rejected: ttft, tbt, kv, no-nodes, infeasible
+    message: str
+    retry_after_ms: float
+
+    def __init__(
+        self,
+        accepted: bool,
+        route: str = DISAGG,
+        prefill_node: str | None = None,
+        decode_node: str | None = None,
+        estimate: Candidate | None = None,
+        tbt_ms: float = 0.0,
+        candidates: list[Candidate] | None = None,
+        reason: str = "",
+        message: str = "",
+        retry_after_ms: float = 0.0,
+    ) -> None:
+        self.accepted = accepted
+        self.route = route
+        self.prefill_node = prefill_node
+        self.decode_node = decode_node
+        self.estimate = estimate
+        self.tbt_ms = tbt_ms
+        self.candidates = candidates if candidates is not None else []
+        self.reason = reason
+        self.message = message
+        self.retry_after_ms = retry_after_ms
 
     def booked(self) -> tuple[Candidate, str]:
         """The estimate and the decode node of an accepted decision (ValueError if it
@@ -128,7 +153,7 @@ class Decision:
         return self.estimate, self.decode_node
 
 
-@dataclass(slots=True)
+@dataclass
 class _Misses:
     """Why the candidates tried so far were turned down, for the rejection."""
 
@@ -136,42 +161,92 @@ class _Misses:
     least_tbt: float | None = None  # the lowest predicted TBT over the SLO
 
 
-@dataclass
 class PrefillNodeState:
-    node_id: str
-    block_size: int
-    block_nbytes: int
-    layer_nbytes: int
-    model: PrefillModel = field(default_factory=PrefillModel)
-    bandwidth: float = 1e6  # bytes per ms (1 GB/s) until measured
-    # the store's remote path as this node's fetches measured it (not the engine's bandwidth)
-    store_fetch: StoreFetchModel = field(default_factory=StoreFetchModel)
-    # FIFO, as the node serves it: request -> its slot time in model ms (prefill, fetch
-    # and handoff, as predicted by ``model``; ``rate.factor`` turns it into real ms)
-    queue: dict[str, float] = field(default_factory=dict)
-    queue_ms: float = 0.0  # model ms of everything queued (ours + foreign_ms)
-    head_since: float = 0.0  # when the head of the queue started computing
-    rate: MeasuredRate = field(default_factory=MeasuredRate)  # real / model slot time
-    lag_ms: float = 0.0  # from booking to the node starting a request of an empty queue
-    # other conductors' work on the node: requests its load report counts beyond ours
-    # (see report_queue), at the node's observed time per prefill
-    foreign: int = 0
-    foreign_ms: float = 0.0
+    """A prefill node as the conductor sees it: its time models and its queue.
+
+    - ``queue``: FIFO, as the node serves it: request -> its slot time in model ms
+      (prefill, fetch and handoff, as predicted by ``model``; ``rate.factor`` turns it
+      into real ms);
+    - ``queue_ms``: model ms of everything queued (ours + ``foreign_ms``); setting it
+      tells the least-queued orders holding this node (queue_order.py) that it moved;
+    - ``store_fetch``: the store's remote path as this node's fetches measured it (not
+      the engine's bandwidth); ``bandwidth``: bytes per ms (1 GB/s until measured);
+    - ``head_since``: when the head of the queue started computing; ``rate``: real /
+      model slot time; ``lag_ms``: from booking to the node starting a request of an
+      empty queue;
+    - ``foreign``/``foreign_ms``: other conductors' work on the node, the requests its
+      load report counts beyond ours (see ``report_queue``), at the node's observed time
+      per prefill.
+
+    (A plain class, not a dataclass: compiled (policy.pxd) it is an extension type with
+    typed attributes, and ``queue_ms`` is a property of its own.)"""
+
+    def __init__(
+        self,
+        node_id: str,
+        block_size: int,
+        block_nbytes: int,
+        layer_nbytes: int,
+        model: PrefillModel | None = None,
+        bandwidth: float = 1e6,
+        store_fetch: StoreFetchModel | None = None,
+        queue: dict[str, float] | None = None,
+        queue_ms: float = 0.0,
+        head_since: float = 0.0,
+        rate: MeasuredRate | None = None,
+        lag_ms: float = 0.0,
+        foreign: int = 0,
+        foreign_ms: float = 0.0,
+    ) -> None:
+        self._orders: tuple[Any, ...] = ()  # the least-queued orders holding this node
+        self.node_id = node_id
+        self.block_size = block_size
+        self.block_nbytes = block_nbytes
+        self.layer_nbytes = layer_nbytes
+        self.model = model if model is not None else PrefillModel()
+        self.bandwidth = bandwidth
+        self.store_fetch = store_fetch if store_fetch is not None else StoreFetchModel()
+        self.queue = queue if queue is not None else {}
+        self._queue_ms = 0.0
+        self.queue_ms = queue_ms
+        self.head_since = head_since
+        self.rate = rate if rate is not None else MeasuredRate()
+        self.lag_ms = lag_ms
+        self.foreign = foreign
+        self.foreign_ms = foreign_ms
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefillNodeState(node_id={self.node_id!r}, queued={len(self.queue)}, "
+            f"queue_ms={self._queue_ms!r}, foreign={self.foreign!r})"
+        )
+
+    @property
+    def queue_ms(self) -> float:
+        return self._queue_ms
+
+    @queue_ms.setter
+    def queue_ms(self, ms: float) -> None:
+        self._set_queue_ms(ms)
+
+    def _set_queue_ms(self, ms: float) -> None:
+        self._queue_ms = ms
+        for order in self._orders:  # the schedulers' least-queued orders holding this node
+            order.moved(self)
 
     def enqueue(self, rid: str, ms: float, now: float = 0.0) -> None:
         if not self.queue:
             self.head_since = now + self.lag_ms
         self.queue[rid] = ms
-        # (the setter tells the orders; ``_queue_ms`` is the property's own value)
-        self.queue_ms = self._queue_ms + ms  # type: ignore[attr-defined]
+        self._set_queue_ms(self._queue_ms + ms)
 
     def dequeue(self, rid: str, now: float = 0.0) -> None:
         queue = self.queue
         if rid not in queue:
             return
         was_head = next(iter(queue)) == rid
-        left = self._queue_ms - queue.pop(rid)  # type: ignore[attr-defined]
-        self.queue_ms = left if left > 0.0 else 0.0  # max(0.0, left)
+        left = self._queue_ms - queue.pop(rid)
+        self._set_queue_ms(left if left > 0.0 else 0.0)  # max(0.0, left)
         if was_head:
             self.head_since = now
 
@@ -210,8 +285,7 @@ class PrefillNodeState:
         if served < done:  # min(done, served)
             done = served
         foreign = self.foreign_ms
-        queued = self._queue_ms  # type: ignore[attr-defined]  # (the property's value)
-        return (queued - foreign) * f + foreign - done, f
+        return (self._queue_ms - foreign) * f + foreign - done, f
 
     def report_queue(self, reported: int, per_request_ms: float) -> None:
         """The node's load report: ``reported`` requests queued or computing there, from
@@ -222,22 +296,6 @@ class PrefillNodeState:
         self.foreign = max(0, reported - len(self.queue))
         self.foreign_ms = self.foreign * per_request_ms
         self.queue_ms = sum(self.queue.values()) + self.foreign_ms
-
-
-def _get_queue_ms(self: Any) -> float:
-    return self._queue_ms
-
-
-def _set_queue_ms(self: Any, ms: float) -> None:
-    self._queue_ms = ms
-    for order in self._orders:  # the schedulers' least-queued orders holding this node
-        order.moved(self)
-
-
-# ``queue_ms`` tells the orders of the nodes by queued time (queue_order.py) that it
-# moved; the dataclass's __init__ already sets it through this property
-PrefillNodeState._orders = ()  # type: ignore[attr-defined]
-PrefillNodeState.queue_ms = property(_get_queue_ms, _set_queue_ms)  # type: ignore[assignment]
 
 
 @dataclass
@@ -330,6 +388,124 @@ def _remove(xs: list[float], x: float) -> None:
         xs.pop(i)
 
 
+def _disagg_candidate(
+    p: PrefillNodeState,
+    n: int,
+    usable: int,
+    local: int,
+    store_prefix: int,
+    use_store: bool,
+    now: float,
+    dram_prefix: int | None,
+    overhead_ms: float,
+    ssd_bytes_per_ms: float,
+) -> Candidate:
+    """The disaggregated route's estimate on prefill node ``p`` (``Scheduler``'s
+    ``_prefill_candidate``; typed where compiled, policy.pxd)."""
+    # (the hot path of every decision: ``PrefillModel.predict`` is inlined from the
+    # fit's coefficients, term for term, and ``min``/``max`` of ints are written out)
+    bs = p.block_size
+    a, b, k2 = p.model.coef
+    if usable < local:
+        local = usable
+    fetch_blocks, fetch_ms = 0, 0.0
+    if use_store:
+        top = usable if usable < store_prefix else store_prefix
+        k = top - local
+        if k > 0:
+            if dram_prefix is not None:
+                top = usable if usable < dram_prefix else dram_prefix
+            on_ssd = k - (top - local if top > local else 0)
+            fetch_ms = (
+                p.store_fetch.predict_ms(k * p.block_nbytes, p.bandwidth)
+                + on_ssd * p.block_nbytes / ssd_bytes_per_ms
+            )
+            new, cached = n - local * bs, local * bs
+            new2, cached2 = n - (local + k) * bs, (local + k) * bs
+            saved = (a + b * new + k2 * new * (new + cached)) - (
+                a + b * new2 + k2 * new2 * (new2 + cached2)
+            )
+            if fetch_ms < saved:
+                fetch_blocks = k
+            else:
+                fetch_ms = 0.0
+    held = local + fetch_blocks
+    cached = held * bs
+    new = n - cached
+    prefill_ms = a + b * new + k2 * new * (new + cached)
+    new_blocks = -(-n // bs) - held
+    # the prefix blocks go to the decode node while the new tokens compute; only the
+    # part that outlasts the compute, and the last layer of the new blocks, add up
+    bw = p.bandwidth
+    over = held * p.block_nbytes / bw - prefill_ms
+    handoff_ms = (over if over > 0.0 else 0.0) + new_blocks * p.layer_nbytes / bw
+    # the slot time (what the node's measured rate scales) and the wait for the slot
+    work = prefill_ms + fetch_ms + handoff_ms
+    queue, f = p.wait(now)
+    return Candidate(
+        DISAGG,
+        p.node_id,
+        queue + work * f + overhead_ms,
+        queue,
+        prefill_ms * f,
+        fetch_ms * f,
+        handoff_ms * f,
+        local,
+        fetch_blocks,
+        work,
+        f,
+    )
+
+
+def _decode_scan(
+    options: Iterable[DecodeNodeState],
+    need_blocks: int,
+    at: float,
+    n: int,
+    tbt_limit: float,
+    predict: bool,
+    misses: _Misses,
+) -> tuple[DecodeNodeState, float] | None:
+    """Of ``options``, the decode node with ``need_blocks`` of KV room and the lowest
+    predicted TBT within ``tbt_limit`` for a request of ``n`` prompt tokens joining at
+    ``at`` (by the batch then with ``predict``, else by every request booked), and that
+    TBT; None if none qualifies (why is added to ``misses``). ``Scheduler``'s
+    ``_decode_choice``; typed where compiled (policy.pxd)."""
+    best_tbt, best_d = float("inf"), None
+    bisect_right = bisect.bisect_right
+    for d in options:
+        if d.kv_blocks_free - d.reserved_blocks < need_blocks:
+            misses.reason = misses.reason or "kv"
+            continue
+        # the batch when this request joins it, at its first token (kvmesh; the
+        # others judge by every request booked): those booked whose first token comes
+        # earlier, less those ended by then; attending over their share of the KV
+        # booked, plus this one's. (Each search is skipped where the answer is at an
+        # end: all joined by then, or none ended.)
+        ends = d.ends
+        now_batch = len(ends)
+        if predict:
+            joins = d.joins
+            batch = len(joins)
+            if batch and joins[-1] > at:
+                batch = bisect_right(joins, at)
+            if now_batch and not ends[0] > at:  # (a NaN: as the search)
+                batch -= bisect_right(ends, at)
+        else:
+            batch = now_batch
+        kv = d.kv_tokens * batch / now_batch if now_batch else 0
+        a_, b_, k_ = d.model.coef
+        # with other conductors' requests (``foreign``) and their KV
+        tbt = a_ + b_ * (batch + d.foreign + 1) + k_ * (kv + d.foreign_kv + n)
+        if tbt > tbt_limit:
+            misses.reason = "tbt"
+            if misses.least_tbt is None or tbt < misses.least_tbt:
+                misses.least_tbt = tbt
+        elif tbt < best_tbt:
+            best_tbt, best_d = tbt, d
+    return None if best_d is None else (best_d, best_tbt)
+
+
 @dataclass
 class PolicyConfig:
     policy: str = "kvmesh"
@@ -342,6 +518,10 @@ class PolicyConfig:
     ssd_bytes_per_ms: float = 5e5  # promoting a spilled block (0.5 GB/s) before the fetch
 
 
+def _monotonic_ms() -> float:
+    return time.monotonic() * 1000.0
+
+
 class Scheduler:
     """Holds node states and the cache index; decides; books what it decided."""
 
@@ -349,7 +529,7 @@ class Scheduler:
         self,
         cfg: PolicyConfig | None = None,
         index: CacheIndex | None = None,
-        clock: Callable[[], float] = lambda: time.monotonic() * 1000.0,
+        clock: Callable[[], float] = _monotonic_ms,
         rng: random.Random | None = None,
     ) -> None:
         self.cfg = cfg or PolicyConfig()
@@ -383,60 +563,19 @@ class Scheduler:
         dram_prefix: int | None = None,
         overhead_ms: float | None = None,
     ) -> Candidate:
-        # (the hot path of every decision: ``PrefillModel.predict`` is inlined from the
-        # fit's coefficients, term for term, and ``min``/``max`` of ints are written out)
-        bs = p.block_size
-        a, b, k2 = p.model.coef
-        if usable < local:
-            local = usable
-        fetch_blocks, fetch_ms = 0, 0.0
-        if use_store:
-            top = usable if usable < store_prefix else store_prefix
-            k = top - local
-            if k > 0:
-                if dram_prefix is not None:
-                    top = usable if usable < dram_prefix else dram_prefix
-                on_ssd = k - (top - local if top > local else 0)
-                fetch_ms = (
-                    p.store_fetch.predict_ms(k * p.block_nbytes, p.bandwidth)
-                    + on_ssd * p.block_nbytes / self.cfg.ssd_bytes_per_ms
-                )
-                new, cached = n - local * bs, local * bs
-                new2, cached2 = n - (local + k) * bs, (local + k) * bs
-                saved = (a + b * new + k2 * new * (new + cached)) - (
-                    a + b * new2 + k2 * new2 * (new2 + cached2)
-                )
-                if fetch_ms < saved:
-                    fetch_blocks = k
-                else:
-                    fetch_ms = 0.0
-        held = local + fetch_blocks
-        cached = held * bs
-        new = n - cached
-        prefill_ms = a + b * new + k2 * new * (new + cached)
-        new_blocks = -(-n // bs) - held
-        # the prefix blocks go to the decode node while the new tokens compute; only the
-        # part that outlasts the compute, and the last layer of the new blocks, add up
-        bw = p.bandwidth
-        over = held * p.block_nbytes / bw - prefill_ms
-        handoff_ms = (over if over > 0.0 else 0.0) + new_blocks * p.layer_nbytes / bw
-        # the slot time (what the node's measured rate scales) and the wait for the slot
-        work = prefill_ms + fetch_ms + handoff_ms
-        queue, f = p.wait(now)
         if overhead_ms is None:
             overhead_ms = self.overhead_ms[DISAGG]
-        return Candidate(
-            DISAGG,
-            p.node_id,
-            queue + work * f + overhead_ms,
-            queue,
-            prefill_ms * f,
-            fetch_ms * f,
-            handoff_ms * f,
+        return _disagg_candidate(
+            p,
+            n,
+            usable,
             local,
-            fetch_blocks,
-            work,
-            f,
+            store_prefix,
+            use_store,
+            now,
+            dram_prefix,
+            overhead_ms,
+            self.cfg.ssd_bytes_per_ms,
         )
 
     def _colocated_candidate(
@@ -517,7 +656,7 @@ class Scheduler:
         if self.cfg.policy == "random":
             return [self.rng.choice(list(self.prefill.values()))]
         if self.cfg.policy == "load":
-            return [min(self.prefill.values(), key=lambda p: p.queue_ms)]
+            return [min(self.prefill.values(), key=_QUEUED)]
         prefill, k = self.prefill, self.cfg.candidates
         pick = [prefill[nid] for nid in per_node if nid in prefill]
         if type(prefill) is NodeMap:  # the order kept current (queue_order.py)
@@ -544,19 +683,29 @@ class Scheduler:
         use_store = self.cfg.policy == "kvmesh"
         store_prefix = look.store_prefix if look else 0
         dram_prefix = look.store_dram_prefix if look and not store_given else None
-        estimate, get, overhead = self._prefill_candidate, per_node.get, self.overhead_ms[DISAGG]
+        get, overhead = per_node.get, self.overhead_ms[DISAGG]
+        ssd_rate = self.cfg.ssd_bytes_per_ms
         cands = [
-            estimate(
-                p, n, usable, get(p.node_id, 0), store_prefix, use_store, now, dram_prefix, overhead
+            _disagg_candidate(
+                p,
+                n,
+                usable,
+                get(p.node_id, 0),
+                store_prefix,
+                use_store,
+                now,
+                dram_prefix,
+                overhead,
+                ssd_rate,
             )
             for p in self._prefill_nodes(per_node)
         ]
         if self.cfg.policy == "cache":
-            best_local = max(c.cached_blocks for c in cands)
+            best_local = max([c.cached_blocks for c in cands])
             cands = [
                 min(
-                    (c for c in cands if c.cached_blocks == best_local),
-                    key=lambda c: c.queue_ms,
+                    [c for c in cands if c.cached_blocks == best_local],
+                    key=_QUEUED,
                 )
             ]
         return cands
@@ -612,43 +761,16 @@ class Scheduler:
             options = (self.rng.choice(list(self.decode.values())),)
         else:
             options = self.decode.values()
-        predict = self.cfg.policy == "kvmesh"
-        at = now + c.ttft_ms
-        n = r.n_tokens
         tbt_limit = r.tbt_slo_ms * self.cfg.slo_margin
-        best_tbt, best_d = float("inf"), None
-        bisect_right = bisect.bisect_right
-        for d in options:
-            if d.kv_blocks_free - d.reserved_blocks < need_blocks:
-                misses.reason = misses.reason or "kv"
-                continue
-            # the batch when this request joins it, at its first token (kvmesh; the
-            # others judge by every request booked): those booked whose first token comes
-            # earlier, less those ended by then; attending over their share of the KV
-            # booked, plus this one's. (Each search is skipped where the answer is at an
-            # end: all joined by then, or none ended.)
-            ends = d.ends
-            now_batch = len(ends)
-            if predict:
-                joins = d.joins
-                batch = len(joins)
-                if batch and joins[-1] > at:
-                    batch = bisect_right(joins, at)
-                if now_batch and not ends[0] > at:  # (a NaN: as the search)
-                    batch -= bisect_right(ends, at)
-            else:
-                batch = now_batch
-            kv = d.kv_tokens * batch / now_batch if now_batch else 0
-            a_, b_, k_ = d.model.coef
-            # with other conductors' requests (``foreign``) and their KV
-            tbt = a_ + b_ * (batch + d.foreign + 1) + k_ * (kv + d.foreign_kv + n)
-            if tbt > tbt_limit:
-                misses.reason = "tbt"
-                if misses.least_tbt is None or tbt < misses.least_tbt:
-                    misses.least_tbt = tbt
-            elif tbt < best_tbt:
-                best_tbt, best_d = tbt, d
-        return None if best_d is None else (best_d, best_tbt)
+        return _decode_scan(
+            options,
+            need_blocks,
+            now + c.ttft_ms,
+            r.n_tokens,
+            tbt_limit,
+            self.cfg.policy == "kvmesh",
+            misses,
+        )
 
     def _floor(self, r: Request, cands: list[Candidate]) -> str | None:
         """Why no node could ever serve ``r``, even idle (None if an idle one could): the
@@ -693,7 +815,7 @@ class Scheduler:
         """The early rejection: the reason, a message with the numbers behind it, and
         when to retry; or, when no node could ever serve it (``_floor``), ``infeasible``
         without a retry."""
-        best = min(cands, key=lambda c: c.ttft_ms)
+        best = min(cands, key=_TTFT)
         floor = self._floor(r, cands)
         if floor is not None:
             return Decision(

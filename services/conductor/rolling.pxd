@@ -1,0 +1,13 @@
+# Compiled-only declarations for rolling.py (see policy.pxd).
+cimport cython
+
+
+cdef class RollingWindow:
+    cdef public object _items
+    cdef public list _sorted
+    cdef public Py_ssize_t _nans
+
+    @cython.locals(s=list)
+    cpdef append(self, object x)
+    cpdef list sorted(self)
+    cpdef list tail(self, Py_ssize_t k)

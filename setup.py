@@ -1,0 +1,66 @@
+"""Builds the conductor's compiled core: the scheduler's modules compiled by Cython in
+"pure Python mode" (each ``.py`` stays plain Python; a ``.pxd`` beside it types its hot
+state and functions). Everything else is in pyproject.toml.
+
+The extensions are optional: without Cython or a C compiler (or with
+``KVMESH_PURE_PYTHON=1`` set at build time) the same modules run as plain Python, with
+the same decisions, only slower. ``pip install -e .`` builds them in place
+(``services/conductor/*.so``); ``services/conductor/__init__.py`` falls back to the
+``.py`` of any module whose ``.so`` is older than its source.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from setuptools import Extension, setup
+
+# the scheduler's hot path (bench_conductor); each has a .pxd beside it
+COMPILED = ("rolling", "estimator", "index", "queue_order", "policy")
+
+
+def _extensions() -> list[Extension]:
+    if os.environ.get("KVMESH_PURE_PYTHON") == "1":
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError:  # no Cython: plain Python modules
+        return []
+    # the .pxd files under their installed names (the repository keeps services/ at its
+    # top), so that one module cimports another's types: kvmesh.services.conductor.*
+    root = Path(__file__).resolve().parent
+    inc = root / "build" / "cython_include"
+    pkg = inc / "kvmesh" / "services" / "conductor"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for d in (inc / "kvmesh", inc / "kvmesh" / "services", pkg):
+        (d / "__init__.pxd").touch()
+    for m in COMPILED:
+        src, dst = root / "services" / "conductor" / f"{m}.pxd", pkg / f"{m}.pxd"
+        if not dst.exists() or dst.read_bytes() != src.read_bytes():  # (else: no rebuild)
+            shutil.copyfile(src, dst)
+    exts = [
+        Extension(
+            f"kvmesh.services.conductor.{m}",
+            [f"services/conductor/{m}.py"],
+            # float results must equal Python's bit for bit: no fused multiply-add
+            extra_compile_args=["-O2", "-ffp-contract=off"],
+            optional=True,  # a failed build leaves the plain Python module
+        )
+        for m in COMPILED
+    ]
+    try:
+        return cythonize(
+            exts,
+            # types come from the .pxd files alone, not from the annotations of the .py
+            compiler_directives={"language_level": 3, "binding": False, "annotation_typing": False},
+            include_path=[str(inc)],
+            quiet=True,
+        )
+    except Exception as e:  # a Cython error: the plain Python modules, said so
+        print(f"kvmesh: not compiling the conductor's scheduler ({e!r}); plain Python")
+        return []
+
+
+setup(ext_modules=_extensions())
