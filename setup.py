@@ -36,7 +36,7 @@ def _extensions() -> list[Extension]:
     pkg.mkdir(parents=True, exist_ok=True)
     for d in (inc / "kvmesh", inc / "kvmesh" / "services", pkg):
         (d / "__init__.pxd").touch()
-    for m in COMPILED:
+    for m in (*COMPILED, "_sorted"):  # (_sorted: inline functions only, not compiled)
         src, dst = root / "services" / "conductor" / f"{m}.pxd", pkg / f"{m}.pxd"
         if not dst.exists() or dst.read_bytes() != src.read_bytes():  # (else: no rebuild)
             shutil.copyfile(src, dst)

@@ -1,6 +1,8 @@
 # Compiled-only declarations for estimator.py (see policy.pxd).
 cimport cython
 
+from kvmesh.services.conductor.rolling cimport RollingWindow
+
 
 cdef class _Regression:
     cdef dict __dict__  # (an instance may replace a method: tests stub ``fit``)
@@ -21,13 +23,19 @@ cdef class _Regression:
     cdef public object _amax_obs
     cdef public long _scaled_to
 
+    cpdef tuple _features(self, object x, object y)
+    @cython.locals(c=list)
+    cpdef object _predict(self, tuple f)
+    @cython.locals(i=Py_ssize_t, w=Py_ssize_t, j=Py_ssize_t, f=tuple)
+    cpdef add(self, tuple args, object ms, bint track_error=*)
+
 
 cdef class PrefillModel(_Regression):
-    pass
+    cpdef tuple _features(self, object new, object cached)
 
 
 cdef class DecodeModel(_Regression):
-    pass
+    cpdef tuple _features(self, object batch, object kv_tokens)
 
 
 cdef class ErrorTracker:
@@ -44,10 +52,16 @@ cdef class MeasuredRate:
     cdef public object _seen
     cdef public double _factor
     cdef public object _coef
-    cdef public object _ratios
+    cdef public RollingWindow _ratios
     cdef public long _fresh
 
-    cpdef double factor(self, object model) except? -1.0
+    cpdef observe(self, object new, object cached, object extra_ms, object actual_ms)
+    cpdef double factor(self, _Regression model) except? -1.0
+    @cython.locals(fresh=long, lo=double, hi=double, a=double, b=double, k=double,
+                   full=bint, ratios=list, i=Py_ssize_t, n=double, c=double, x=double,
+                   ms=double, pred=double, r=double, s=list, f=double, few=long, y=double,
+                   z=double, m=double)
+    cdef double _refactor(self, _Regression model, list coef) except? -1.0
 
 
 cdef class ErrorTail:
@@ -55,5 +69,8 @@ cdef class ErrorTail:
     cdef public long least
     cdef public double lo
     cdef public double hi
-    cdef public object _ratios
+    cdef public RollingWindow _ratios
     cdef public double value
+
+    @cython.locals(ratios=RollingWindow, r=list, last=Py_ssize_t, i=Py_ssize_t, q=double)
+    cpdef add(self, object estimated, object actual)

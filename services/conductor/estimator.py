@@ -80,10 +80,11 @@ class _Regression:
         if len(f) == 3:  # sum()'s order, unrolled
             c = self.coef
             return c[0] * f[0] + c[1] * f[1] + c[2] * f[2]
-        return sum(c * x for c, x in zip(self.coef, f))
+        return sum([c * x for c, x in zip(self.coef, f)])
 
     def add(self, args: tuple[float, ...], ms: float, track_error: bool = True) -> None:
-        f = self._features(*args)
+        x, y = args
+        f = self._features(x, y)
         if track_error and ms > 0:
             self._errors.append(abs(self._predict(f) - ms) / ms)
         i, w = self._head, self._window
@@ -339,17 +340,17 @@ class MeasuredRate:
         self._fresh = 0
         s = self._ratios.sorted()
         f = s[len(s) // 2] if s else 1.0
-        k = self.recent
-        if k and len(seen) >= k:  # the last few, slower of late? (``_ratios`` holds
+        few = self.recent
+        if few and len(seen) >= few:  # the last few, slower of late? (``_ratios`` holds
             # the ratio of each of ``seen`` by this fit, in the same order)
-            if k == 3:  # the median of three, without a sort (a ratio is never a NaN)
+            if few == 3:  # the median of three, without a sort (a ratio is never a NaN)
                 x, y, z = self._ratios.tail(3)
                 if x > y:
                     x, y = y, x
                 m = z if z < y else y  # min(max(x, y), z)
                 m = m if m > x else x  # the middle one: max(min(x, y), that)
             else:
-                m = sorted(self._ratios.tail(k))[k // 2]
+                m = sorted(self._ratios.tail(few))[few // 2]
             f = max(f, m)
         if f > 1.0 and len(seen) < self.least:  # too few to say slower: shrunk
             f = f ** (len(seen) / self.least)

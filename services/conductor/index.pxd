@@ -9,7 +9,7 @@ cdef class Lookup:
 
 
 @cython.locals(holders=object)
-cdef Py_ssize_t _run(object get, list hashes, Py_ssize_t i, object node) except -1
+cdef Py_ssize_t _run(dict pool, list hashes, Py_ssize_t i, object node) except -1
 
 
 cdef class CacheIndex:

@@ -41,9 +41,10 @@ class Lookup:
         self.store_dram_prefix = store_dram_prefix
 
 
-def _run(get, hashes: list[bytes], i: int, node: str) -> int:
-    """Where ``node``'s run of held blocks that reaches block ``i`` ends (``get`` maps a
+def _run(pool: dict, hashes: list[bytes], i: int, node: str) -> int:
+    """Where ``node``'s run of held blocks that reaches block ``i`` ends (``pool`` maps a
     hash to its holder or holders)."""
+    get = pool.get
     for holders in map(get, islice(hashes, i, None)):
         if holders is not node and (
             holders is None or (holders != node if type(holders) is str else node not in holders)
@@ -148,9 +149,9 @@ class CacheIndex:
         if first is not None:
             per_node = out.per_node
             if type(first) is str:  # one holder: follow it alone
-                per_node[first] = _run(get, hashes, 1, first)
+                per_node[first] = _run(self._pool, hashes, 1, first)
             else:
-                self._lookup_many(get, hashes, set(first), per_node)
+                self._lookup_many(self._pool, hashes, set(first), per_node)
         store, ssd = self._store, self._ssd
         k = 0
         if not ssd:
@@ -171,12 +172,15 @@ class CacheIndex:
         return out
 
     @staticmethod
-    def _lookup_many(get, hashes: list[bytes], alive: set[str], per_node: dict[str, int]) -> None:
+    def _lookup_many(
+        pool: dict, hashes: list[bytes], alive: set[str], per_node: dict[str, int]
+    ) -> None:
         """``lookup`` when several nodes hold the first block: each keeps the length at
         which it drops out, and only steps where some node drops out cost more than a
         lookup; once one node is left it is followed alone."""
         for node in alive:
             per_node[node] = 1
+        get = pool.get
         n = len(hashes)
         i = 1
         while i < n:
@@ -189,7 +193,7 @@ class CacheIndex:
                 for node in alive:
                     if node != holders:
                         per_node[node] = i
-                per_node[holders] = _run(get, hashes, i, holders)
+                per_node[holders] = _run(pool, hashes, i, holders)
                 return
             if not alive <= holders:
                 gone = alive - holders
@@ -200,7 +204,7 @@ class CacheIndex:
                     return
                 if len(alive) == 1:
                     node = next(iter(alive))
-                    per_node[node] = _run(get, hashes, i, node)
+                    per_node[node] = _run(pool, hashes, i, node)
                     return
             i += 1
         for node in alive:

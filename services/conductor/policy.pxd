@@ -4,6 +4,8 @@
 # computation is policy.py's own, in the same order (decisions stay bit-identical).
 cimport cython
 
+from kvmesh.services.conductor cimport _sorted
+
 from kvmesh.services.conductor.estimator cimport (
     DecodeModel,
     ErrorTail,

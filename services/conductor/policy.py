@@ -35,7 +35,6 @@ current load, plain early rejection) and ``kvmesh`` (all of the above).
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import random
 import time
@@ -44,6 +43,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
+from kvmesh.services.conductor import _sorted
 from kvmesh.services.conductor.estimator import (
     DecodeModel,
     ErrorTail,
@@ -336,7 +336,7 @@ class DecodeNodeState:
         """The batch at time ``t``: the booked requests that have joined by then (their
         prefill done) and not yet ended. Each joins before it ends, so this is the joined
         count less the ended count."""
-        return bisect.bisect_right(self.joins, t) - bisect.bisect_right(self.ends, t)
+        return _sorted.bisect_right(self.joins, t) - _sorted.bisect_right(self.ends, t)
 
     def admit(
         self, rid: str, end: float, kv: int, blocks: int, join: float = float("-inf")
@@ -344,8 +344,8 @@ class DecodeNodeState:
         """Books ``rid``: it joins the batch at ``join`` (when its first token is due; by
         default it is in the batch already) and leaves at ``end``."""
         join = min(join, end)
-        bisect.insort(self.ends, end)
-        bisect.insort(self.joins, join)
+        _sorted.insort(self.ends, end)
+        _sorted.insort(self.joins, join)
         self.join_of[rid] = join
         self.work[rid] = (end, kv, blocks)
         self.kv_tokens += kv
@@ -369,7 +369,7 @@ class DecodeNodeState:
         join = self.join_of.get(rid)
         if join is not None and join > t:
             _remove(self.joins, join)
-            bisect.insort(self.joins, t)
+            _sorted.insort(self.joins, t)
             self.join_of[rid] = t
 
     def free_blocks(self) -> int:
@@ -383,7 +383,7 @@ class DecodeNodeState:
 
 def _remove(xs: list[float], x: float) -> None:
     """Removes one ``x`` from the sorted list ``xs`` (if there)."""
-    i = bisect.bisect_left(xs, x)
+    i = _sorted.bisect_left(xs, x)
     if i < len(xs) and xs[i] == x:
         xs.pop(i)
 
@@ -472,7 +472,6 @@ def _decode_scan(
     TBT; None if none qualifies (why is added to ``misses``). ``Scheduler``'s
     ``_decode_choice``; typed where compiled (policy.pxd)."""
     best_tbt, best_d = float("inf"), None
-    bisect_right = bisect.bisect_right
     for d in options:
         if d.kv_blocks_free - d.reserved_blocks < need_blocks:
             misses.reason = misses.reason or "kv"
@@ -488,9 +487,9 @@ def _decode_scan(
             joins = d.joins
             batch = len(joins)
             if batch and joins[-1] > at:
-                batch = bisect_right(joins, at)
+                batch = _sorted.bisect_right(joins, at)
             if now_batch and not ends[0] > at:  # (a NaN: as the search)
-                batch -= bisect_right(ends, at)
+                batch -= _sorted.bisect_right(ends, at)
         else:
             batch = now_batch
         kv = d.kv_tokens * batch / now_batch if now_batch else 0

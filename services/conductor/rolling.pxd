@@ -1,6 +1,8 @@
 # Compiled-only declarations for rolling.py (see policy.pxd).
 cimport cython
 
+from kvmesh.services.conductor cimport _sorted
+
 
 cdef class RollingWindow:
     cdef public object _items

@@ -5,10 +5,11 @@ nodes' measured rates are read after every booked request)."""
 
 from __future__ import annotations
 
-import bisect
 import statistics
 from collections import deque
 from collections.abc import Iterable, Iterator
+
+from kvmesh.services.conductor import _sorted
 
 
 class RollingWindow:
@@ -35,12 +36,12 @@ class RollingWindow:
                 self._nans -= 1
             else:
                 s = self._sorted
-                del s[bisect.bisect_left(s, old)]
+                del s[_sorted.bisect_left(s, old)]
         items.append(x)
         if x != x:
             self._nans += 1
         else:
-            bisect.insort(self._sorted, x)
+            _sorted.insort(self._sorted, x)
 
     def sorted(self) -> list[float]:
         """The window sorted (the caller must not change the list)."""
