@@ -28,7 +28,10 @@ Semantics a caller can rely on:
     clock skew cannot extend it; a late read is a miss (``stats["lease_expired"]``) and
     the caller recomputes;
   * every failure of the store (master down, node gone, transfer error) is a miss or a
-    ``False``, never an exception, except bad arguments (``ValueError``).
+    ``False``, never an exception, except bad arguments (``ValueError``);
+  * a remote bytes put of values of ``direct.DIRECT_PUT_MIN`` or more sends them from
+    the caller's buffers (:mod:`kvmesh.services.store.direct`): a mutable value must not
+    change until its put returns (smaller ones are copied into a staging region first).
 """
 
 from __future__ import annotations
