@@ -32,14 +32,18 @@ cdef class _Regression:
 
 cdef class PrefillModel(_Regression):
     cpdef tuple _features(self, object new, object cached)
+    cpdef observe(self, object new, object cached, object ms)
 
 
 cdef class DecodeModel(_Regression):
     cpdef tuple _features(self, object batch, object kv_tokens)
+    cpdef observe(self, object batch, object kv_tokens, object ms)
 
 
 cdef class ErrorTracker:
     cdef public object _e
+
+    cpdef add(self, object estimated, object actual)
 
 
 cdef class MeasuredRate:

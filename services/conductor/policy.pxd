@@ -54,6 +54,8 @@ cdef class Decision:
     cdef public object message
     cdef public double retry_after_ms
 
+    cpdef tuple booked(self)
+
 
 cdef class _Misses:
     cdef public str reason

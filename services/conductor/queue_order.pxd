@@ -1,6 +1,8 @@
 # Compiled-only declarations for queue_order.py (see policy.pxd).
 cimport cython
 
+from kvmesh.services.conductor cimport _sorted
+
 
 cdef class QueueOrder:
     cdef public list keys

@@ -12,9 +12,10 @@ nodes).
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Container, Mapping
 from typing import Any, Protocol, TypeVar
+
+from kvmesh.services.conductor import _sorted
 
 V = TypeVar("V")
 
@@ -101,12 +102,12 @@ class QueueOrder:
             new = (state.queue_ms, nid)
             if new == old:
                 continue
-            i = bisect.bisect_left(keys, old)
+            i = _sorted.bisect_left_key(keys, old)
             if i < len(keys) and keys[i] is old:
                 del keys[i]
             else:  # pragma: no cover - a NaN queue time: found by identity
                 keys.remove(old)
-            bisect.insort(keys, new)
+            _sorted.insort_key(keys, new)
             key_of[nid] = new
         dirty.clear()
 

@@ -13,3 +13,5 @@ cdef class RollingWindow:
     cpdef append(self, object x)
     cpdef list sorted(self)
     cpdef list tail(self, Py_ssize_t k)
+    @cython.locals(s=list, n=Py_ssize_t)
+    cpdef object median(self)
