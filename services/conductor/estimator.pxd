@@ -26,8 +26,14 @@ cdef class _Regression:
     cpdef tuple _features(self, object x, object y)
     @cython.locals(c=list)
     cpdef object _predict(self, tuple f)
-    @cython.locals(i=Py_ssize_t, w=Py_ssize_t, j=Py_ssize_t, f=tuple)
+    # (the rings typed as memory: no conversion call per number written or read)
+    @cython.locals(i=Py_ssize_t, w=Py_ssize_t, j=Py_ssize_t, f=tuple, xr=double[::1],
+                   yr=double[::1])
     cpdef add(self, tuple args, object ms, bint track_error=*)
+    @cython.locals(obs=long, rows=Py_ssize_t, w=Py_ssize_t, gone=long, amax=list,
+                   xr=double[::1], stride=Py_ssize_t, o=long, j=Py_ssize_t, f=Py_ssize_t,
+                   v=double)
+    cpdef list _scales(self, object xt)
 
 
 cdef class PrefillModel(_Regression):

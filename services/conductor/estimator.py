@@ -92,7 +92,8 @@ class _Regression:
         for v in f:  # feature by feature: at i and i + window of its own ring
             xr[j] = xr[j + w] = v
             j += 2 * w
-        self._yraw[i] = self._yraw[i + w] = ms
+        yr = self._yraw
+        yr[i] = yr[i + w] = ms
         self._head = (i + 1) % w
         self._rows = min(self._rows + 1, w)
         self.observations += 1

@@ -132,7 +132,7 @@ cdef Candidate _disagg_candidate(PrefillNodeState p, long n, long usable, long l
 
 @cython.locals(best_tbt=double, d=DecodeNodeState, ends=list, joins=list,
                now_batch=Py_ssize_t, batch=Py_ssize_t, kv=double, a_=double, b_=double,
-               k_=double, tbt=double)
+               k_=double, tbt=double, last=double, first=double)
 cdef object _decode_scan(object options, long need_blocks, double at, long n,
                          double tbt_limit, bint predict, _Misses misses)
 

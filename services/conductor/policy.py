@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 import random
-import time
+from time import monotonic as _monotonic
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -486,10 +486,14 @@ def _decode_scan(
         if predict:
             joins = d.joins
             batch = len(joins)
-            if batch and joins[-1] > at:
-                batch = _sorted.bisect_right(joins, at)
-            if now_batch and not ends[0] > at:  # (a NaN: as the search)
-                batch -= _sorted.bisect_right(ends, at)
+            if batch:
+                last = joins[batch - 1]
+                if last > at:
+                    batch = _sorted.bisect_right(joins, at)
+            if now_batch:
+                first = ends[0]
+                if not first > at:  # (a NaN: as the search)
+                    batch -= _sorted.bisect_right(ends, at)
         else:
             batch = now_batch
         kv = d.kv_tokens * batch / now_batch if now_batch else 0
@@ -518,7 +522,7 @@ class PolicyConfig:
 
 
 def _monotonic_ms() -> float:
-    return time.monotonic() * 1000.0
+    return _monotonic() * 1000.0
 
 
 class Scheduler:

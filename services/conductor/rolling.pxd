@@ -8,6 +8,7 @@ cdef class RollingWindow:
     cdef public object _items
     cdef public list _sorted
     cdef public Py_ssize_t _nans
+    cdef public Py_ssize_t _maxlen
 
     @cython.locals(s=list)
     cpdef append(self, object x)

@@ -19,10 +19,11 @@ class RollingWindow:
     window. A NaN is kept in arrival order only; while one is in the window they fall
     back to those functions themselves (a NaN has no place in a sorted order)."""
 
-    __slots__ = ("_items", "_sorted", "_nans")
+    __slots__ = ("_items", "_sorted", "_nans", "_maxlen")
 
     def __init__(self, maxlen: int, items: Iterable[float] = ()) -> None:
         self._items: deque[float] = deque(items, maxlen=maxlen)
+        self._maxlen = maxlen
         kept = [x for x in self._items if x == x]
         self._nans = len(self._items) - len(kept)
         kept.sort()
@@ -30,7 +31,7 @@ class RollingWindow:
 
     def append(self, x: float) -> None:
         items = self._items
-        if len(items) == items.maxlen:
+        if len(items) == self._maxlen:
             old = items[0]
             if old != old:
                 self._nans -= 1
