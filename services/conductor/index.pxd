@@ -1,6 +1,8 @@
 # Compiled-only declarations for index.py (see policy.pxd).
 cimport cython
 
+from kvmesh.services.conductor cimport _prefetch
+
 
 cdef class Lookup:
     cdef public dict per_node

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice
 
+from kvmesh.services.conductor import _prefetch
+
 POOL = "pool"  # a node's engine KV pool (prefix cache)
 STORE = "store"  # the cluster store: DRAM segments, and SSD tiers behind them
 
@@ -143,6 +145,9 @@ class CacheIndex:
         of ``holders`` of the first block, the order candidates are tried in) and the
         longest prefix in the store (and in its DRAM)."""
         out = Lookup()
+        store, ssd = self._store, self._ssd
+        _prefetch.prefetch(self._pool, hashes)  # (compiled: the misses overlap)
+        _prefetch.prefetch(store, hashes)
         get = self._pool.get
         n = len(hashes)
         first = get(hashes[0]) if n else None
@@ -152,7 +157,6 @@ class CacheIndex:
                 per_node[first] = _run(self._pool, hashes, 1, first)
             else:
                 self._lookup_many(self._pool, hashes, set(first), per_node)
-        store, ssd = self._store, self._ssd
         k = 0
         if not ssd:
             for replicas in map(store.get, hashes):

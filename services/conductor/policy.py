@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import heapq
 import random
-from time import monotonic as _monotonic
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
+from time import monotonic as _monotonic
 from typing import Any
 
 from kvmesh.services.conductor import _sorted
