@@ -445,14 +445,16 @@ def test_slot_frames_bad_input_gets_a_clear_status(store, fast):
 
 @FUZZ
 @given(
-    which=st.sampled_from([wire.PUT_START, wire.PUT_END, wire.PUT_RESERVE, wire.PUT_SLOTS]),
+    which=st.sampled_from(
+        [wire.PUT_START, wire.PUT_END, wire.PUT_RESERVE, wire.PUT_SLOTS, wire.PUT_RELEASE]
+    ),
     nkeys=st.integers(1, 4),
     flips=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=4),
     cut=st.integers(0, 12),
     extra=st.binary(max_size=8),
 )
 def test_fuzz_put_frames(store, fast, stored, which, nkeys, flips, cut, extra):
-    """Mutated PUT_START / PUT_END / PUT_RESERVE / PUT_SLOTS frames: a clean status
+    """Mutated PUT_START / PUT_END / PUT_RESERVE / PUT_SLOTS / PUT_RELEASE frames: a clean status
     (never a dropped connection, never INTERNAL), and the value stored before still
     reads back byte for byte (the ``stored`` fixture checks it at the end)."""
     keys = [os.urandom(16) for _ in range(nkeys)]
@@ -464,6 +466,9 @@ def test_fuzz_put_frames(store, fast, stored, which, nkeys, flips, cut, extra):
             wire.PUT_RESERVE: lambda: wire.pack_put_reserve("fuzzer", 4096, nkeys, 0),
             wire.PUT_SLOTS: lambda: wire.pack_put_slots(
                 "fuzzer", 0, keys, 4096, offs, [1] * nkeys, 1
+            ),
+            wire.PUT_RELEASE: lambda: wire.pack_put_release(
+                "fuzzer", 0, 4096, [(o, 1) for o in offs]
             ),
         }[which]()
     )

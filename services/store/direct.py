@@ -16,7 +16,7 @@ put would cost more than the copy)."""
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -24,11 +24,14 @@ from kvmesh.rdma import TransferEngine
 
 # a bytes-API put whose values are all this large sends them from the caller's buffers
 DIRECT_PUT_MIN = 256 << 10
+# the transports where registering a buffer is only a table entry (``transport_kind``:
+# the TCP transport has no ``kind`` of its own, so its class name; "tcp" if it gets one)
+TCP_KINDS = frozenset({"TcpTransport", "tcp"})
 
 
 def usable(te: TransferEngine, views: Sequence[memoryview]) -> bool:
     """Whether a put of ``views`` sends them from their own buffers."""
-    return te.transport_kind != "rdma" and all(len(v) >= DIRECT_PUT_MIN for v in views)
+    return te.transport_kind in TCP_KINDS and all(len(v) >= DIRECT_PUT_MIN for v in views)
 
 
 def _source(view: memoryview):
@@ -56,3 +59,29 @@ def register(te: TransferEngine, views: Sequence[memoryview]) -> list[int]:
 def unregister(te: TransferEngine, regions: Sequence[int]) -> None:
     for rid in regions:
         te.unregister(rid)
+
+
+# (keys, sizes, region per key, offsets=) -> True per stored key (None: not applicable)
+PutFn = Callable[..., Awaitable[list[bool] | None]]
+
+
+async def put(
+    te: TransferEngine,
+    keys: list[bytes],
+    sizes: list[int],
+    views: Sequence[memoryview],
+    pooled: PutFn,
+    placed: PutFn,
+) -> list[bool]:
+    """Puts ``views`` from their own buffers: each registered as a region for the put
+    (gone afterwards, whatever happened: a failure, a cancellation), through the remote
+    slot pool (``pooled``) or else PUT_START/PUT_END (``placed``)."""
+    regions = register(te, views)
+    try:
+        zero = [0] * len(views)
+        sub = await pooled(keys, sizes, regions, offsets=zero)
+        if sub is None:
+            sub = await placed(keys, sizes, regions, offsets=zero)
+        return sub or [False] * len(keys)
+    finally:
+        unregister(te, regions)

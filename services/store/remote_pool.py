@@ -23,10 +23,25 @@ Rules that keep a key pointing at its own bytes:
     not usable meanwhile (bounded by the pool's budget per connection).
 
 The pool holds at most ``remote_pool_slots`` slots of one size and ``remote_pool_bytes``
-across all sizes; a put that does not fit the budget left takes the usual path.
+across all sizes, counting the slots it holds, those popped by puts not yet committed
+and those asked for by a ``PUT_RESERVE`` or a refill still in flight (so concurrent puts
+never make it hold more: one ``PUT_RESERVE`` per size is in flight at a time, the other
+puts of that size await it, and what comes back beyond the budget is given back with
+``PUT_RELEASE``); a put that does not fit the budget left takes the usual path. The
+master grants spare slots only from a small share of a segment's free space
+(``metadata.REMOTE_SPARE_SHARE``), so a pool never fills a segment up to its eviction
+watermark.
+
+A slot is taken only when its use-by time leaves room for the write: ``size`` at
+``REMOTE_SLOT_MIN_BW`` plus ``REMOTE_SLOT_MARGIN_S`` (a large write into a slot about to
+expire would always miss it). A write that fails drops every slot of the pool on that
+holder (it likely died; the keys are put again through PUT_START/PUT_END, which places
+them on a live one: a failed write was never committed).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from kvmesh.services.store.fastconn import FastConn
 
@@ -36,9 +51,19 @@ REMOTE_SLOT_MAX = 64 << 20
 # a remote slot is used only within this share of the master's hold on it (the rest is
 # the margin for the commit; the hold counts from when the request was sent)
 REMOTE_SLOT_USE = 0.5
+# a slot is taken for a write of ``size`` bytes only with at least
+# size / REMOTE_SLOT_MIN_BW + REMOTE_SLOT_MARGIN_S left before its use-by time (a
+# conservative floor of the engine's bandwidth to a peer: a slow write is late anyway)
+REMOTE_SLOT_MIN_BW = 128e6
+REMOTE_SLOT_MARGIN_S = 0.1
 
 # (use by, data address, region, node, offset, token)
 RemoteSlot = tuple[float, str, int, str, int, int]
+
+
+def write_time(size: int) -> float:
+    """The time a slot must have left for a write of ``size`` bytes into it."""
+    return size / REMOTE_SLOT_MIN_BW + REMOTE_SLOT_MARGIN_S
 
 
 class RemotePool:
@@ -49,6 +74,11 @@ class RemotePool:
         self.slots: dict[int, list[RemoteSlot]] = {}
         self.conn: FastConn | None = None
         self.use_s = 0.0  # how long a slot is used after its reserving call was sent
+        # per size: slots popped by puts not committed yet, and slots asked for by calls
+        # in flight (both count against the budget)
+        self.busy: dict[int, int] = {}
+        # per size: the PUT_RESERVE in flight (the other puts of that size await it)
+        self.reserving: dict[int, asyncio.Future] = {}
 
     def of(self, size: int, conn: FastConn | None) -> list[RemoteSlot]:
         """The slots of ``size`` held on ``conn`` (those of another connection are
@@ -58,21 +88,57 @@ class RemotePool:
             self.conn = conn
         return self.slots.setdefault(size, [])
 
+    def held(self, size: int) -> int:
+        """Slots of ``size`` held, popped or asked for."""
+        return len(self.slots.get(size, ())) + self.busy.get(size, 0)
+
+    def held_bytes(self) -> int:
+        sizes = set(self.slots) | set(self.busy)
+        return sum(z * self.held(z) for z in sizes)
+
     def target(self, size: int) -> int:
-        """How many slots of ``size`` the pool may hold: the per-size count, within the
-        byte budget left by the other sizes (0: none)."""
-        other = sum(z * len(p) for z, p in self.slots.items() if z != size)
+        """How many slots of ``size`` the pool may hold (popped and asked for included):
+        the per-size count, within the byte budget left by the other sizes (0: none)."""
+        other = self.held_bytes() - size * self.held(size)
         return max(0, min(self.max_slots, (self.max_bytes - other) // size))
 
+    def room(self, size: int) -> int:
+        """How many more slots of ``size`` may be asked for."""
+        return max(0, self.target(size) - self.held(size))
+
+    def add_busy(self, size: int, n: int) -> None:
+        self.busy[size] = self.busy.get(size, 0) + n
+
+    def trim(self, size: int) -> list[RemoteSlot]:
+        """Pops the slots of ``size`` beyond the target (-> them, to be given back)."""
+        pool = self.slots.get(size, [])
+        extra = self.held(size) - self.target(size)
+        out: list[RemoteSlot] = []
+        while extra > 0 and pool:
+            out.append(pool.pop(0))
+            extra -= 1
+        return out
+
+    def drop_peer(self, addr: str) -> int:
+        """Drops every slot held on the segment holder at data address ``addr``."""
+        n = 0
+        for pool in self.slots.values():
+            keep = [s for s in pool if s[1] != addr]
+            n += len(pool) - len(keep)
+            pool[:] = keep
+        return n
+
     @staticmethod
-    def take(pool: list[RemoteSlot], n: int, now: float) -> list[RemoteSlot] | None:
-        """Pops ``n`` slots whose use-by time has not passed (expired ones are dropped
-        as they come: the pool is not kept in use-by order); None when fewer are left
-        (those taken go back)."""
+    def take(
+        pool: list[RemoteSlot], n: int, now: float, need_s: float = 0.0
+    ) -> list[RemoteSlot] | None:
+        """Pops ``n`` slots with at least ``need_s`` left before their use-by time (the
+        others are dropped as they come: the pool is not kept in use-by order); None
+        when fewer are left (those taken go back)."""
         out: list[RemoteSlot] = []
         while len(out) < n and pool:
             s = pool.pop()
-            if s[0] >= now:
+            if s[0] - now >= need_s:
                 out.append(s)
         if len(out) < n:
             pool.extend(reversed(out))

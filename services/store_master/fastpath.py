@@ -251,6 +251,11 @@ class FastPathProtocol:
                 node, region, [(k, o, size, t) for k, o, t in zip(keys, offs, tokens)], refill
             )
             return 0, wire.pack_put_slots_resp(status, token, new)
+        if method == wire.PUT_RELEASE:
+            node, region, size, slots = wire.unpack_put_release(body)
+            if len(slots) > MAX_HASHES:
+                return _INVALID, f"PutRelease: at most {MAX_HASHES} slots per call".encode()
+            return 0, wire.pack_count(s.meta.release_remote(node, region, size, slots))
         if method == wire.PUT_END:
             keys, abort = wire.unpack_put_end(body)
             if err := check_keys(keys, "PutEnd"):

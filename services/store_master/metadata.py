@@ -35,6 +35,11 @@ from kvmesh.services.store_master.model import (  # noqa: F401
 )
 from kvmesh.services.store_master.policy import ReplicaPolicy
 
+# spare slots for a remote writer (PUT_RESERVE's spare, PUT_SLOTS' refill) come only
+# from this share of the segment's free space at the time: a writer's pool never fills a
+# segment to its eviction watermark, after which every data put would evict cached blocks
+REMOTE_SPARE_SHARE = 0.125
+
 
 class StoreMetadata(ReplicaPolicy):
     """Placement, leases, pins, heat, tiers and eviction for the cluster KV store."""
@@ -341,8 +346,16 @@ class StoreMetadata(ReplicaPolicy):
             return None, [], 0
         seg, off = got
         seg.reserved[off] = size
-        offs = [off] + self._reserve_in(seg, size, max(0, count - 1), spare)
+        offs = [off] + self._reserve_in(seg, size, max(0, count - 1), 0)
+        spare = self._spare_cap(seg, size, spare)
+        if spare:
+            offs += self._reserve_in(seg, size, 0, spare)
         return seg, offs, self._hold_remote(seg, offs)
+
+    @staticmethod
+    def _spare_cap(seg: Segment, size: int, spare: int) -> int:
+        """``spare`` cut to what ``REMOTE_SPARE_SHARE`` of ``seg``'s free space holds."""
+        return min(spare, int((seg.size - seg.used) * REMOTE_SPARE_SHARE) // size)
 
     def _hold_remote(self, seg: Segment, offs: list[int]) -> int:
         """Holds ``offs`` of ``seg`` for ``put_timeout_s`` under a fresh token."""
@@ -389,9 +402,33 @@ class StoreMetadata(ReplicaPolicy):
         if seg is not None and refill > 0 and items:
             size = items[0][2]
             if 0 < size <= seg.size:
-                new = self._reserve_in(seg, size, 0, refill)
+                new = self._reserve_in(seg, size, 0, self._spare_cap(seg, size, refill))
                 token = self._hold_remote(seg, new)
         return status, token, new
+
+    def release_remote(
+        self, node_id: str, region_id: int, size: int, slots: Iterable[tuple[int, int]]
+    ) -> int:
+        """Frees (offset, token) slots of ``size`` that :meth:`reserve_remote` holds on
+        segment ``node_id``/``region_id`` under that token (a writer gives back slots it
+        will not write: its pool over budget, or it closes); others are ignored (expired,
+        another writer's, a restarted master). -> how many were freed."""
+        seg_id = f"{node_id}/{region_id}"
+        seg = self.segments.get(seg_id)
+        if seg is None:
+            return 0
+        n = 0
+        for off, token in slots:
+            held = self.remote_slots.get((seg_id, off))
+            if held is None or held[1] != token or token == 0:
+                continue
+            if seg.reserved.get(off) != size:
+                continue
+            del self.remote_slots[(seg_id, off)]
+            del seg.reserved[off]
+            seg.release(off, size)
+            n += 1
+        return n
 
     def release_reserved(
         self, writer: str, region_id: int, slots: Iterable[tuple[int, int]]

@@ -13,9 +13,9 @@ Frames (little-endian)::
 
 Methods with a compact body (the hot ones): GET (GetReplicas), EXISTS, PUT_LOCAL, REMOVE,
 PUT_START and PUT_END (a remote put: place, write over the transfer engine, commit), and
-PUT_RESERVE / PUT_SLOTS (a remote writer's pool of reserved slots: a small put is one
-transfer-engine write into a slot it holds, then one commit that also refills the pool;
-these two have no gRPC twin: without the fast path a client puts with PutStart/PutEnd).
+PUT_RESERVE / PUT_SLOTS / PUT_RELEASE (a remote writer's pool of reserved slots: a small
+put is one transfer-engine write into a slot it holds, then one commit that also refills
+the pool; slots it will not write are given back; these have no gRPC twin: without the fast path a client puts with PutStart/PutEnd).
 Others carry the serialized protobuf request/response of the gRPC method (PB_BASE + i).
 Keys: u32 count | u16 key length (0 = each key is u16 length + bytes) | keys.
 Strings: u8 length + UTF-8.
@@ -56,6 +56,7 @@ def split_frames(buf: bytearray, data: bytes) -> tuple[list[tuple[int, int, byte
 
 
 GET, EXISTS, PUT_LOCAL, REMOVE, PUT_START, PUT_END, PUT_RESERVE, PUT_SLOTS = 1, 2, 3, 4, 5, 6, 7, 8
+PUT_RELEASE = 9
 PB_BASE = 16
 PB_METHODS = ("PutStart", "PutEnd", "Pin", "Unpin", "Stats")
 
@@ -446,3 +447,35 @@ def unpack_put_slots_resp(buf, n: int) -> tuple[list[int], int, list[int]]:
     (token,) = _U64.unpack_from(buf, n)
     (m,) = _U32.unpack_from(buf, n + 8)
     return status, token, list(struct.unpack_from(f"<{m}Q", buf, n + 12))
+
+
+# -- PUT_RELEASE: segment node_id | u32 region | u64 size | u32 n | (u64 offset, u64 token)*
+#    ->  u32 count freed (slots not held under that token are ignored)
+_RELEASE = struct.Struct("<IQI")
+
+
+def pack_put_release(
+    node_id: str, region: int, size: int, slots: Sequence[tuple[int, int]]
+) -> bytes:
+    flat = [x for s in slots for x in s]
+    return (
+        pack_str(node_id)
+        + _RELEASE.pack(region, size, len(slots))
+        + struct.pack(f"<{len(flat)}Q", *flat)
+    )
+
+
+def unpack_put_release(buf) -> tuple[str, int, int, list[tuple[int, int]]]:
+    """-> (segment node_id, region, size, [(offset, token)]); ValueError on a truncated
+    frame, trailing bytes, a lying slot count or a size of 0."""
+    node, pos = unpack_str(buf, 0)
+    if len(buf) - pos < _RELEASE.size:
+        raise ValueError("PutRelease frame is truncated")
+    region, size, n = _RELEASE.unpack_from(buf, pos)
+    pos += _RELEASE.size
+    if len(buf) - pos != 16 * n:
+        raise ValueError("PutRelease frame: u32 n then n (u64 offset, u64 token) pairs")
+    if size <= 0:
+        raise ValueError("PutRelease: size must be > 0")
+    flat = struct.unpack_from(f"<{2 * n}Q", buf, pos)
+    return node, region, size, list(zip(flat[0::2], flat[1::2]))

@@ -1,0 +1,251 @@
+"""The remote slot pool's limits, as real processes (a client that lends nothing, a
+store-node that holds the segment): concurrent puts never make a client hold more than
+its budget, the master grants spare slots only from a share of a segment's free space,
+a holder that dies takes its pooled slots with it (the keys go to a live one), a slot
+with too little time left is not written, a closing client gives its slots back
+(PUT_RELEASE), and a put cancelled mid-write leaves no region registered; PUT_RELEASE's
+bad input gets a clear status (review of issue 13's large pooled puts)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import grpc
+import pytest
+
+from kvmesh.loadtest.store_cluster import NODE_PREFIX, StoreCluster
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.rdma import TransferEngine
+from kvmesh.services.common.settings import DEV_SECRET
+from kvmesh.services.store.client import StoreClient
+from kvmesh.services.store.fastconn import FastConn
+from kvmesh.services.store_master import metadata, wire
+
+MiB = 1 << 20
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+@pytest.fixture
+def store(tmp_path):
+    c = StoreCluster(str(tmp_path), nodes=1, segment="256MiB")
+    c.start()
+    yield c
+    c.stop()
+
+
+def run(master: str, fn, **kw):
+    async def main():
+        te = TransferEngine(DEV_SECRET.encode())
+        await te.start()
+        cl = StoreClient(te, master, "pool-tester", rpc_timeout=5, **kw)
+        try:
+            return await fn(cl, te)
+        finally:
+            await cl.close()
+            await te.close()
+
+    return asyncio.run(main())
+
+
+def fast_addr(master: str) -> tuple[str, int]:
+    with grpc.insecure_channel(master) as ch:
+        hello = pbg.StoreMasterStub(ch).StoreHello(pb.StoreHelloRequest(), timeout=10)
+    host, port = hello.fast_address.rsplit(":", 1)
+    return host, int(port)
+
+
+def call(addr, method: int, body: bytes, rid: int = 7) -> tuple[int, bytes]:
+    with socket.create_connection(addr, timeout=5) as s:
+        s.settimeout(5)
+        s.sendall(wire.HEAD.pack(len(body), rid, method) + body)
+        n, got, status = wire.HEAD.unpack(s.recv(wire.HEAD_SIZE, socket.MSG_WAITALL))
+        assert got == rid
+        return status, s.recv(n, socket.MSG_WAITALL) if n else b""
+
+
+def spy_methods(monkeypatch) -> list[int]:
+    sent: list[int] = []
+    real = FastConn.call
+
+    def spy(self, method, body, timeout):
+        sent.append(method)
+        return real(self, method, body, timeout)
+
+    monkeypatch.setattr(FastConn, "call", spy)
+    return sent
+
+
+def test_concurrent_large_puts_hold_at_most_the_budget(store):
+    """8 concurrent 4 MiB puts (each found the pool empty): one PUT_RESERVE is in flight
+    at a time, the pool never holds more than its budget, the master holds no more than
+    the values plus the budget, and every value comes back."""
+    vals = [os.urandom(4 * MiB) for _ in range(8)]
+    keys = [f"conc-{i}".encode() for i in range(8)]
+    base = store.stats().bytes_used
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.exists(b"warm-up") is False
+        peak = [0]
+        real = te.write
+
+        async def watching(peer, slices):
+            peak[0] = max(peak[0], cl._rslots.held_bytes())
+            return await real(peer, slices)
+
+        te.write = watching  # type: ignore[method-assign]
+        ok = await asyncio.gather(*[cl.put(k, v) for k, v in zip(keys, vals)])
+        te.write = real  # type: ignore[method-assign]
+        assert ok == [True] * 8
+        held = cl._rslots.held_bytes()
+        assert cl._rslots.busy == {} or set(cl._rslots.busy.values()) == {0}
+        used = store.stats().bytes_used - base
+        assert await cl.batch_get(keys) == vals
+        return peak[0], held, used, cl._rslots.max_bytes
+
+    peak, held, used, budget = run(store.master, body)
+    assert peak <= budget and held <= budget, (peak, held, budget)
+    assert used <= 8 * 4 * MiB + budget, (used / MiB, budget / MiB)
+
+
+def test_spare_slots_come_from_a_share_of_the_free_space(store):
+    """PUT_RESERVE of 1 slot and 60 spare 4 MiB slots on a 256 MiB segment: the spare
+    ones fit in REMOTE_SPARE_SHARE of the free space (not the whole segment)."""
+    addr = fast_addr(store.master)
+    status, body = call(addr, wire.PUT_RESERVE, wire.pack_put_reserve("greedy", 4 * MiB, 1, 60))
+    assert status == 0
+    _, region, _, node, token, offs = wire.unpack_put_reserve_resp(body)
+    cap = int(256 * MiB * metadata.REMOTE_SPARE_SHARE) // (4 * MiB)
+    assert 1 <= len(offs) <= 1 + cap, len(offs)
+    # and they are given back with PUT_RELEASE (a wrong token frees nothing)
+    rel = [(o, token) for o in offs]
+    used = store.stats().bytes_used
+    status, body = call(
+        addr, wire.PUT_RELEASE, wire.pack_put_release(node, region, 4 * MiB, [(offs[0], token ^ 1)])
+    )
+    assert status == 0 and wire.unpack_count(body) == 0
+    status, body = call(addr, wire.PUT_RELEASE, wire.pack_put_release(node, region, 4 * MiB, rel))
+    assert status == 0 and wire.unpack_count(body) == len(offs)
+    assert store.stats().bytes_used == used - len(offs) * 4 * MiB
+
+
+def test_put_release_bad_input_gets_a_clear_status(store):
+    addr = fast_addr(store.master)
+    ok = wire.pack_put_release("nobody", 0, 4096, [(0, 1), (4096, 1)])
+    at = 1 + len("nobody") + 4 + 8
+    cases = {
+        "truncated": ok[:-3],
+        "trailing": ok + b"\0",
+        "lying count": ok[:at] + (9).to_bytes(4, "little") + ok[at + 4 :],
+        "short head": ok[:at],
+        "zero size": wire.pack_put_release("nobody", 0, 0, [(0, 1)]),
+        "too many": wire.pack_put_release("nobody", 0, 4096, [(i, 1) for i in range(70_000)]),
+    }
+    for what, body in cases.items():
+        status, msg = call(addr, wire.PUT_RELEASE, body)
+        assert status == INVALID and msg, (what, status, msg)
+    status, body = call(addr, wire.PUT_RELEASE, ok)  # nobody holds them: nothing freed
+    assert status == 0 and wire.unpack_count(body) == 0
+
+
+def test_closing_gives_the_pooled_slots_back(store):
+    """A client that put one 4 MiB value holds spare slots on the master; after close
+    the master holds only the value (not the slots until their deadline)."""
+    base = store.stats().bytes_used
+    val = os.urandom(4 * MiB)
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.put(b"close-key", val)
+        return cl._rslots.held_bytes()
+
+    held = run(store.master, body)
+    assert held >= 4 * MiB  # the test means something: spare slots were held
+    assert store.stats().bytes_used - base == 4 * MiB
+
+
+def test_a_slot_about_to_expire_is_not_written(store, monkeypatch):
+    """The pool's only 16 MiB slot has 50 ms left: too little for the write, so it is
+    dropped and a fresh one reserved (without the check the write went into it and
+    missed its use-by time)."""
+    val = os.urandom(16 * MiB)
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.put(b"exp-first", val)
+        pool = cl._rslots.of(16 * MiB, cl._fast)
+        assert pool
+        del pool[1:]
+        old = pool[0]
+        pool[0] = (time.monotonic() + 0.05,) + old[1:]
+        written: list[int] = []
+        real = te.write
+
+        async def spy(peer, slices):
+            written.extend(s.remote_offset for s in slices)
+            return await real(peer, slices)
+
+        te.write = spy  # type: ignore[method-assign]
+        sent = spy_methods(monkeypatch)
+        assert await cl.put(b"exp-second", val)
+        assert old[4] not in written, "the write went into the slot about to expire"
+        assert wire.PUT_RESERVE in sent and wire.PUT_START not in sent
+        assert await cl.get(b"exp-second") == val
+
+    run(store.master, body)
+
+
+def test_a_put_cancelled_mid_write_leaves_no_region(store):
+    """A large bytes put whose write hangs, cancelled by a timeout: the transient regions
+    registered for it are gone."""
+    val = os.urandom(2 * MiB)
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.exists(b"warm-up") is False
+        before = te._regions.ids()
+        hung = asyncio.Event()
+
+        async def hang(peer, slices):
+            hung.set()
+            await asyncio.sleep(3600)
+
+        real = te.write
+        te.write = hang  # type: ignore[method-assign]
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await cl.put(b"cancelled", val)
+        te.write = real  # type: ignore[method-assign]
+        assert hung.is_set()
+        assert te._regions.ids() == before
+
+    run(store.master, body)
+
+
+def test_a_dead_holders_pooled_slots_are_dropped(tmp_path):
+    """Two holders; a 4 MiB put fills the pool with slots on one, which is killed: every
+    later put is stored (on the live holder), none is refused for a dead holder's slot
+    (before: False until the pool's dead slots were used up)."""
+    c = StoreCluster(str(tmp_path), nodes=2, segment="256MiB")
+    c.start()
+    try:
+        val = os.urandom(4 * MiB)
+
+        async def body(cl: StoreClient, te: TransferEngine):
+            assert await cl.put(b"dies-first", val)
+            pool = cl._rslots.of(4 * MiB, cl._fast)
+            assert len(pool) >= 2
+            holder = pool[0][3]
+            assert {s[3] for s in pool} == {holder}
+            name = next(n for n in c.procs if n.startswith(NODE_PREFIX) and n in holder)
+            c.kill(name)
+            await asyncio.to_thread(c.wait_segments, 1)
+            ok = [await cl.put(f"dies-{i}".encode(), val) for i in range(len(pool) + 2)]
+            assert ok == [True] * len(ok)
+            assert all(s[3] != holder for p in cl._rslots.slots.values() for s in p)
+            return [await cl.get(f"dies-{i}".encode()) for i in range(len(ok))]
+
+        got = run(c.master, body)
+        assert got == [val] * len(got)
+    finally:
+        c.stop()
