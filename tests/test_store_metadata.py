@@ -295,7 +295,7 @@ def test_remote_slots_reserve_commit_expire_and_survive_a_remount():
     a present key leaves the slot held; a re-mount of the segment keeps them; past
     ``put_timeout_s`` they are freed, and a late commit stores nothing."""
     m, clock, events = make(put_timeout_s=5)
-    m.mount("n", "n:1", 7, 64 * KB)
+    m.mount("n", "n:1", 7, 256 * KB)
     seg, offs, tok = m.reserve_remote("client", 4 * KB, 2, 1)
     assert seg is not None and seg.node_id == "n" and len(offs) == 3 and tok != 0
     assert m.used == 12 * KB and m.present([h(1)]) == [False] and events == []
@@ -306,7 +306,7 @@ def test_remote_slots_reserve_commit_expire_and_survive_a_remount():
     assert m.blocks[h(1)].offset == offs[0] and m.used == 20 * KB  # 3 slots + 2 refills
     # not held: an unknown offset, the wrong size, another segment, a local slot
     local = m.reserve("n", 7, 4 * KB, 1)
-    assert m.commit_remote("n", 7, [(h(2), 60 * KB, 4 * KB, tok)])[0] == [0]
+    assert m.commit_remote("n", 7, [(h(2), 200 * KB, 4 * KB, tok)])[0] == [0]
     assert m.commit_remote("n", 7, [(h(2), offs[1], 8 * KB, tok)])[0] == [0]
     assert m.commit_remote("other", 7, [(h(2), offs[1], 4 * KB, tok)])[0] == [0]
     assert m.commit_remote("n", 7, [(h(2), local[0], 4 * KB, tok)])[0] == [0]
@@ -314,7 +314,7 @@ def test_remote_slots_reserve_commit_expire_and_survive_a_remount():
     # a present key: status 2, the slot stays held (and committable later)
     assert m.commit_remote("n", 7, [(h(1), offs[1], 4 * KB, tok)])[0] == [2]
     # a re-mount frees the lender's own reservations, not the remote writer's
-    m.mount("n", "n:1", 7, 64 * KB)
+    m.mount("n", "n:1", 7, 256 * KB)
     assert local[0] not in seg.reserved and offs[1] in seg.reserved
     assert m.commit_remote("n", 7, [(h(3), offs[1], 4 * KB, tok)])[0] == [1]
     before = m.used
@@ -325,7 +325,7 @@ def test_remote_slots_reserve_commit_expire_and_survive_a_remount():
     assert m.commit_remote("n", 7, [(h(4), offs[2], 4 * KB, tok)])[0] == [0]
     assert m.present([h(1), h(3), h(4)]) == [True, True, False]
     # nowhere to put it: nothing reserved
-    assert m.reserve_remote("client", 128 * KB, 1) == (None, [], 0)
+    assert m.reserve_remote("client", 512 * KB, 1) == (None, [], 0)
 
 
 def test_an_expired_slot_given_to_another_writer_is_not_committed_by_the_first():

@@ -194,9 +194,10 @@ def test_small_puts_are_one_commit_each_through_held_slots(store, monkeypatch):
 
 def test_a_failed_slot_write_is_never_committed_and_a_lost_slot_is_put_again(store, monkeypatch):
     """The commit point of a pooled put is its PUT_SLOTS call, sent only for writes the
-    holder acknowledged: a write that fails leaves no visible key (and its slot is
-    dropped); a slot the master does not hold (expired, a restarted master) is put
-    again through PUT_START/PUT_END, and the bytes read back are the new ones."""
+    holder acknowledged: a write that fails is never committed (its slot, and every
+    other pooled slot on that holder, is dropped) and the key is put again through
+    PUT_START/PUT_END; a slot the master does not hold (expired, a restarted master) is
+    put again that way too, and the bytes read back are the new ones."""
     val = os.urandom(4096)
 
     async def body(cl: StoreClient, te: TransferEngine):
@@ -205,22 +206,24 @@ def test_a_failed_slot_write_is_never_committed_and_a_lost_slot_is_put_again(sto
         pool = rpool(cl)
         assert pool
         use_by, addr, region, node, off, tok = pool[-1]
+        stray = max(s[4] for s in pool) + (1 << 20)
         # a slot naming a region the holder does not have: the write fails
         pool.append((use_by, addr, region + 1000, node, off, tok))
-        assert await cl.put(b"slot-bad-write", val) is False
-        assert await cl.exists(b"slot-bad-write") is False
-        assert (use_by, addr, region + 1000, node, off, tok) not in rpool(cl)
+        sent = _Methods(_spy_conns(cl, monkeypatch))
+        assert await cl.put(b"slot-bad-write", val)
+        assert wire.PUT_SLOTS not in sent._list() and sent[-2:] == [wire.PUT_START, wire.PUT_END]
+        assert not [s for s in rpool(cl) if s[1] == addr]  # the holder's slots dropped
+        assert await cl.get(b"slot-bad-write") == val
+        monkeypatch.undo()
         # a slot the master never reserved (a writable offset, though): status 0, put again
         sent = _Methods(_spy_conns(cl, monkeypatch))
-        taken = {s[4] for s in rpool(cl)}
-        stray = max(taken) + (1 << 20)
         rpool(cl).append((use_by, addr, region, node, stray, tok))
         other = os.urandom(4096)
         assert await cl.put(b"slot-not-held", other)
         assert sent == [wire.PUT_SLOTS, wire.PUT_START, wire.PUT_END]
         assert await cl.get(b"slot-not-held") == other
         assert await cl.get(b"slot-first") == val
-        await cl.remove([b"slot-first", b"slot-not-held"])
+        await cl.remove([b"slot-first", b"slot-not-held", b"slot-bad-write"])
 
     run(store.master, body)
 
