@@ -82,7 +82,7 @@ cdef class PrefillNodeState:
     @cython.locals(order=QueueOrder)
     cpdef _set_queue_ms(self, double ms)
     cpdef enqueue(self, object rid, double ms, double now=*)
-    @cython.locals(queue=dict, left=double)
+    @cython.locals(queue=dict, left=double, head=object)
     cpdef dequeue(self, object rid, double now=*)
     @cython.locals(f=double, head=double, since=double, late=double, done=double,
                    served=double, foreign=double, queue=dict)

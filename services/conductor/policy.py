@@ -244,7 +244,10 @@ class PrefillNodeState:
         queue = self.queue
         if rid not in queue:
             return
-        was_head = next(iter(queue)) == rid
+        head = None
+        for head in queue:  # (the first key: compiled, no iterator object)
+            break
+        was_head = head == rid
         left = self._queue_ms - queue.pop(rid)
         self._set_queue_ms(left if left > 0.0 else 0.0)  # max(0.0, left)
         if was_head:
@@ -274,7 +277,9 @@ class PrefillNodeState:
         queue = self.queue
         if not queue:
             return self.foreign_ms, f
-        head = next(iter(queue.values()))
+        head = 0.0
+        for head in queue.values():  # the first (compiled: no iterator object)
+            break
         since = now - self.head_since
         if head > 0:
             late = since / head
