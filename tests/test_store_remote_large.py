@@ -17,7 +17,7 @@ from kvmesh.loadtest.store_cluster import StoreCluster
 from kvmesh.rdma import TransferEngine, TransferError
 from kvmesh.services.common.settings import DEV_SECRET
 from kvmesh.services.store import client as client_mod
-from kvmesh.services.store import direct
+from kvmesh.services.store import direct, remote_put
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store.fastconn import FastConn
 from kvmesh.services.store_master import wire
@@ -65,6 +65,7 @@ def no_copies(monkeypatch) -> None:
         raise AssertionError("a large value was copied into the staging region")
 
     monkeypatch.setattr(client_mod, "copy_into", refuse)
+    monkeypatch.setattr(remote_put, "copy_into", refuse)
 
 
 def test_large_bytes_puts_go_from_the_callers_buffers(store, monkeypatch):
@@ -186,7 +187,7 @@ def test_a_value_the_pool_budget_cannot_hold_is_put_with_start_and_end(store, mo
         sent = spy_methods(monkeypatch)
         assert await cl.put(b"large-unpooled", val)
         assert sent == [wire.PUT_START, wire.PUT_END]
-        monkeypatch.setattr(client_mod, "REMOTE_SLOT_MAX", 4 * MiB)
+        monkeypatch.setattr(remote_put, "REMOTE_SLOT_MAX", 4 * MiB)
         cl._rslots.max_bytes = 1 << 30  # the budget would hold it; the size limit does not
         sent.clear()
         assert await cl.put(b"large-too-big", val)
