@@ -67,18 +67,6 @@ def call(addr, method: int, body: bytes, rid: int = 7) -> tuple[int, bytes]:
         return status, s.recv(n, socket.MSG_WAITALL) if n else b""
 
 
-def spy_methods(monkeypatch) -> list[int]:
-    sent: list[int] = []
-    real = FastConn.call
-
-    def spy(self, method, body, timeout):
-        sent.append(method)
-        return real(self, method, body, timeout)
-
-    monkeypatch.setattr(FastConn, "call", spy)
-    return sent
-
-
 def test_concurrent_large_puts_hold_at_most_the_budget(store):
     """8 concurrent 4 MiB puts (each found the pool empty): one PUT_RESERVE is in flight
     at a time, the pool never holds more than its budget, the master holds no more than
@@ -168,8 +156,8 @@ def test_closing_gives_the_pooled_slots_back(store):
 
 def test_a_slot_about_to_expire_is_not_written(store, monkeypatch):
     """The pool's only 16 MiB slot has 50 ms left: too little for the write, so it is
-    dropped and a fresh one reserved (without the check the write went into it and
-    missed its use-by time)."""
+    given back (PUT_RELEASE) and a fresh one reserved before anything is written
+    (without the check the write went into it and missed its use-by time)."""
     val = os.urandom(16 * MiB)
 
     async def body(cl: StoreClient, te: TransferEngine):
@@ -179,18 +167,29 @@ def test_a_slot_about_to_expire_is_not_written(store, monkeypatch):
         del pool[1:]
         old = pool[0]
         pool[0] = (time.monotonic() + 0.05,) + old[1:]
-        written: list[int] = []
-        real = te.write
+        events: list[tuple] = []
+        real_write, real_call = te.write, FastConn.call
 
-        async def spy(peer, slices):
-            written.extend(s.remote_offset for s in slices)
-            return await real(peer, slices)
+        async def spy_write(peer, slices):
+            events.append(("write", [s.remote_offset for s in slices]))
+            return await real_write(peer, slices)
 
-        te.write = spy  # type: ignore[method-assign]
-        sent = spy_methods(monkeypatch)
+        def spy_call(self, method, body, timeout):
+            events.append((method, bytes(body)))
+            return real_call(self, method, body, timeout)
+
+        te.write = spy_write  # type: ignore[method-assign]
+        monkeypatch.setattr(FastConn, "call", spy_call)
         assert await cl.put(b"exp-second", val)
-        assert old[4] not in written, "the write went into the slot about to expire"
-        assert wire.PUT_RESERVE in sent and wire.PUT_START not in sent
+        assert [e[0] for e in events] == [
+            wire.PUT_RELEASE,
+            wire.PUT_RESERVE,
+            "write",
+            wire.PUT_SLOTS,
+        ], events
+        _, region, size, slots = wire.unpack_put_release(events[0][1])
+        assert (region, size, slots) == (old[2], 16 * MiB, [(old[4], old[5])])
+        monkeypatch.undo()
         assert await cl.get(b"exp-second") == val
 
     run(store.master, body)

@@ -36,3 +36,30 @@ def test_take_checks_every_slot_and_gives_back_on_a_shortfall():
     pool = [slot(20.0, 0), slot(20.0, 4096)]
     assert RemotePool.take(pool, 3, now=10.0) is None
     assert sorted(s[4] for s in pool) == [0, 4096]  # given back, still usable
+
+
+def test_slots_popped_or_asked_for_count_against_the_budget():
+    """Busy slots (popped by a put, or asked for by a call in flight) count as held:
+    the room left shrinks, trim() pops what is beyond the target, and drop_peer()
+    forgets every slot on one holder whatever its size."""
+    rp = RemotePool(max_bytes=32 * KB, max_slots=32)
+    conn = object()
+    rp.of(4 * KB, conn).extend(slot(10.0, i * 4 * KB) for i in range(4))
+    assert rp.room(4 * KB) == 4
+    rp.add_busy(4 * KB, 3)  # three more popped or asked for
+    assert rp.held(4 * KB) == 7 and rp.room(4 * KB) == 1 and rp.held_bytes() == 28 * KB
+    assert rp.target(8 * KB) == 0  # 4 KiB left: not one 8 KiB slot
+    rp.of(4 * KB, conn).extend(slot(10.0, (10 + i) * 4 * KB) for i in range(3))  # 10 held
+    extra = rp.trim(4 * KB)
+    assert len(extra) == 2 and rp.held(4 * KB) == 8
+    rp.of(8 * KB, conn).append((10.0, "peer:2", 0, "other", 0, 9))
+    assert rp.drop_peer("peer:1") == 5 and rp.slots[8 * KB] and rp.slots[4 * KB] == []
+
+
+def test_take_hands_back_the_slots_it_drops():
+    pool = [slot(10.05, 0), slot(30.0, 4096)]
+    late: list = []
+    got = RemotePool.take(pool, 1, now=10.0, need_s=0.5, dropped=late)
+    assert got == [slot(30.0, 4096)] and late == []  # the last one first: enough time
+    assert RemotePool.take(pool, 1, now=10.0, need_s=0.5, dropped=late) is None
+    assert late == [slot(10.05, 0)] and pool == []

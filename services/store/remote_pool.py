@@ -130,16 +130,22 @@ class RemotePool:
 
     @staticmethod
     def take(
-        pool: list[RemoteSlot], n: int, now: float, need_s: float = 0.0
+        pool: list[RemoteSlot],
+        n: int,
+        now: float,
+        need_s: float = 0.0,
+        dropped: list[RemoteSlot] | None = None,
     ) -> list[RemoteSlot] | None:
         """Pops ``n`` slots with at least ``need_s`` left before their use-by time (the
-        others are dropped as they come: the pool is not kept in use-by order); None
-        when fewer are left (those taken go back)."""
+        others are dropped as they come, into ``dropped`` when given: the pool is not
+        kept in use-by order); None when fewer are left (those taken go back)."""
         out: list[RemoteSlot] = []
         while len(out) < n and pool:
             s = pool.pop()
             if s[0] - now >= need_s:
                 out.append(s)
+            elif dropped is not None:
+                dropped.append(s)
         if len(out) < n:
             pool.extend(reversed(out))
             return None

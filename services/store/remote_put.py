@@ -95,8 +95,7 @@ class RemotePuts:
         slots = await self._take_slots(conn, size, n)
         if slots is None:
             return None
-        rp.add_busy(size, n)  # popped: counted against the budget until resolved
-        busy = n
+        busy = n  # popped by _take_slots, counted against the budget until resolved
         try:
             by_peer: dict[str, list[int]] = {}
             regs = per_key(region_id, n)
@@ -191,7 +190,8 @@ class RemotePuts:
         return [bool(v) for v in out]
 
     async def _take_slots(self, conn: FastConn, size: int, n: int) -> list[RemoteSlot] | None:
-        """``n`` pooled slots of ``size`` with time left for the write, reserving them
+        """``n`` pooled slots of ``size`` with time left for the write (counted as busy),
+        reserving them
         when the pool lacks them (one PUT_RESERVE per size in flight: a put that finds
         one awaits it and takes from what it brought); None when the budget has no room
         or the master gave none."""
@@ -201,7 +201,17 @@ class RemotePuts:
             if conn.closed or conn is not self._fast:
                 return None
             pool = rp.of(size, conn)
-            slots = rp.take(pool, n, time.monotonic(), need)
+            late: list[RemoteSlot] = []
+            slots = rp.take(pool, n, time.monotonic(), need, late)
+            if slots is not None:
+                rp.add_busy(size, n)  # popped: counted against the budget until resolved
+            if late:  # never written: the master may have them back now
+                try:
+                    await self._release_slots(conn, [(size, s) for s in late])
+                except BaseException:
+                    if slots is not None:
+                        rp.add_busy(size, -n)
+                    raise
             if slots is not None:
                 return slots
             fut = rp.reserving.get(size)
