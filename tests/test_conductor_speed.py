@@ -47,8 +47,9 @@ def _sig(x: float) -> str:
     return f"{x:.12g}"
 
 
-def scenario(impl: SimpleNamespace, n: int = 1000, seed: int = 7) -> list:
-    """Decisions of a varied workload on a fixed clock; each as a JSON-able row."""
+def scenario(impl: SimpleNamespace, n: int = 1000, seed: int = 7, row=None) -> list:
+    """Decisions of a varied workload on a fixed clock; each as a JSON-able row (or as
+    ``row(decision)``)."""
     P, E = impl.policy, impl.estimator
     rng = random.Random(seed)
     t = [0.0]
@@ -89,7 +90,9 @@ def scenario(impl: SimpleNamespace, n: int = 1000, seed: int = 7) -> list:
         )
         d = s.decide(r)
         out.append(
-            [
+            row(d)
+            if row is not None
+            else [
                 d.accepted,
                 d.route,
                 d.prefill_node,

@@ -245,7 +245,7 @@ class PrefillNodeState:
         if rid not in queue:
             return
         head = None
-        for head in queue:  # (the first key: compiled, no iterator object)
+        for head in queue:  # noqa: B007 (the first key; compiled: no iterator object)
             break
         was_head = head == rid
         left = self._queue_ms - queue.pop(rid)
@@ -278,7 +278,7 @@ class PrefillNodeState:
         if not queue:
             return self.foreign_ms, f
         head = 0.0
-        for head in queue.values():  # the first (compiled: no iterator object)
+        for head in queue.values():  # noqa: B007 (the first; compiled: no iterator object)
             break
         since = now - self.head_since
         if head > 0:
