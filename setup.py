@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 # the scheduler's hot path (bench_conductor); each has a .pxd beside it
 COMPILED = ("rolling", "estimator", "index", "queue_order", "policy")
@@ -47,7 +48,6 @@ def _extensions() -> list[Extension]:
             include_dirs=["services/conductor"],  # _prefetch.h
             # float results must equal Python's bit for bit: no fused multiply-add
             extra_compile_args=["-O2", "-ffp-contract=off"],
-            optional=True,  # a failed build leaves the plain Python module
         )
         for m in COMPILED
     ]
@@ -64,4 +64,19 @@ def _extensions() -> list[Extension]:
         return []
 
 
-setup(ext_modules=_extensions())
+class _OptionalBuildExt(build_ext):
+    """All or none: if a module does not compile (no C compiler, an error), none is
+    installed, said so, and services/conductor/__init__.py uses the plain Python ones."""
+
+    def build_extensions(self) -> None:
+        self.check_extensions_list(self.extensions)
+        for ext in self.extensions:
+            try:
+                self.build_extension(ext)
+            except Exception as e:
+                print(f"kvmesh: {ext.name} not compiled ({e}); plain Python modules instead")
+                self.extensions = []  # (nothing is copied or installed)
+                return
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": _OptionalBuildExt})
