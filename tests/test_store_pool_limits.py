@@ -248,3 +248,18 @@ def test_a_dead_holders_pooled_slots_are_dropped(tmp_path):
         assert got == [val] * len(got)
     finally:
         c.stop()
+
+
+def test_direct_puts_only_on_the_tcp_transport():
+    """Registering a buffer per put is cheap only where it is a table entry: the TCP
+    transport (its kind is its class name), never RDMA verbs nor a transport unknown."""
+    from types import SimpleNamespace
+
+    from kvmesh.services.store import direct
+
+    big = [memoryview(bytes(direct.DIRECT_PUT_MIN))]
+    for kind, want in (("TcpTransport", True), ("tcp", True), ("rdma", False), ("shm", False)):
+        te = SimpleNamespace(transport_kind=kind)
+        assert direct.usable(te, big) is want, kind  # type: ignore[arg-type]
+    small = [memoryview(bytes(direct.DIRECT_PUT_MIN - 1))]
+    assert direct.usable(SimpleNamespace(transport_kind="TcpTransport"), small) is False  # type: ignore[arg-type]

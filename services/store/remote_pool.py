@@ -18,9 +18,12 @@ Rules that keep a key pointing at its own bytes:
     it is sent on that connection only, never on a new one (a new one may be a restarted
     or failed-over master that never reserved them); if it changed or closed the keys
     are put again;
-  * a slot this client drops (expired, a failed or late write, a changed connection)
-    stays reserved on the master until its deadline and is freed there; that memory is
-    not usable meanwhile (bounded by the pool's budget per connection).
+  * a slot this client drops without writing it (too little time left, over the
+    budget, the pool's slots on a holder whose write failed, the pool at ``close()``)
+    is given back with ``PUT_RELEASE`` on its connection; one it wrote or may still be
+    writing (a failed or late write) or one of a changed connection stays reserved on
+    the master until its deadline and is freed there (that memory is not usable
+    meanwhile, bounded by the pool's budget per connection).
 
 The pool holds at most ``remote_pool_slots`` slots of one size and ``remote_pool_bytes``
 across all sizes, counting the slots it holds, those popped by puts not yet committed
