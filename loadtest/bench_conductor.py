@@ -18,7 +18,9 @@ figure for comparison.
 
 ``--baseline REV`` (a git revision, or a directory holding ``policy.py``, ``index.py``
 and ``estimator.py``) runs that version of the scheduler interleaved with this one, run
-for run, so a change is compared under the same machine load.
+for run, so a change is compared under the same machine load. A baseline always runs as
+plain Python (its ``.py`` files, copied); this tree's scheduler runs compiled where
+``pip install -e .`` built it (``KVMESH_PURE_PYTHON=1``: plain Python).
 
     python -m kvmesh.loadtest.bench_conductor [--quick] [--baseline HEAD~1]
 """
@@ -54,11 +56,11 @@ _now_ns = time.perf_counter_ns  # the loop's clock (a test replaces it)
 
 
 def impl_here() -> types.SimpleNamespace:
-    """This tree's scheduler."""
-    return types.SimpleNamespace(
-        name="this tree",
-        **{m: importlib.import_module(f"kvmesh.services.conductor.{m}") for m in _MODULES},
-    )
+    """This tree's scheduler: compiled where setup.py built it (and it is current; see
+    services/conductor/__init__.py), else plain Python; the name says which."""
+    mods = {m: importlib.import_module(f"kvmesh.services.conductor.{m}") for m in _MODULES}
+    compiled = not str(mods["policy"].__file__).endswith(".py")
+    return types.SimpleNamespace(name="this tree (compiled)" if compiled else "this tree", **mods)
 
 
 def impl_from(baseline: str) -> types.SimpleNamespace:
@@ -324,7 +326,7 @@ def main() -> None:
     load_before = os.getloadavg()
     print(f"one core ({core}); load average {load_before[0]:.2f}; median of {runs} run(s)")
     print(
-        f"{'version':>18} {'prefill':>7} {'decode':>6} {'blocks':>9} {'decisions/s':>12} "
+        f"{'version':>20} {'prefill':>7} {'decode':>6} {'blocks':>9} {'decisions/s':>12} "
         f"{'p50 us':>8} {'p99 us':>8} {'goal':>6} {'CPU-s rate':>10} | {'old: d+c /s':>12} "
         f"{'p99 us':>8}"
     )
@@ -345,7 +347,7 @@ def main() -> None:
                 row["goal"] = goal
                 rows.append(row)
                 print(
-                    f"{impl.name[:18]:>18} {nodes:>7} {row['decode_nodes']:>6} {blocks:>9} "
+                    f"{impl.name[:20]:>20} {nodes:>7} {row['decode_nodes']:>6} {blocks:>9} "
                     f"{row['decisions_per_s']:>12,.0f} {row['p50_us']:>8.1f} "
                     f"{row['p99_us']:>8.1f} {goal:>6} {row['cpu_decisions_per_s']:>10,.0f} | "
                     f"{row['old_decide_commit_per_s']:>12,.0f} "
