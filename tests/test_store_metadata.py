@@ -391,6 +391,30 @@ def test_the_lender_cannot_commit_or_release_a_slot_held_for_a_remote_writer():
     assert m.commit_remote("n", 7, [(h(2), off, 4 * KB, tok)])[0] == [1]
 
 
+def test_release_remote_frees_only_slots_held_under_their_token_and_size():
+    """PUT_RELEASE's release_remote: a committed slot is the key's now (0 freed), a slot
+    whose commit found the key present is still the writer's (1 freed), a wrong size or
+    a token of 0 frees nothing (even for a slot somehow held under token 0)."""
+    m, _, _ = make(put_timeout_s=5)
+    m.mount("n", "n:1", 7, 64 * KB)
+    seg, offs, tok = m.reserve_remote("w", 4 * KB, 4)
+    assert seg is not None and len(offs) == 4
+    assert m.commit_remote("n", 7, [(h(1), offs[0], 4 * KB, tok)])[0] == [1]
+    assert m.release_remote("n", 7, 4 * KB, [(offs[0], tok)]) == 0
+    assert m.present([h(1)]) == [True] and m.blocks[h(1)].offset == offs[0]
+    assert m.commit_remote("n", 7, [(h(1), offs[1], 4 * KB, tok)])[0] == [2]
+    used = m.used
+    assert m.release_remote("n", 7, 4 * KB, [(offs[1], tok)]) == 1
+    assert m.used == used - 4 * KB and offs[1] not in seg.reserved
+    assert m.release_remote("n", 7, 8 * KB, [(offs[2], tok)]) == 0  # the wrong size
+    assert m.release_remote("n", 7, 4 * KB, [(offs[2], 0)]) == 0  # no token
+    assert m.release_remote("other", 7, 4 * KB, [(offs[2], tok)]) == 0  # no such segment
+    m.remote_slots[("n/7", offs[3])] = (m.remote_slots[("n/7", offs[3])][0], 0)
+    assert m.release_remote("n", 7, 4 * KB, [(offs[3], 0)]) == 0  # token 0 never matches
+    assert offs[2] in seg.reserved and offs[3] in seg.reserved and m.used == used - 4 * KB
+    assert m.release_remote("n", 7, 4 * KB, [(offs[2], tok)]) == 1
+
+
 def test_watch_blocks_coalesces_what_is_published_together_in_order():
     """Events published within EVENT_COALESCE_S of each other reach a subscriber as one
     message (the first event, the rest in ``more``, in order); a second subscriber gets

@@ -1,10 +1,12 @@
 """The remote slot pool's limits, as real processes (a client that lends nothing, a
 store-node that holds the segment): concurrent puts never make a client hold more than
-its budget, the master grants spare slots only from a share of a segment's free space,
-a holder that dies takes its pooled slots with it (the keys go to a live one), a slot
-with too little time left is not written, a closing client gives its slots back
-(PUT_RELEASE), and a put cancelled mid-write leaves no region registered; PUT_RELEASE's
-bad input gets a clear status (review of issue 13's large pooled puts)."""
+its budget, one size's slots never lock another size out of the pool, a PUT_SLOTS refill
+is capped, the master grants spare slots only from a share of a segment's free space, a
+holder that dies or hangs takes its pooled slots with it (the keys go to a live one), a
+slot with too little time left is not written, a closing client gives its slots back
+(PUT_RELEASE), also those a commit in flight brings, and a put cancelled mid-write
+leaves no region registered nor anything counted busy; PUT_RELEASE's bad input gets a
+clear status (review of issue 13's large pooled puts)."""
 
 from __future__ import annotations
 
@@ -67,36 +69,112 @@ def call(addr, method: int, body: bytes, rid: int = 7) -> tuple[int, bytes]:
         return status, s.recv(n, socket.MSG_WAITALL) if n else b""
 
 
-def test_concurrent_large_puts_hold_at_most_the_budget(store):
-    """8 concurrent 4 MiB puts (each found the pool empty): one PUT_RESERVE is in flight
-    at a time, the pool never holds more than its budget, the master holds no more than
-    the values plus the budget, and every value comes back."""
+def spy_frames(monkeypatch) -> list[tuple[int, bytes]]:
+    """(method, body) of every fast-path frame sent from now on."""
+    sent: list[tuple[int, bytes]] = []
+    real = FastConn.call
+
+    def spy(self, method, body, timeout):
+        sent.append((method, bytes(body)))
+        return real(self, method, body, timeout)
+
+    monkeypatch.setattr(FastConn, "call", spy)
+    return sent
+
+
+def released(sent: list[tuple[int, bytes]]) -> list[tuple[int, int]]:
+    """The (offset, token) slots named by the PUT_RELEASE frames in ``sent``."""
+    return [x for m, b in sent if m == wire.PUT_RELEASE for x in wire.unpack_put_release(b)[3]]
+
+
+def test_concurrent_large_puts_hold_at_most_the_budget(store, monkeypatch):
+    """8 concurrent 4 MiB puts (each found the pool empty): as the frames sent show, at
+    most one PUT_RESERVE per size is in flight and none asks for more than the budget,
+    the master holds no more than the values plus the budget, and every value comes
+    back."""
     vals = [os.urandom(4 * MiB) for _ in range(8)]
     keys = [f"conc-{i}".encode() for i in range(8)]
     base = store.stats().bytes_used
+    inflight: dict[int, int] = {}
+    worst: dict[int, int] = {}
+    asked: list[tuple[int, int]] = []
+    real = FastConn.call
+
+    def spy(self, method, body, timeout):
+        fut = real(self, method, body, timeout)
+        if method == wire.PUT_RESERVE:
+            _, size, count, spare = wire.unpack_put_reserve(bytes(body))
+            asked.append((size, count + spare))
+            inflight[size] = inflight.get(size, 0) + 1
+            worst[size] = max(worst.get(size, 0), inflight[size])
+
+            def answered(_f, size=size):
+                inflight[size] -= 1
+
+            fut.add_done_callback(answered)
+        return fut
 
     async def body(cl: StoreClient, te: TransferEngine):
         assert await cl.exists(b"warm-up") is False
-        peak = [0]
-        real = te.write
-
-        async def watching(peer, slices):
-            peak[0] = max(peak[0], cl._rslots.held_bytes())
-            return await real(peer, slices)
-
-        te.write = watching  # type: ignore[method-assign]
+        monkeypatch.setattr(FastConn, "call", spy)
         ok = await asyncio.gather(*[cl.put(k, v) for k, v in zip(keys, vals)])
-        te.write = real  # type: ignore[method-assign]
+        monkeypatch.undo()
         assert ok == [True] * 8
         held = cl._rslots.held_bytes()
         assert cl._rslots.busy == {} or set(cl._rslots.busy.values()) == {0}
         used = store.stats().bytes_used - base
         assert await cl.batch_get(keys) == vals
-        return peak[0], held, used, cl._rslots.max_bytes
+        return held, used, cl._rslots.max_bytes
 
-    peak, held, used, budget = run(store.master, body)
-    assert peak <= budget and held <= budget, (peak, held, budget)
+    held, used, budget = run(store.master, body)
+    assert asked and worst == {4 * MiB: 1}, (asked, worst)
+    assert all(n * size <= budget for size, n in asked), asked
+    assert held <= budget, (held, budget)
     assert used <= 8 * 4 * MiB + budget, (used / MiB, budget / MiB)
+
+
+def test_one_size_does_not_lock_another_out_of_the_pool(store, monkeypatch):
+    """A 4 MiB put leaves spare 4 MiB slots holding most of the budget; a 16 MiB put on
+    the same client gives the oldest of them back (PUT_RELEASE, only as many as it
+    needs) and goes through the pool (PUT_RESERVE, write, PUT_SLOTS), never
+    PUT_START/PUT_END (before: the 4 MiB slots held the budget for good)."""
+    small, big = os.urandom(4 * MiB), os.urandom(16 * MiB)
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.put(b"lock-small", small)
+        rp = cl._rslots
+        before = list(rp.slots[4 * MiB])
+        assert rp.room(16 * MiB) == 0  # the test means something: no room as it was
+        sent = spy_frames(monkeypatch)
+        assert await cl.put(b"lock-big", big)
+        assert [m for m, _ in sent] == [wire.PUT_RELEASE, wire.PUT_RESERVE, wire.PUT_SLOTS]
+        _, _, size, gone = wire.unpack_put_release(sent[0][1])
+        kept = rp.slots.get(4 * MiB, [])
+        assert size == 4 * MiB and gone and len(gone) + len(kept) == len(before)
+        assert (len(kept) + 1) * 4 * MiB + 16 * MiB > rp.max_bytes  # no more than needed
+        assert rp.held_bytes() <= rp.max_bytes
+        monkeypatch.undo()
+        assert await cl.batch_get([b"lock-small", b"lock-big"]) == [small, big]
+
+    run(store.master, body)
+
+
+def test_the_put_slots_refill_is_capped_by_a_share_of_the_free_space(store):
+    """A PUT_SLOTS commit asking for 60 more 4 MiB slots on a 256 MiB segment gets only
+    what REMOTE_SPARE_SHARE of the free space holds (not up to the eviction watermark)."""
+    addr = fast_addr(store.master)
+    status, body = call(addr, wire.PUT_RESERVE, wire.pack_put_reserve("refiller", 4 * MiB, 1, 0))
+    assert status == 0
+    _, region, _, node, token, (off,) = wire.unpack_put_reserve_resp(body)
+    free = 256 * MiB - store.stats().bytes_used
+    frame = wire.pack_put_slots(node, region, [b"refill-cap"], 4 * MiB, [off], [token], 60)
+    status, body = call(addr, wire.PUT_SLOTS, frame)
+    assert status == 0
+    st, tok2, new = wire.unpack_put_slots_resp(body, 1)
+    assert st == [1] and 1 <= len(new) <= int(free * metadata.REMOTE_SPARE_SHARE) // (4 * MiB)
+    rel = wire.pack_put_release(node, region, 4 * MiB, [(o, tok2) for o in new])
+    status, body = call(addr, wire.PUT_RELEASE, rel)
+    assert status == 0 and wire.unpack_count(body) == len(new)
 
 
 def test_spare_slots_come_from_a_share_of_the_free_space(store):
@@ -197,7 +275,7 @@ def test_a_slot_about_to_expire_is_not_written(store, monkeypatch):
 
 def test_a_put_cancelled_mid_write_leaves_no_region(store):
     """A large bytes put whose write hangs, cancelled by a timeout: the transient regions
-    registered for it are gone."""
+    registered for it are gone, and the pool counts nothing busy nor reserving."""
     val = os.urandom(2 * MiB)
 
     async def body(cl: StoreClient, te: TransferEngine):
@@ -217,6 +295,102 @@ def test_a_put_cancelled_mid_write_leaves_no_region(store):
         te.write = real  # type: ignore[method-assign]
         assert hung.is_set()
         assert te._regions.ids() == before
+        assert set(cl._rslots.busy.values()) <= {0}, cl._rslots.busy
+        assert cl._rslots.reserving == {}
+
+    run(store.master, body)
+
+
+def test_a_hung_holders_pooled_slots_are_dropped(store, monkeypatch):
+    """A write into a pooled slot that never answers is given up at the slot's use-by
+    time; the pool's other slots on that holder are dropped and given back (PUT_RELEASE),
+    so the next put does not wait on it again; the key is stored through PUT_START/
+    PUT_END (before: the pool kept them, and each next put waited out its slot)."""
+    val = os.urandom(4 * MiB)
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.put(b"hang-first", val)
+        pool = cl._rslots.of(4 * MiB, cl._fast)
+        assert len(pool) >= 2
+        peer = pool[0][1]
+        soon = time.monotonic() + 1.0  # time enough to take, not to wait an hour
+        pool[:] = [(soon,) + s[1:] for s in pool]
+        held = {(s[4], s[5]) for s in pool}
+        real = te.write
+        writes = [0]
+
+        async def hang_once(p, slices):
+            writes[0] += 1
+            if writes[0] == 1:
+                await asyncio.sleep(3600)
+            return await real(p, slices)
+
+        te.write = hang_once  # type: ignore[method-assign]
+        sent = spy_frames(monkeypatch)
+        assert await cl.put(b"hang-second", val)
+        te.write = real  # type: ignore[method-assign]
+        monkeypatch.undo()
+        assert writes[0] == 2  # the hung one, then the PUT_START/PUT_END one
+        assert wire.PUT_START in [m for m, _ in sent]
+        assert all(s[1] != peer for p in cl._rslots.slots.values() for s in p)
+        gone = released(sent)
+        assert len(gone) == len(held) - 1 and set(gone) < held
+        assert await cl.get(b"hang-second") == val
+
+    run(store.master, body)
+
+
+def test_slots_that_come_back_while_closing_are_given_back(store, monkeypatch):
+    """A put's PUT_SLOTS commit answers (with refill slots) after close() began giving
+    the pool back: the refill slots are given back too (PUT_RELEASE), not put into a
+    pool nobody uses (before: they stayed reserved on the master until their deadline)."""
+    val = os.urandom(4 * MiB)
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.put(b"closing-first", val)
+        pool = cl._rslots.of(4 * MiB, cl._fast)
+        del pool[2:]  # one for the put, one for close() to give back; room to refill
+        committing, closing, after = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        answers: list[bytes] = []
+        sent: list[tuple[int, bytes]] = []
+        real = FastConn.call
+
+        def spy(self, method, body, timeout):
+            sent.append((method, bytes(body)))
+            fut = real(self, method, body, timeout)
+            if method == wire.PUT_SLOTS:  # answered once close() gives the pool back
+                committing.set()
+
+                async def late():
+                    out = await fut
+                    await closing.wait()
+                    answers.append(out)
+                    return out
+
+                return asyncio.ensure_future(late())
+            if method == wire.PUT_RELEASE and not closing.is_set():
+                closing.set()  # close()'s own: answered once the put gave back its slots
+
+                async def held_open():
+                    out = await fut
+                    await after.wait()  # (close() waits 1 s at most)
+                    return out
+
+                return asyncio.ensure_future(held_open())
+            if method == wire.PUT_RELEASE:
+                after.set()
+            return fut
+
+        monkeypatch.setattr(FastConn, "call", spy)
+        put = asyncio.create_task(cl.put(b"closing-second", val))
+        await committing.wait()
+        await cl.close()
+        assert await put
+        monkeypatch.undo()
+        st, tok, new = wire.unpack_put_slots_resp(answers[0], 1)
+        assert st == [1] and new  # the test means something: slots were refilled
+        assert set((o, tok) for o in new) <= set(released(sent))
+        assert not any(cl._rslots.slots.values())
 
     run(store.master, body)
 

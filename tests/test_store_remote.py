@@ -298,7 +298,8 @@ def test_a_write_acknowledged_after_its_slots_use_by_time_is_put_again(store, mo
     """Review finding 1, client side (issue 13): a pooled write is awaited only until
     its slot's use-by time; one that is not acknowledged by then is never committed
     (the master's hold may have ended and the slot gone to another writer): the key is
-    put again through PUT_START/PUT_END, and reads back."""
+    put again through PUT_START/PUT_END, and reads back; the pool's other slots on that
+    holder are given back (PUT_RELEASE) first."""
     val = os.urandom(4096)
 
     async def body(cl: StoreClient, te: TransferEngine):
@@ -318,7 +319,9 @@ def test_a_write_acknowledged_after_its_slots_use_by_time_is_put_again(store, mo
         cl._write = slow_write
         sent = _spy_conns(cl, monkeypatch)
         assert await cl.put(b"late-second", val)
-        assert [m for _, m, _ in sent] == [wire.PUT_START, wire.PUT_END]
+        # the holder's other slots are given back (it may hang: no put waits on it again)
+        assert [m for _, m, _ in sent] == [wire.PUT_RELEASE, wire.PUT_START, wire.PUT_END]
+        assert not any(s[1] == slow[0] for p in cl._rslots.slots.values() for s in p)
         assert slow and await cl.get(b"late-second") == val
         await cl.remove([b"late-first", b"late-second"])
 

@@ -131,9 +131,9 @@ def test_a_failed_direct_write_stores_nothing_and_leaves_no_region(store, monkey
 
 
 def test_large_puts_are_one_commit_each_through_held_slots(store, monkeypatch):
-    """4 MiB puts (bytes and zero-copy), and 16 MiB ones by a fresh client (the default
-    budget holds two such slots): after the PUT_RESERVE that fills the pool, each is a
-    write and ONE PUT_SLOTS commit (which refills the pool); every byte comes back."""
+    """4 MiB puts (bytes and zero-copy), then 16 MiB ones by the same client (the 4 MiB
+    slots it holds give way): after the PUT_RESERVE that fills the pool, each is a write
+    and ONE PUT_SLOTS commit (which refills the pool); every byte comes back."""
     vals = [os.urandom(4 * MiB) for _ in range(5)]
     keys = [f"large-pooled-{i}".encode() for i in range(len(vals))]
 
@@ -157,24 +157,21 @@ def test_large_puts_are_one_commit_each_through_held_slots(store, monkeypatch):
         assert np.array_equal(src, dst)
         assert await cl.batch_get(keys) == vals
         await cl.remove([*keys, *zk])
+        # 16 MiB puts on the same client: the 4 MiB slots it holds make room (PUT_RELEASE
+        # of the oldest), one PUT_RESERVE, then each is one PUT_SLOTS commit
+        sent.clear()
+        huge = [os.urandom(16 * MiB) for _ in range(3)]
+        ks = [f"large-pooled-16-{i}".encode() for i in range(3)]
+        for k, v in zip(ks, huge):
+            assert await cl.put(k, v)
+        assert sent.count(wire.PUT_SLOTS) == 3 and sent.count(wire.PUT_RESERVE) == 1
+        assert sent[0] == wire.PUT_RELEASE and wire.PUT_START not in sent
+        assert await cl.batch_get(ks) == huge
+        await cl.remove(ks)
         return cl.stats
 
     stats = run(store.master, body)
     assert stats["master_errors"] == 0 and stats["put_failed"] == 0
-    huge = [os.urandom(16 * MiB) for _ in range(3)]
-
-    async def body16(cl: StoreClient, te: TransferEngine):  # a fresh client's whole budget
-        assert await cl.exists(b"warm-up") is False
-        sent = spy_methods(monkeypatch)
-        for i, v in enumerate(huge):
-            assert await cl.put(f"large-pooled-16-{i}".encode(), v)
-        assert sent.count(wire.PUT_SLOTS) == 3 and sent.count(wire.PUT_RESERVE) == 1
-        assert wire.PUT_START not in sent
-        ks = [f"large-pooled-16-{i}".encode() for i in range(3)]
-        assert await cl.batch_get(ks) == huge
-        await cl.remove(ks)
-
-    run(store.master, body16)
 
 
 def test_a_value_the_pool_budget_cannot_hold_is_put_with_start_and_end(store, monkeypatch):

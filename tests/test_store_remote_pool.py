@@ -1,6 +1,7 @@
 """The client's pool of remote slots as plain data (no processes): its byte budget is
-shared by every size (review finding 5, issue 13), and taking slots checks each one's
-use-by time, wherever it sits in the pool (finding 4)."""
+shared by every size (review finding 5, issue 13), taking slots checks each one's use-by
+time, wherever it sits in the pool (finding 4), and making room for one size drops the
+slots out of time and then other sizes' oldest idle ones (second review, finding 1)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,31 @@ def test_take_hands_back_the_slots_it_drops():
     assert got == [slot(30.0, 4096)] and late == []  # the last one first: enough time
     assert RemotePool.take(pool, 1, now=10.0, need_s=0.5, dropped=late) is None
     assert late == [slot(10.05, 0)] and pool == []
+
+
+def test_make_room_drops_slots_out_of_time_then_other_sizes_oldest_first():
+    """One 4 KiB put left 7 spare 4 KiB slots (28 of 32 KiB): a 16 KiB slot has no room.
+    make_room drops every slot out of time (of any size), then other sizes' idle slots,
+    oldest first, only until the count fits (none if it cannot fit); never its own
+    size's nor busy ones; sizes left empty are forgotten."""
+    rp = RemotePool(max_bytes=32 * KB, max_slots=32)
+    conn = object()
+    rp.of(4 * KB, conn).extend(slot(10.0 + i, i * 4 * KB) for i in range(7))
+    rp.of(1 * KB, conn).append(slot(1.0, 1 << 20))  # out of time
+    rp.of(16 * KB, conn)  # an empty entry for the size asked for stays
+    rp.of(2 * KB, conn)  # an empty one of another size goes
+    assert rp.room(16 * KB) == 0
+    out = rp.make_room(16 * KB, 1, now=9.0)
+    assert rp.room(16 * KB) == 1
+    assert sorted(s[4] for _, s in out) == [0, 4 * KB, 8 * KB, 1 << 20]  # oldest 4 KiB
+    assert [z for z, _ in out].count(4 * KB) == 3
+    assert sorted(rp.slots) == [4 * KB, 16 * KB] and len(rp.slots[4 * KB]) == 4
+    # out of time at 9.9 s: slots of its own size too (a write needs write_time() left)
+    rp.of(16 * KB, conn).append(slot(9.95, 2 << 20))
+    out = rp.make_room(16 * KB, 0, now=9.9)
+    assert [s[4] for _, s in out] == [2 << 20] and rp.slots[16 * KB] == []
+    # busy slots are never dropped, and idle ones only if that makes room enough
+    rp.add_busy(4 * KB, 4)
+    assert rp.make_room(16 * KB, 2, now=9.0) == [] and len(rp.slots[4 * KB]) == 4
+    out = rp.make_room(16 * KB, 1, now=9.0)
+    assert rp.room(16 * KB) == 1 and len(out) == 4 and 4 * KB not in rp.slots

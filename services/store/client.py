@@ -206,6 +206,7 @@ class StoreClient(RemotePuts):
             log.warning("store: segment not mounted yet; puts go remote until it is")
 
     async def close(self) -> None:
+        self._rslots.closing = True  # puts in flight give back the slots they bring
         if self._own_segment and self.segment is not None:
             host, self.segment = self.segment, None
             await self._call(

@@ -19,7 +19,8 @@ Rules that keep a key pointing at its own bytes:
     or failed-over master that never reserved them); if it changed or closed the keys
     are put again;
   * a slot this client drops without writing it (too little time left, over the
-    budget, the pool's slots on a holder whose write failed, the pool at ``close()``)
+    budget, room for another size, the pool's slots on a holder whose write failed or
+    hung, the pool at ``close()``)
     is given back with ``PUT_RELEASE`` on its connection; one it wrote or may still be
     writing (a failed or late write) or one of a changed connection stays reserved on
     the master until its deadline and is freed there (that memory is not usable
@@ -30,16 +31,22 @@ across all sizes, counting the slots it holds, those popped by puts not yet comm
 and those asked for by a ``PUT_RESERVE`` or a refill still in flight (so concurrent puts
 never make it hold more: one ``PUT_RESERVE`` per size is in flight at a time, the other
 puts of that size await it, and what comes back beyond the budget is given back with
-``PUT_RELEASE``); a put that does not fit the budget left takes the usual path. The
+``PUT_RELEASE``). A put that does not fit the budget left first gives back the slots
+of every size that are out of time and then other sizes' idle slots, oldest first, until
+it fits (so one size never locks the others out); if it still does not fit (slots popped
+or asked for), it takes the usual path. The
 master grants spare slots only from a small share of a segment's free space
 (``metadata.REMOTE_SPARE_SHARE``), so a pool never fills a segment up to its eviction
 watermark.
 
 A slot is taken only when its use-by time leaves room for the write: ``size`` at
 ``REMOTE_SLOT_MIN_BW`` plus ``REMOTE_SLOT_MARGIN_S`` (a large write into a slot about to
-expire would always miss it). A write that fails drops every slot of the pool on that
-holder (it likely died; the keys are put again through PUT_START/PUT_END, which places
-them on a live one: a failed write was never committed).
+expire would always miss it). A write that fails, or is not acknowledged by its
+use-by time, drops every slot of the pool on that holder and gives them back (it likely
+died or hangs, and the next put would wait on it again; the keys are put again through
+PUT_START/PUT_END, which places them on a live one: such a write is never committed).
+Slots that reach the pool after ``close()`` began (a commit's refill, a reservation in
+flight) are given back at once.
 """
 
 from __future__ import annotations
@@ -82,6 +89,8 @@ class RemotePool:
         self.busy: dict[int, int] = {}
         # per size: the PUT_RESERVE in flight (the other puts of that size await it)
         self.reserving: dict[int, asyncio.Future] = {}
+        # set by the client's close(): slots that come back from then on are given back
+        self.closing = False
 
     def of(self, size: int, conn: FastConn | None) -> list[RemoteSlot]:
         """The slots of ``size`` held on ``conn`` (those of another connection are
@@ -120,6 +129,35 @@ class RemotePool:
         while extra > 0 and pool:
             out.append(pool.pop(0))
             extra -= 1
+        return out
+
+    def make_room(self, size: int, count: int, now: float) -> list[tuple[int, RemoteSlot]]:
+        """Makes room in the budget for ``count`` more slots of ``size``: drops the slots
+        of every size with too little time left for their write (those of a size no put
+        comes for again would hold the budget for good), then the idle slots of other
+        sizes, oldest first, until the count fits; forgets sizes left empty. -> the
+        (size, slot) pairs dropped (never written: to be given back with PUT_RELEASE).
+        Idle slots are dropped only if that makes room enough (slots popped or asked
+        for are never dropped)."""
+        out: list[tuple[int, RemoteSlot]] = []
+        for z, pool in self.slots.items():
+            need = write_time(z)
+            out += [(z, s) for s in pool if s[0] - now < need]
+            pool[:] = [s for s in pool if s[0] - now >= need]
+        others = sorted(
+            ((s[0], z, s) for z, pool in self.slots.items() if z != size for s in pool),
+            key=lambda e: e[0],
+        )
+        # busy ones stay: drop none unless dropping them all would make room enough
+        busy = self.held_bytes() - size * self.held(size) - sum(z for _, z, _ in others)
+        fits = min(self.max_slots, (self.max_bytes - busy) // size) - self.held(size) >= count
+        for _, z, s in others if fits else ():
+            if self.room(size) >= count:
+                break
+            self.slots[z].remove(s)
+            out.append((z, s))
+        for z in [z for z, pool in self.slots.items() if not pool and z != size]:
+            del self.slots[z]
         return out
 
     def drop_peer(self, addr: str) -> int:

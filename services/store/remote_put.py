@@ -130,7 +130,9 @@ class RemotePuts:
                     for i in by_peer[p]:
                         by_seg.setdefault((slots[i][3], slots[i][2]), []).append(i)
                     continue
-                if ok is False and rp.conn is conn:  # the holder likely died: none of its slots
+                if rp.conn is conn:  # failed (died?) or not acknowledged in time (hung?):
+                    # none of the holder's slots (never written: given back), so that the
+                    # next put does not wait on it again
                     dead += [(z, s) for z, pool in rp.slots.items() for s in pool if s[1] == p]
                     rp.drop_peer(p)
                 rp.add_busy(size, -len(by_peer[p]))  # resolved: dropped (never committed)
@@ -191,14 +193,15 @@ class RemotePuts:
 
     async def _take_slots(self, conn: FastConn, size: int, n: int) -> list[RemoteSlot] | None:
         """``n`` pooled slots of ``size`` with time left for the write (counted as busy),
-        reserving them
-        when the pool lacks them (one PUT_RESERVE per size in flight: a put that finds
-        one awaits it and takes from what it brought); None when the budget has no room
-        or the master gave none."""
+        reserving them when the pool lacks them (one PUT_RESERVE per size in flight: a
+        put that finds one awaits it and takes from what it brought); when the budget
+        has no room, the slots of other sizes that are idle or out of time are given
+        back first (oldest first, only as many as the put needs). None when it still has
+        no room, the master gave none or the client is closing."""
         rp = self._rslots
         need = write_time(size)
-        for _ in range(4):
-            if conn.closed or conn is not self._fast:
+        for _ in range(6):
+            if rp.closing or conn.closed or conn is not self._fast:
                 return None
             pool = rp.of(size, conn)
             late: list[RemoteSlot] = []
@@ -221,7 +224,12 @@ class RemotePuts:
             count = n - len(pool)
             room = rp.room(size)
             if count > room:
-                return None
+                # other sizes' idle or expired slots may hold the budget: give them back
+                freed = rp.make_room(size, count, time.monotonic())
+                if not freed:
+                    return None
+                await self._release_slots(conn, freed)
+                continue  # look again: other puts may have run meanwhile
             if not await self._reserve(conn, size, count, room - count):
                 return None
         return None
@@ -258,10 +266,14 @@ class RemotePuts:
 
     async def _pool_add(self, conn: FastConn, size: int, slots: list[RemoteSlot]) -> None:
         """Puts ``slots`` (of ``size``, reserved on ``conn``) into the pool, and gives
-        back what is beyond its budget (none when the connection changed meanwhile: the
-        master that reserved them frees them itself)."""
+        back what is beyond its budget, or all of them once the client is closing (none
+        when the connection changed meanwhile: the master that reserved them frees them
+        itself)."""
         rp = self._rslots
         if not slots or conn.closed or conn is not self._fast:
+            return
+        if rp.closing:  # close() has given the pool back already: these too
+            await self._release_slots(conn, [(size, s) for s in slots])
             return
         rp.of(size, conn).extend(slots)
         extra = rp.trim(size)
