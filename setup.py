@@ -6,11 +6,14 @@ The extensions are optional: without Cython or a C compiler (or with
 ``KVMESH_PURE_PYTHON=1`` set at build time) the same modules run as plain Python, with
 the same decisions, only slower. ``pip install -e .`` builds them in place
 (``services/conductor/*.so``); ``services/conductor/__init__.py`` falls back to the
-``.py`` of any module whose ``.so`` is older than its source.
+``.py`` of every module when a ``.so`` is missing or was built from other sources
+(``_compiled.json``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -64,9 +67,49 @@ def _extensions() -> list[Extension]:
         return []
 
 
+# what the compiled modules are built from: their .py and .pxd, and the typed helpers
+# they cimport. The build stamps the sha256 of each beside the modules (_compiled.json),
+# which services/conductor/__init__.py checks at import, so that a source changed since
+# the build is never shadowed by a stale .so, whatever the files' times (a wheel install
+# writes a .py after its .so)
+SOURCES = (
+    *(f"{m}{ext}" for m in COMPILED for ext in (".py", ".pxd")),
+    "_sorted.py",
+    "_sorted.pxd",
+    "_prefetch.py",
+    "_prefetch.pxd",
+    "_prefetch.h",
+)
+STAMP = "_compiled.json"
+
+
 class _OptionalBuildExt(build_ext):
     """All or none: if a module does not compile (no C compiler, an error), none is
-    installed, said so, and services/conductor/__init__.py uses the plain Python ones."""
+    installed, said so, and services/conductor/__init__.py uses the plain Python ones.
+    When all compile, ``_compiled.json`` goes beside them: the sha256 of each source."""
+
+    def run(self) -> None:
+        super().run()
+        if not self.extensions:
+            return
+        src = Path(__file__).resolve().parent / "services" / "conductor"
+        stamp = {
+            "modules": [e.name.rsplit(".", 1)[1] for e in self.extensions],
+            "sha256": {
+                f: hashlib.sha256((src / f).read_bytes()).hexdigest()
+                for f in SOURCES
+                if (src / f).exists()
+            },
+        }
+        text = json.dumps(stamp, indent=1, sort_keys=True) + "\n"
+        # beside the built modules (the build dir a wheel is made of) and, for an
+        # in-place (editable) build, beside the copies in the source tree
+        outs = {Path(self.get_ext_fullpath(self.extensions[0].name)).parent}
+        if self.inplace:
+            outs.add(src)
+        for out in outs:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / STAMP).write_text(text)
 
     def build_extensions(self) -> None:
         self.check_extensions_list(self.extensions)

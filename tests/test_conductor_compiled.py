@@ -119,21 +119,33 @@ def test_compiled_decides_as_plain_python_on_the_bench_workload():
 
 
 def test_a_stale_or_partial_build_is_not_used(tmp_path, monkeypatch):
-    """Where a compiled module is older than its source (or some are missing), every
-    scheduler module comes from its .py; with all current, the compiled ones."""
+    """Where a source differs from the one its compiled module was built from (the
+    build's ``_compiled.json``), or some compiled module is missing, or the stamp is, every
+    scheduler module comes from its .py; with all current, the compiled ones, whatever
+    the files' times (a wheel install writes a .py after its .so)."""
+    import hashlib
+    import json
+
     suffix = ".cpython-311-x86_64-linux-gnu.so"
     monkeypatch.setattr(conductor, "_HERE", tmp_path)
     monkeypatch.setattr(conductor.importlib.machinery, "EXTENSION_SUFFIXES", [suffix])
     assert conductor._compiled_current() is None  # nothing compiled: nothing to say
+    sums = {}
     for m in conductor.COMPILED:
         for ext in (".py", ".pxd"):
-            (tmp_path / f"{m}{ext}").write_text("")
-            os.utime(tmp_path / f"{m}{ext}", (1000, 1000))
+            (tmp_path / f"{m}{ext}").write_text(f"# {m}{ext}\n")
+            sums[f"{m}{ext}"] = hashlib.sha256(f"# {m}{ext}\n".encode()).hexdigest()
         (tmp_path / f"{m}{suffix}").write_text("")
-        os.utime(tmp_path / f"{m}{suffix}", (2000, 2000))
+        os.utime(tmp_path / f"{m}{suffix}", (1000, 1000))  # older than every source
+    assert conductor._compiled_current() is False  # no stamp: cannot tell
+    stamp = tmp_path / "_compiled.json"
+    stamp.write_text(json.dumps({"modules": list(conductor.COMPILED), "sha256": sums}))
     assert conductor._compiled_current() is True
-    os.utime(tmp_path / "estimator.pxd", (3000, 3000))  # a source changed after the build
+    (tmp_path / "estimator.pxd").unlink()  # not installed (a wheel): not compared
+    assert conductor._compiled_current() is True
+    (tmp_path / "estimator.py").write_text("# changed after the build\n")
     assert conductor._compiled_current() is False
-    os.utime(tmp_path / "estimator.pxd", (1000, 1000))
+    (tmp_path / "estimator.py").write_text("# estimator.py\n")
+    assert conductor._compiled_current() is True
     (tmp_path / f"policy{suffix}").unlink()  # one missing
     assert conductor._compiled_current() is False

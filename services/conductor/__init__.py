@@ -1,14 +1,17 @@
 """The conductor. Its scheduler's modules (``COMPILED``) may be compiled by setup.py
 (Cython, from the same ``.py`` files, typed by the ``.pxd`` beside each). They are used
-only all together and only when current: where any ``.so`` is older than its ``.py`` or
-``.pxd`` (the source changed since the last ``pip install -e .``), or with
+only all together and only when current: where any ``.so`` is missing or a ``.py`` or
+``.pxd`` differs from the one it was built from (``_compiled.json``: the source changed
+since the last ``pip install -e .``), or with
 ``KVMESH_PURE_PYTHON=1`` in the environment, every one of them is imported from its
 ``.py`` instead (same decisions, slower)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import sys
 import warnings
@@ -19,21 +22,31 @@ _HERE = Path(__file__).parent
 
 
 def _compiled_current() -> bool | None:
-    """True if every compiled module is there and current; None if none is there (plain
-    Python, nothing to say); False if some are missing or stale."""
+    """True if every compiled module is there and was built from the sources beside it
+    (``_compiled.json``, written by setup.py: the sha256 of each source file; a file not
+    installed, such as a ``.pxd`` in a wheel, is not compared); None if none is there
+    (plain Python, nothing to say); False if some are missing or a source changed."""
     suffixes = importlib.machinery.EXTENSION_SUFFIXES
-    seen = current = 0
-    for m in COMPILED:
-        so = next((p for s in suffixes if (p := _HERE / f"{m}{s}").exists()), None)
-        if so is None:
-            continue
-        seen += 1
-        built = so.stat().st_mtime
-        sources = (_HERE / f"{m}.py", _HERE / f"{m}.pxd")
-        current += all(not p.exists() or p.stat().st_mtime <= built for p in sources)
+    seen = sum(any((_HERE / f"{m}{s}").exists() for s in suffixes) for m in COMPILED)
     if not seen:
         return None
-    return seen == current == len(COMPILED)
+    if seen != len(COMPILED):
+        return False
+    try:
+        stamp = json.loads((_HERE / "_compiled.json").read_text())
+        sums = dict(stamp["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # built before the stamp, or by hand: cannot tell
+    if any(f"{m}.py" not in sums for m in COMPILED):
+        return False
+    for name, digest in sums.items():
+        try:
+            data = (_HERE / name).read_bytes()
+        except FileNotFoundError:
+            continue
+        if hashlib.sha256(data).hexdigest() != digest:
+            return False
+    return True
 
 
 class _PurePython:
@@ -54,7 +67,7 @@ def _choose() -> None:
     state = _compiled_current()
     if state is False:
         warnings.warn(
-            "kvmesh: the conductor's compiled scheduler is older than its source (or "
+            "kvmesh: the conductor's compiled scheduler was built from other sources (or "
             "incomplete); using the plain Python modules. Rebuild: pip install -e .",
             RuntimeWarning,
             stacklevel=2,
