@@ -81,7 +81,7 @@ def test_the_metadata_names_are_defined_once_in_common():
     services/common/ownership.py (torch-free), which both import."""
     import pathlib
 
-    import kvmesh.services.conductor.server as conductor
+    import kvmesh.services.conductor.node_calls as conductor  # sends Reserve, Release
     import kvmesh.services.decode.server as decode
     from kvmesh.services.common import ownership
 
