@@ -22,10 +22,10 @@ from kvmesh.loadtest.store_cluster import NODE_PREFIX, StoreCluster
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import TransferEngine
-from kvmesh.services.common.settings import DEV_SECRET
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store.fastconn import FastConn
 from kvmesh.services.store_master import metadata, wire
+from tests.store_util import run_client
 
 MiB = 1 << 20
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -40,17 +40,7 @@ def store(tmp_path):
 
 
 def run(master: str, fn, **kw):
-    async def main():
-        te = TransferEngine(DEV_SECRET.encode())
-        await te.start()
-        cl = StoreClient(te, master, "pool-tester", rpc_timeout=5, **kw)
-        try:
-            return await fn(cl, te)
-        finally:
-            await cl.close()
-            await te.close()
-
-    return asyncio.run(main())
+    return run_client(master, fn, "pool-tester", **kw)
 
 
 def fast_addr(master: str) -> tuple[str, int]:

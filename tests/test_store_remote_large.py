@@ -7,7 +7,6 @@ budget holds them; every byte comes back."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import numpy as np
@@ -15,12 +14,12 @@ import pytest
 
 from kvmesh.loadtest.store_cluster import StoreCluster
 from kvmesh.rdma import TransferEngine, TransferError
-from kvmesh.services.common.settings import DEV_SECRET
 from kvmesh.services.store import client as client_mod
 from kvmesh.services.store import direct, remote_put
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store.fastconn import FastConn
 from kvmesh.services.store_master import wire
+from tests.store_util import run_client
 
 MiB = 1 << 20
 
@@ -34,17 +33,7 @@ def store(tmp_path_factory):
 
 
 def run(master: str, fn, **kw):
-    async def main():
-        te = TransferEngine(DEV_SECRET.encode())
-        await te.start()
-        cl = StoreClient(te, master, "large-tester", rpc_timeout=5, **kw)
-        try:
-            return await fn(cl, te)
-        finally:
-            await cl.close()
-            await te.close()
-
-    return asyncio.run(main())
+    return run_client(master, fn, "large-tester", **kw)
 
 
 def spy_methods(monkeypatch) -> list[int]:
