@@ -232,3 +232,34 @@ def test_an_http_client_that_closes_a_non_streamed_completion_frees_the_reservat
         assert free_blocks(cluster) < before
     # the socket is closed
     assert wait_free(cluster, before) == before
+
+
+def test_a_queued_request_that_can_no_longer_meet_its_ttft_slo_is_refused_before_any_work(
+    cluster, hold
+):
+    """Admission accepted b on an estimate; then the request ahead of it (a, held here)
+    ran far longer than estimated. Rather than compute b late, the prefill node refuses it
+    while it waits: RESOURCE_EXHAUSTED with reason ``deadline``, before a ends, with none of
+    b's tokens computed and its reservation freed; a itself is served in full."""
+    before = free_blocks(cluster)
+    computed = node(cluster.conductor, "prefill-0").computed_tokens_total
+    hold.at("prefilling")
+    with grpc.insecure_channel(cluster.conductor) as ch:
+        a = start(ch, max_tokens=2)  # holds the compute slot
+        hold.wait_held(1, a)
+        with_a = free_blocks(cluster)
+        b = start(ch, max_tokens=2, slo=pb.SLO(ttft_ms=3000))
+        with pytest.raises(grpc.RpcError) as e:
+            next(b)
+        err = e.value
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+        assert dict(err.trailing_metadata())["kvmesh-reject-reason"] == "deadline"
+        assert "TTFT SLO of 3000 ms" in err.details() and "before any work" in err.details()
+        assert not a.done() and len(hold.held()) == 1  # b never reached the compute
+        assert wait_free(cluster, with_a) == with_a  # b's reservation is back
+        hold.at("")
+        got = list(a)
+    assert sum(len(r.token_ids) for r in got) == 2
+    assert wait_free(cluster, before) == before
+    # only a's 3,001 prompt tokens were computed
+    assert node(cluster.conductor, "prefill-0").computed_tokens_total - computed == 3001

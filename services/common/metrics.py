@@ -135,6 +135,13 @@ PREFILL_QUEUE_SECONDS = Histogram(
     buckets=_LAT,
     registry=REGISTRY,
 )
+PREFILL_REFUSED = Counter(
+    "kvmesh_prefill_refused_total",
+    "requests a prefill node refused before any work, by reason (deadline: it could no "
+    "longer finish inside its TTFT SLO)",
+    ["reason"],
+    registry=REGISTRY,
+)
 TRANSFER_BYTES = Counter(
     "kvmesh_transfer_bytes_total",
     "KV bytes moved by the transfer engine, by path "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -133,9 +134,22 @@ class NodeCalls:
             if not task.done():
                 task.cancel()
 
-    async def prefill(self, r: Request, d: Decision, tokens, req, dnode: NodeInfo, att: Attempt):
+    async def prefill(
+        self,
+        r: Request,
+        d: Decision,
+        tokens,
+        req,
+        dnode: NodeInfo,
+        att: Attempt,
+        due: float | None = None,
+    ):
         """Prefill on the chosen node; a node that fails is skipped for the next
-        disaggregated candidate (at most three tries). Each node asked is added to
+        disaggregated candidate (at most three tries). With ``due`` (``perf_counter``
+        seconds: when the first token is due at the client), each node is told the time
+        left and its estimated time on the request, and a node that refuses the request as
+        too late ends the request (RESOURCE_EXHAUSTED, reason ``deadline``): no other node
+        would start it sooner than the estimate that admitted it. Each node asked is added to
         ``att.writers`` before it is asked. A retry first gives back the failed attempt's
         reservation (naming its writers: the decode node fences those blocks until they
         are done) and reserves afresh under an id of its own (``<id>.retry<k>``): the failed
@@ -175,6 +189,7 @@ class NodeCalls:
                             block_hashes=r.hashes,
                             target=att.target,
                             sampling=req.sampling,
+                            **_deadline(d, node_id, due),
                         ),
                         timeout=self.request_timeout_s,
                     ),
@@ -184,6 +199,14 @@ class NodeCalls:
                 last = f"{node_id}: {e.code().name} {e.details()}"
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise Rejected(e.code(), e.details()) from None
+                if _refused_late(e):
+                    raise Rejected(
+                        e.code(),
+                        f"request {r.request_id} cannot meet its TTFT SLO of "
+                        f"{r.ttft_slo_ms + r.ttft_spent_ms:.0f} ms: {e.details()}; retry later "
+                        f"or with a looser SLO",
+                        (("retry-after-ms", "1000"), ("kvmesh-reject-reason", "deadline")),
+                    ) from None
                 log.warning("prefill on %s failed (%s); trying the next node", node_id, last)
             except Rejected as e:
                 last = e.message
@@ -192,3 +215,26 @@ class NodeCalls:
             grpc.StatusCode.UNAVAILABLE,
             f"prefill failed on every candidate (last: {last}); retry the request",
         )
+
+
+def _deadline(d: Decision, node_id: str, due: float | None) -> dict[str, float]:
+    """The Prefill call's ``deadline_ms`` and ``expected_ms`` for ``node_id``: the time left
+    until ``due`` less the estimated way back to the client, and the node's estimated time
+    on the request (``{}`` without ``due``)."""
+    if due is None:
+        return {}
+    c = next((c for c in d.candidates if c.route == DISAGG and c.node == node_id), d.estimate)
+    if c is None:
+        return {}
+    expected = c.work_ms * c.speed
+    back = max(0.0, c.ttft_ms - c.queue_ms - expected)  # the estimate's overhead
+    # a request already late is still sent, with a deadline the node refuses at once
+    left = max(0.001, (due - time.perf_counter()) * 1000 - back)
+    return {"deadline_ms": left, "expected_ms": expected}
+
+
+def _refused_late(e: grpc.aio.AioRpcError) -> bool:
+    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    md = e.trailing_metadata() or ()
+    return any(k == "kvmesh-reject-reason" and v == "deadline" for k, v in md)

@@ -91,6 +91,12 @@ class ConductorConfig(ServiceConfig):
         SLO_MARGIN,
         "admit only when the estimate is within this share of the SLO (room for estimate error)",
     )
+    refuse_late: bool = option(
+        True,
+        "a prefill node refuses a queued request once it can no longer meet its TTFT SLO "
+        "(its node runs slower than estimated), rather than compute it late; the client "
+        "gets RESOURCE_EXHAUSTED with reason deadline (--no-refuse-late: late instead)",
+    )
     report_interval_ms: float = option(200.0, "period of the nodes' load reports")
     request_timeout_s: float = option(300.0, "longest a request may run end to end")
     max_prompt_tokens: int = option(
@@ -438,7 +444,10 @@ class Conductor(Service):
             block_hashes=r.hashes,
         )
         if d.route == DISAGG:
-            presp, pnode = await self.calls.prefill(r, d, tokens, req, dnode, att)
+            due = t_arrival + (r.ttft_slo_ms + r.ttft_spent_ms) / 1000
+            presp, pnode = await self.calls.prefill(
+                r, d, tokens, req, dnode, att, due if self.cfg.refuse_late else None
+            )
             dreq.request_id = record["node_request_id"] = att.rid  # a retry's own
             route.prefill_node = pnode.node_id
             dreq.first_token = presp.first_token

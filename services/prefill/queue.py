@@ -1,5 +1,6 @@
 """The prefill node's compute slot: one prompt computes at a time, the others wait in
-arrival order; ``depth`` counts the waiters (what ``Status`` reports as the queue)."""
+arrival order (each at most as long as its deadline allows); ``depth`` counts the
+waiters (what ``Status`` reports as the queue)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+
+
+class NotInTime(Exception):
+    """A request's turn did not come within the time it could wait."""
 
 
 class ComputeQueue:
@@ -26,13 +31,20 @@ class ComputeQueue:
         return self._slot.locked()
 
     @asynccontextmanager
-    async def turn(self) -> AsyncIterator[float]:
+    async def turn(self, limit_s: float | None = None) -> AsyncIterator[float]:
         """Waits for this request's turn and holds the slot for the ``async with`` body;
-        yields the seconds it waited."""
+        yields the seconds it waited. With ``limit_s``, a request whose turn has not come
+        within that many seconds leaves the queue with :class:`NotInTime` (at once when it
+        is not positive)."""
         t0 = time.perf_counter()
+        if limit_s is not None and limit_s <= 0:
+            raise NotInTime
         self.depth += 1
         try:
-            await self._slot.acquire()
+            async with asyncio.timeout(limit_s):
+                await self._slot.acquire()
+        except TimeoutError:
+            raise NotInTime from None
         finally:
             self.depth -= 1
         try:

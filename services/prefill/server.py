@@ -44,7 +44,8 @@ from kvmesh.services.engine.model import PrefillStopped
 from kvmesh.services.engine.sampling import sample_with_logprob
 from kvmesh.services.model_node import ModelNode, drop_payload, to_the_end
 from kvmesh.services.node_config import NodeConfig
-from kvmesh.services.prefill.queue import ComputeQueue
+from kvmesh.services.prefill.deadline import Deadline, Slowdown, TooLate
+from kvmesh.services.prefill.queue import ComputeQueue, NotInTime
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,13 @@ class PrefillServicer(pbg.PrefillNodeServicer):
                 f"prefill node {self.node.node_id} has no room for the KV of "
                 f"{len(req.token_ids)} tokens ({e}); retry",
             )
+        except TooLate as e:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"prefill node {self.node.node_id} refused request {req.request_id} before any "
+                f"work: {e}",
+                trailing_metadata=(("kvmesh-reject-reason", "deadline"),),
+            )
 
     async def Status(self, req, context):
         return self.node.status(queue_depth=self.node.queue_depth)
@@ -191,6 +199,7 @@ class PrefillNode(ModelNode):
     def __init__(self, cfg: PrefillConfig) -> None:
         super().__init__(cfg)
         self.compute = ComputeQueue()
+        self.slowdown = Slowdown()  # measured against the conductor's estimates
         self.background: set[asyncio.Task] = set()
         self.test_hold_dir = os.environ.get("KVMESH_TEST_HOLD_PREFILL", "")  # test only
 
@@ -230,18 +239,36 @@ class PrefillNode(ModelNode):
 
     async def prefill(self, req: pb.PrefillRequest) -> pb.PrefillResponse:
         """Waits for the compute slot (FIFO), then runs the request's prefill. A request
-        that fails or is cancelled (the client went away) at any stage, queued included,
-        tells the decode node once none of its writes can land any more (``drop``)."""
-        t_queue = time.time_ns()
+        with a deadline waits only while it can still finish inside it, and is refused
+        (:class:`TooLate`) once it cannot. A request that fails, is refused or is
+        cancelled (the client went away) at any stage, queued included, tells the decode
+        node once none of its writes can land any more (``drop``)."""
+        t_queue, t0 = time.time_ns(), time.perf_counter()
         handoffs: list[_Handoff] = []
+        deadline = Deadline.of(req.deadline_ms, req.expected_ms, t0)
         try:
-            async with self.compute.turn() as waited:
-                kvm.PREFILL_QUEUE_SECONDS.observe(waited)
-                record_span(
-                    "prefill.queue", t_queue, attributes={"kvmesh.queue_depth": self.queue_depth}
-                )
-                return await self._prefill_locked(req, waited * 1000, handoffs)
-        except BaseException:  # cleanup only: re-raised
+            while True:
+                limit = deadline.wait_limit_s(self.slowdown) if deadline else None
+                try:
+                    async with self.compute.turn(limit):
+                        waited = time.perf_counter() - t0
+                        kvm.PREFILL_QUEUE_SECONDS.observe(waited)
+                        record_span(
+                            "prefill.queue",
+                            t_queue,
+                            attributes={"kvmesh.queue_depth": self.queue_depth},
+                        )
+                        if deadline:
+                            deadline.check(self.slowdown, waited)
+                        return await self._prefill_locked(req, waited * 1000, handoffs)
+                except NotInTime:
+                    assert deadline is not None  # only a deadline sets a limit
+                    # raises TooLate, unless the node sped up while it waited: then it
+                    # queues again for what time is left
+                    deadline.check(self.slowdown, time.perf_counter() - t0)
+        except BaseException as e:  # cleanup only: re-raised
+            if isinstance(e, TooLate):
+                kvm.PREFILL_REFUSED.labels("deadline").inc()
             # _prefill_locked has settled its writes; a failed one might still land late
             # (a cut-off link that heals), so then the decode node keeps its fence
             if all(h.clean for h in handoffs):
@@ -317,6 +344,7 @@ class PrefillNode(ModelNode):
                 self.pool.free(table)
             raise
         prefill_ms = (time.perf_counter() - t0) * 1000
+        self.slowdown.observe(req.expected_ms, prefill_ms)
         self._observe(len(p.tokens), start, handoff, timing, prefill_ms)
         self._keep_new_blocks(p, table, len(prefix))
         c = self.counters
