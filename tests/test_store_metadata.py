@@ -517,3 +517,30 @@ def test_watch_blocks_coalesces_only_for_a_subscriber_that_asks():
         ("stored", 3, 0),
     ]
     assert (alone.type, bytes(alone.hash)[0], len(alone.more)) == ("removed", 1, 0)
+
+
+def test_every_replica_has_its_own_generation_and_a_slot_commit_the_writers():
+    """Issue 13, read ahead: a replica committed into a remote slot carries
+    ``wire.slot_gen(token, offset)`` (its writer knows it); a key removed and put again
+    into the same slot is a new replica with another generation; other replicas get a
+    fresh one each."""
+    from kvmesh.services.store_master import wire
+
+    m, _, _ = make()
+    m.mount("n", "n:1", 7, 256 * KB)
+    _, offs, tok = m.reserve_remote("client", 4 * KB, 1)
+    assert m.commit_remote("n", 7, [(h(1), offs[0], 4 * KB, tok)])[0] == [1]
+    first = m.blocks[h(1)].replicas[0]
+    assert first.gen == wire.slot_gen(tok, offs[0]) and first.gen != 0
+    assert m.remove([h(1)]) == 1
+    _, offs2, tok2 = m.reserve_remote("client", 4 * KB, 1)
+    assert offs2 == offs  # the same place again
+    assert m.commit_remote("n", 7, [(h(1), offs2[0], 4 * KB, tok2)])[0] == [1]
+    again = m.blocks[h(1)].replicas[0]
+    assert again.offset == first.offset and again.gen != first.gen
+    put(m, "n", [h(2), h(3)])
+    gens = {m.blocks[k].replicas[0].gen for k in (h(2), h(3))}
+    assert len(gens) == 2 and 0 not in gens and again.gen not in gens
+    # distinct (token, offset) pairs give distinct generations, never 0
+    seen = {wire.slot_gen(t, o) for t in (1, 2, 3, 1 << 63) for o in range(0, 64 * KB, 4 * KB)}
+    assert len(seen) == 4 * 16 and 0 not in seen

@@ -29,6 +29,12 @@ Semantics a caller can rely on:
     the caller recomputes;
   * every failure of the store (master down, node gone, transfer error) is a miss or a
     ``False``, never an exception, except bad arguments (``ValueError``);
+  * a client that lends nothing remembers where it saw each key (its own pooled puts,
+    earlier gets) and reads there while it asks the master, using those bytes only if
+    the master's answer names the same replica (place and generation;
+    :mod:`kvmesh.services.store.located`): a small get is one round trip, not two. On a
+    miss or a mismatch ``get_into`` may have written the remembered replica's bytes into
+    the caller's buffer (the key's result is -1, or the right value overwrites them);
   * a remote bytes put of values of ``direct.DIRECT_PUT_MIN`` or more sends them from
     the caller's buffers (:mod:`kvmesh.services.store.direct`): a mutable value must not
     change until its put returns (smaller ones are copied into a staging region first).
@@ -63,6 +69,7 @@ from kvmesh.services.store.copy import (
     fresh_bytes_target,
 )
 from kvmesh.services.store.fastconn import CallError, FastConn, FastConnError
+from kvmesh.services.store.located import Locations, ReadAhead
 from kvmesh.services.store.remote_pool import (
     RemotePool,
 )
@@ -102,7 +109,7 @@ def _bytes_view(v) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-class StoreClient(RemotePuts):
+class StoreClient(RemotePuts, ReadAhead):
     """``te`` must be started; ``master`` is a store-master gRPC address or a started
     :class:`Membership` of the cluster (any live store-master is used). ``segment``: the
     :class:`SegmentHost` this node lends (enables the local paths); or call :meth:`lend`.
@@ -153,6 +160,8 @@ class StoreClient(RemotePuts):
         # remote slots (no own segment), for the fast connection they were reserved on
         # (see :mod:`kvmesh.services.store.remote_pool`)
         self._rslots = RemotePool(remote_pool_bytes, remote_pool_slots)
+        # where keys were last seen: a get reads there while it asks (located.py)
+        self._where = Locations()
         self.stats = {
             "puts": 0,
             "put_failed": 0,
@@ -163,6 +172,8 @@ class StoreClient(RemotePuts):
             "master_errors": 0,
             "local_puts": 0,
             "local_gets": 0,
+            "read_ahead_used": 0,
+            "read_ahead_wasted": 0,
         }
 
     # -- plumbing --------------------------------------------------------------------------
@@ -338,10 +349,17 @@ class StoreClient(RemotePuts):
     # -- hot calls (raw TCP when offered, else gRPC) ---------------------------------------
     async def _get_replicas(
         self, keys: list[bytes], any_order: bool
-    ) -> tuple[int, list[Loc]] | None:
-        body = await self._fast_call(wire.GET, wire.pack_get(keys, self.node_id, any_order))
+    ) -> tuple[int, list[Loc], list[int] | None] | None:
+        """(lease_ms, placements, their generations: None from a master without them)."""
+        body = await self._fast_call(
+            wire.GET, wire.pack_get(keys, self.node_id, any_order, gens=True)
+        )
         if body is not False:
-            return None if body is None else wire.unpack_get_resp(body)
+            if body is None:
+                return None
+            lease_ms, locs, gens = wire.unpack_get_resp_gens(body)
+            self._where.answer(keys, locs, gens)
+            return lease_ms, locs, gens
         resp = await self._call(
             "GetReplicas",
             pb.GetReplicasRequest(hashes=keys, node_id=self.node_id, any_order=any_order),
@@ -354,7 +372,8 @@ class StoreClient(RemotePuts):
                 i += 1
             out.append((i, p.data_address, p.region_id, p.node_id, p.offset, p.size))
             i += 1
-        return resp.lease_ms, out
+        self._where.answer(keys, out, None)
+        return resp.lease_ms, out, None
 
     async def _exists(self, keys: list[bytes], any_order: bool) -> tuple[int, list[bool]] | None:
         body = await self._fast_call(wire.EXISTS, wire.pack_exists(keys, any_order))
@@ -661,12 +680,28 @@ class StoreClient(RemotePuts):
         if not keys:
             return out
         sent = time.monotonic()
-        got = await self._get_replicas(keys, not prefix)
+        ahead = [] if prefix or self.segment is not None else self._where.plan(keys)
+        if capacities is not None:
+            ahead = [(i, w) for i, w in ahead if w[3] <= capacities[i]]
+        early = None
+        if ahead:  # read where the keys were while the master answers (located.py)
+            early = asyncio.ensure_future(
+                self._read_ahead(ahead, lambda i, w: Slice(region_id, offsets[i], *w[1:4]))
+            )
+        try:
+            got = await self._get_replicas(keys, not prefix)
+        except BaseException:
+            if early is not None:
+                early.cancel()
+            raise
+        read_early = await early if early is not None else set()
         if got is None:
             self.stats["misses"] += len(keys)
             return out
-        lease_ms, locs = got
+        lease_ms, locs, gens = got
         deadline = sent + lease_ms / 1000
+        if read_early:
+            locs = self._take_early(dict(ahead), read_early, locs, gens, out, True)
         by_peer: dict[str, list[Loc]] = {}
         for loc in locs:
             i, addr, region, _, off, size = loc
@@ -772,12 +807,24 @@ class StoreClient(RemotePuts):
             return []
         out: list[bytes | None] = [None] * len(keys)
         sent = time.monotonic()
-        got = await self._get_replicas(keys, True)
+        ahead = [] if self.segment is not None else self._where.plan(keys)
+        early = None
+        if ahead:  # read where the keys were while the master answers (located.py)
+            early = asyncio.ensure_future(self._read_ahead_bytes(ahead))
+        try:
+            got = await self._get_replicas(keys, True)
+        except BaseException:
+            if early is not None:
+                early.cancel()
+            raise
+        read_early = await early if early is not None else {}
         if got is None:
             self.stats["misses"] += len(keys)
             return out
-        lease_ms, locs = got
+        lease_ms, locs, gens = got
         deadline = sent + lease_ms / 1000
+        if read_early:
+            locs = self._take_early(dict(ahead), read_early, locs, gens, out, False)
         remote: list[Loc] = []
         local: list[tuple[int, memoryview]] = []
         seg = self.segment
@@ -886,6 +933,7 @@ class StoreClient(RemotePuts):
 
     async def remove(self, keys: bytes | Sequence[bytes]) -> int:
         ks = _check_keys([keys] if isinstance(keys, (bytes, bytearray)) else keys)
+        self._where.forget(ks)
         body = await self._fast_call(wire.REMOVE, wire.pack_keys(ks))
         if body is not False:
             return 0 if body is None else wire.unpack_count(body)

@@ -15,6 +15,7 @@ from kvmesh.rdma import Slice
 from kvmesh.services.store.batching import gather_results, per_key
 from kvmesh.services.store.copy import copy_into
 from kvmesh.services.store.fastconn import FastConn
+from kvmesh.services.store.located import Locations
 from kvmesh.services.store.remote_pool import (
     REMOTE_SLOT_MAX,
     REMOTE_SLOT_USE,
@@ -45,6 +46,7 @@ class RemotePuts:
     _traced: Callable[[str, Awaitable[bytes | None | bool]], Awaitable[bytes | None | bool]]
     _write: Callable[[str, list[Slice]], Awaitable[bool]]
     _put_placed: Callable[..., Awaitable[list[bool]]]
+    _where: Locations
 
     @property
     def _staging_view(self) -> memoryview:  # the client's staging buffer
@@ -171,7 +173,10 @@ class RemotePuts:
                 back: list[RemoteSlot] = []
                 for i, st in zip(idx, status):
                     out[i] = True if st in (1, 2) else None
-                    if st == 2:
+                    if st == 1:  # where it is, for a get that reads it ahead (located.py)
+                        _, addr, reg, _, off, tok = slots[i]
+                        self._where.note(keys[i], (addr, reg, off, size, wire.slot_gen(tok, off)))
+                    elif st == 2:
                         back.append(slots[i])  # the key was present: the slot is still ours
                 use_by = sent + rp.use_s  # held as long as the first ones
                 back += [(use_by, slots[idx[0]][1], region, node, o, token) for o in new]

@@ -179,11 +179,13 @@ class FastPathProtocol:
         s = self.s
         if method == wire.GET:
             keys, node, any_order = wire.unpack_get(body)
+            if body[0] & ~(wire.GET_ANY_ORDER | wire.GET_GENS):
+                return _INVALID, f"GetReplicas: unknown flags {body[0]:#x}".encode()
             if err := check_keys(keys, "GetReplicas"):
                 return _INVALID, err.encode()
             if cand := s.needs_promotion(keys, any_order):
-                return self._get_slow(keys, node, any_order, cand)
-            return 0, self._get_resp(keys, node, any_order)
+                return self._get_slow(keys, node, any_order, cand, wire.get_wants_gens(body))
+            return 0, self._get_resp(keys, node, any_order, wire.get_wants_gens(body))
         if method == wire.EXISTS:
             keys, any_order = wire.unpack_exists(body)
             if err := check_keys(keys, "Exists"):
@@ -275,7 +277,7 @@ class FastPathProtocol:
             return self._pb(getattr(s, name), cls.FromString(body))
         return grpc.StatusCode.UNIMPLEMENTED.value[0], f"unknown method {method}".encode()
 
-    def _get_resp(self, keys: list[bytes], node: str, any_order: bool) -> bytes:
+    def _get_resp(self, keys: list[bytes], node: str, any_order: bool, gens: bool) -> bytes:
         got, until = self.s.get_now(keys, node, any_order)
         items, i = [], 0
         for blk, rep in got:
@@ -284,7 +286,8 @@ class FastPathProtocol:
             items.append((i, rep.segment, rep.offset, blk.size))
             self.moved += blk.size
             i += 1
-        return wire.pack_get_resp(int(self.s.meta.lease_s * 1000), items)
+        lease_ms = int(self.s.meta.lease_s * 1000)
+        return wire.pack_get_resp(lease_ms, items, [r.gen for _, r in got] if gens else None)
 
     def _put_start_resp(self, node: str, keys: list[bytes], sizes: list[int]) -> bytes:
         placed, skipped = self.s.meta.put_start(node, keys, sizes)
@@ -319,10 +322,10 @@ class FastPathProtocol:
         return 0, self._put_start_resp(node, keys, sizes)
 
     async def _get_slow(
-        self, keys: list[bytes], node: str, any_order: bool, cand: list[Block]
+        self, keys: list[bytes], node: str, any_order: bool, cand: list[Block], gens: bool
     ) -> _Answer:
         await self.s.promote(cand)
-        return 0, self._get_resp(keys, node, any_order)
+        return 0, self._get_resp(keys, node, any_order, gens)
 
     async def _put_local_slow(self, need: int, args: tuple) -> _Answer:
         await self.s.run_eviction(need)

@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from kvmesh.services.store_master import wire
 from kvmesh.services.store_master.model import (  # noqa: F401
     DRAM,
     SSD,
@@ -393,7 +394,8 @@ class StoreMetadata(ReplicaPolicy):
             slot = held.get((seg_id, off))
             mine = seg is not None and slot is not None and slot[1] == token and token != 0
             ok.append((h, off if mine else -1, size))
-        status = self._commit_in(seg, ok) if seg is not None else [0] * len(ok)
+        gens = [wire.slot_gen(token, off) for _, off, _, token in items]
+        status = self._commit_in(seg, ok, gens) if seg is not None else [0] * len(ok)
         for (_, off, _), st in zip(ok, status):
             if st == 1:
                 del held[(seg_id, off)]
@@ -464,10 +466,17 @@ class StoreMetadata(ReplicaPolicy):
             seg, [(h, -1 if (sid, off) in remote else off, size) for h, off, size in items]
         )
 
-    def _commit_in(self, seg: Segment, items: Iterable[tuple[bytes, int, int]]) -> list[int]:
+    def _commit_in(
+        self,
+        seg: Segment,
+        items: Iterable[tuple[bytes, int, int]],
+        gens: list[int] | None = None,
+    ) -> list[int]:
+        """``gens``: each new replica's generation (a remote slot's, which its writer
+        knows: :func:`~kvmesh.services.store_master.wire.slot_gen`); else a fresh one."""
         now = self.clock()
         out = []
-        for h, off, size in items:
+        for j, (h, off, size) in enumerate(items):
             if seg.reserved.get(off) != size:
                 out.append(0)
                 continue
@@ -477,6 +486,8 @@ class StoreMetadata(ReplicaPolicy):
             del seg.reserved[off]
             blk = Block(h, size, last_access=now, pinned=h in self.pins)
             rep = Replica(seg, off, DRAM, BlockState.COMPLETE)
+            if gens is not None:
+                rep.gen = gens[j]
             blk.replicas.append(rep)
             self.blocks[h] = blk
             self.emit("stored", blk, rep)

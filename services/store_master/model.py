@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -95,6 +96,11 @@ class Segment:
         return 1.0 - self.used / self.size if self.size else 0.0
 
 
+def new_gen() -> int:
+    """A replica's generation: random, 64-bit, never 0 (not a secret: GET answers carry it)."""
+    return random.getrandbits(64) or 1
+
+
 @dataclass
 class Replica:
     segment: Segment
@@ -103,6 +109,10 @@ class Replica:
     state: BlockState = BlockState.PENDING
     put_deadline: float = 0.0
     kind: str = "put"  # put | replicate | promote
+    # names this replica for its life (a GET answer carries it): a client that read the
+    # bytes at (segment, offset) before the answer came uses them only if the answer names
+    # the same replica, never one put later at the same place (remove + put again)
+    gen: int = field(default_factory=new_gen)
 
 
 @dataclass

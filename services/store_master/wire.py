@@ -107,17 +107,42 @@ def unpack_keys(buf, pos: int) -> tuple[list[bytes], int]:
     return out, pos
 
 
-# -- GET: flags(u8: 1 any_order) | node_id | keys
+# -- GET: flags(u8: 1 any_order, 2 with generations) | node_id | keys
 #    ->  u32 lease_ms | u16 n_segments | (u32 region | u16 len + data address | node_id)*
 #        | u32 n | (u32 key index | u16 segment index | u64 offset | u64 size)*
-def pack_get(keys: list[bytes], node_id: str, any_order: bool) -> bytes:
-    return _U8.pack(1 if any_order else 0) + pack_str(node_id) + pack_keys(keys)
+#        [| u64 generation * n: with flag 2]
+# A replica's generation names it for its life: a client that remembers where a key is
+# (and its generation) may read the bytes there while it asks, and uses them only if the
+# answer names the same replica (a master without generations answers without them).
+GET_ANY_ORDER, GET_GENS = 1, 2
+_GEN = struct.Struct("<Q")
+
+
+def slot_gen(token: int, offset: int) -> int:
+    """The generation of a replica committed into a remote slot held under ``token`` at
+    ``offset`` (PUT_SLOTS): its writer knows it without asking, and a GET answer that
+    carries it does not give the token away (the token still holds the writer's other
+    slots). Never 0."""
+    x = (token ^ (offset * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
+    # splitmix64's finalizer: a bijection, so distinct (token, offset) stay distinct
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) or 1
+
+
+def pack_get(keys: list[bytes], node_id: str, any_order: bool, gens: bool = False) -> bytes:
+    flags = (GET_ANY_ORDER if any_order else 0) | (GET_GENS if gens else 0)
+    return _U8.pack(flags) + pack_str(node_id) + pack_keys(keys)
 
 
 def unpack_get(buf) -> tuple[list[bytes], str, bool]:
     node, pos = unpack_str(buf, 1)
     keys, _ = unpack_keys(buf, pos)
-    return keys, node, bool(buf[0] & 1)
+    return keys, node, bool(buf[0] & GET_ANY_ORDER)
+
+
+def get_wants_gens(buf) -> bool:
+    return bool(buf[0] & GET_GENS)
 
 
 class SegmentInfo(Protocol):
@@ -128,8 +153,12 @@ class SegmentInfo(Protocol):
     node_id: str
 
 
-def pack_get_resp(lease_ms: int, got: Sequence[tuple[int, SegmentInfo, int, int]]) -> bytes:
-    """``got``: (key index, segment, offset, size)."""
+def pack_get_resp(
+    lease_ms: int,
+    got: Sequence[tuple[int, SegmentInfo, int, int]],
+    gens: Sequence[int] | None = None,
+) -> bytes:
+    """``got``: (key index, segment, offset, size); ``gens``: one generation each."""
     segs: dict[int, int] = {}
     seg_parts: list[bytes] = []
     reps: list[bytes] = []
@@ -140,8 +169,16 @@ def pack_get_resp(lease_ms: int, got: Sequence[tuple[int, SegmentInfo, int, int]
             addr = seg.data_address.encode()
             seg_parts.append(_SEG.pack(seg.region_id, len(addr)) + addr + pack_str(seg.node_id))
         reps.append(_REP.pack(i, j, off, size))
+    tail = [struct.pack(f"<{len(gens)}Q", *gens)] if gens is not None else []
     return b"".join(
-        [_U32.pack(lease_ms), _U16.pack(len(seg_parts)), *seg_parts, _U32.pack(len(reps)), *reps]
+        [
+            _U32.pack(lease_ms),
+            _U16.pack(len(seg_parts)),
+            *seg_parts,
+            _U32.pack(len(reps)),
+            *reps,
+            *tail,
+        ]
     )
 
 
@@ -149,6 +186,19 @@ def unpack_get_resp(buf) -> tuple[int, list[tuple[int, str, int, str, int, int]]
     """-> (lease_ms, [(key index, data_address, region_id, node_id, offset, size)])."""
     (lease_ms,) = _U32.unpack_from(buf, 0)
     return lease_ms, _unpack_placements(buf, 4)[0]
+
+
+def unpack_get_resp_gens(
+    buf,
+) -> tuple[int, list[tuple[int, str, int, str, int, int]], list[int] | None]:
+    """As :func:`unpack_get_resp`, and the replicas' generations: None where the answer
+    has none (a master without them) or not exactly one each."""
+    (lease_ms,) = _U32.unpack_from(buf, 0)
+    locs, pos = _unpack_placements(buf, 4)
+    n = len(locs)
+    if len(buf) - pos != n * _GEN.size:
+        return lease_ms, locs, None
+    return lease_ms, locs, list(struct.unpack_from(f"<{n}Q", buf, pos))
 
 
 def _unpack_placements(buf, pos: int) -> tuple[list[tuple[int, str, int, str, int, int]], int]:

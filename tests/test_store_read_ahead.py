@@ -1,0 +1,220 @@
+"""A remote get that reads where the key was while it asks the master (issue 13,
+``services/store/located.py``), as real processes: a client that put a key reads it
+ahead and uses the bytes; the bytes of a remembered place the master's answer does not
+name (another place, another generation, a key removed and put again by another client,
+a removed key) are never returned; GET answers carry one generation per replica; and
+the GET frame, garbled, lying or truncated, gets a clear status."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvmesh.loadtest.store_cluster import StoreCluster
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
+from kvmesh.rdma import TransferEngine
+from kvmesh.services.common.settings import DEV_SECRET
+from kvmesh.services.store.client import StoreClient
+from kvmesh.services.store_master import wire
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+FUZZ = settings(
+    max_examples=int(os.environ.get("KVMESH_FUZZ_EXAMPLES", "60")),
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    c = StoreCluster(str(tmp_path_factory.mktemp("ahead")), nodes=1, segment="64MiB")
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def fast(store):
+    with grpc.insecure_channel(store.master) as ch:
+        hello = pbg.StoreMasterStub(ch).StoreHello(pb.StoreHelloRequest(), timeout=10)
+    host, port = hello.fast_address.rsplit(":", 1)
+    return host, int(port)
+
+
+def call(addr, method: int, body: bytes, rid: int = 7) -> tuple[int, bytes]:
+    with socket.create_connection(addr, timeout=5) as s:
+        s.settimeout(5)
+        s.sendall(wire.HEAD.pack(len(body), rid, method) + body)
+        n, got, status = wire.HEAD.unpack(s.recv(wire.HEAD_SIZE, socket.MSG_WAITALL))
+        assert got == rid
+        return status, s.recv(n, socket.MSG_WAITALL) if n else b""
+
+
+def run_two(master: str, fn):
+    """``await fn(a, b)``: two clients (each on its own engine) of ``master``."""
+
+    async def main():
+        tes, cls = [], []
+        try:
+            for name in ("ahead-a", "ahead-b"):
+                te = TransferEngine(DEV_SECRET.encode())
+                await te.start()
+                tes.append(te)
+                cls.append(StoreClient(te, master, name, rpc_timeout=3))
+            return await fn(*cls)
+        finally:
+            for cl in cls:
+                await cl.close()
+            for te in tes:
+                await te.close()
+
+    return asyncio.run(main())
+
+
+def used(cl: StoreClient) -> tuple[int, int]:
+    return cl.stats["read_ahead_used"], cl.stats["read_ahead_wasted"]
+
+
+def test_a_key_the_client_put_is_read_ahead_and_comes_back(store):
+    """Small and 256 KiB values, bytes and zero-copy: the put remembers where each
+    went, the get reads there while it asks and uses what it read."""
+    vals = [os.urandom(4096) for _ in range(4)] + [os.urandom(256 << 10)]
+    keys = [f"ahead-own-{i}".encode() for i in range(len(vals))]
+
+    async def body(a: StoreClient, _b: StoreClient):
+        assert all(await a.batch_put(keys[:4], vals[:4]))  # one size a batch: pooled slots
+        assert await a.put(keys[4], vals[4])
+        assert len(a._where) == len(keys)
+        for k, v in zip(keys, vals):
+            assert await a.get(k) == v
+        assert used(a) == (len(keys), 0)
+        assert await a.batch_get(keys) == vals
+        assert used(a) == (2 * len(keys), 0)
+        dst = np.zeros(256 << 10, np.uint8)
+        rid = a.te.register(dst)
+        try:
+            assert await a.get_into([keys[-1]], rid, [0]) == [256 << 10]
+            assert dst.tobytes() == vals[-1]
+        finally:
+            a.te.unregister(rid)
+        assert used(a) == (2 * len(keys) + 1, 0)
+        await a.remove(keys)
+        assert len(a._where) == 0
+
+    run_two(store.master, body)
+
+
+def test_bytes_read_at_a_place_the_answer_does_not_name_are_never_returned(store):
+    """The remembered place of a key pointed at another key's bytes (same generation),
+    or at the key's own place with another generation: the read ahead is thrown away
+    and the value read where the master says."""
+    vals = [os.urandom(4096), os.urandom(4096)]
+    keys = [b"ahead-wrong-0000", b"ahead-wrong-0001"]
+
+    async def body(a: StoreClient, _b: StoreClient):
+        assert all(await a.batch_put(keys, vals))
+        k, j = (a._where.map[x] for x in keys)
+        a._where.note(keys[0], (*j[:4], k[4]))  # the other key's place, k's generation
+        assert await a.get(keys[0]) == vals[0]
+        assert used(a) == (0, 1)
+        a._where.note(keys[0], (*k[:4], k[4] ^ 1))  # the right place, another generation
+        dst = np.zeros(4096, np.uint8)
+        rid = a.te.register(dst)
+        try:
+            assert await a.get_into([keys[0]], rid, [0]) == [4096]
+            assert dst.tobytes() == vals[0]
+        finally:
+            a.te.unregister(rid)
+        assert used(a) == (0, 2)
+        # the answer taught it the right place: the next get uses its read
+        assert a._where.map[keys[0]] == k
+        assert await a.get(keys[0]) == vals[0]
+        assert used(a) == (1, 2)
+        await a.remove(keys)
+
+    run_two(store.master, body)
+
+
+def test_a_key_removed_and_put_again_elsewhere_gives_the_new_value(store):
+    """Client A remembers where its key was; client B removes it and puts another
+    value under it (into B's own slots); A's next get returns B's value, and a get of
+    a removed key is a miss, whatever A remembered."""
+    key, gone = b"ahead-again-0000", b"ahead-gone-00000"
+    old, new = os.urandom(4096), os.urandom(4096)
+
+    async def body(a: StoreClient, b: StoreClient):
+        assert all(await a.batch_put([key, gone], [old, old]))
+        assert await b.remove([key, gone]) == 2
+        assert await b.put(key, new)
+        assert await a.get(key) == new
+        assert await a.batch_get([gone]) == [None]
+        assert used(a) == (0, 2)
+        assert gone not in a._where.map
+        await b.remove([key])
+
+    run_two(store.master, body)
+
+
+def test_get_answers_carry_one_generation_per_replica_when_asked(store, fast):
+    """GET with flag 2: one generation per placement after them (none for an unknown
+    key); without it the answer is as before; unknown flags are INVALID_ARGUMENT."""
+    key = b"ahead-frame-0001"
+
+    async def body(a: StoreClient, _b: StoreClient):
+        assert await a.put(key, b"x" * 4096)
+        return a._where.map[key]
+
+    where = run_two(store.master, body)
+    status, got = call(fast, wire.GET, wire.pack_get([b"never-put-000000", key], "t", True, True))
+    assert status == 0
+    lease, locs, gens = wire.unpack_get_resp_gens(got)
+    assert [loc[0] for loc in locs] == [1] and gens == [where[4]]
+    assert (locs[0][1], locs[0][2], locs[0][4], locs[0][5]) == where[:4]
+    status, plain = call(fast, wire.GET, wire.pack_get([key], "t", True))
+    assert status == 0 and wire.unpack_get_resp_gens(plain)[2] is None
+    status, none = call(fast, wire.GET, wire.pack_get([b"never-put-000000"], "t", True, True))
+    assert status == 0 and wire.unpack_get_resp_gens(none)[1:] == ([], [])
+    bad = bytearray(wire.pack_get([key], "t", True, True))
+    bad[0] |= 0x80
+    status, msg = call(fast, wire.GET, bytes(bad))
+    assert status == INVALID and b"flags" in msg
+    assert call(fast, wire.REMOVE, wire.pack_keys([key]))[0] == 0
+
+
+@FUZZ
+@given(
+    flags=st.integers(0, 255),
+    nkeys=st.integers(0, 3),
+    lie=st.integers(-2, 40),
+    cut=st.integers(0, 12),
+)
+def test_fuzz_get_frame(store, fast, flags, nkeys, lie, cut):
+    """A GET frame with any flags, a key count that lies, or cut short: status 0 with an
+    answer that parses, or INVALID_ARGUMENT with a message; the connection's master
+    answers a valid call afterwards."""
+    keys = [f"fuzz-get-{i:07d}".encode() for i in range(nkeys)]
+    ok = bytearray(wire.pack_get(keys, "fuzzer", True, True))
+    ok[0] = flags
+    at = 1 + 1 + len("fuzzer")
+    body = bytes(ok)
+    if lie:
+        body = body[:at] + struct.pack("<I", max(0, nkeys + lie)) + body[at + 4 :]
+    body = body[: len(body) - cut] if cut < len(body) else b""
+    status, got = call(fast, wire.GET, body)
+    if status == 0:
+        lease, locs, gens = wire.unpack_get_resp_gens(got)
+        assert locs == [] and gens == []  # no placement: none to name either way
+    else:
+        assert status == INVALID and got, (flags, nkeys, lie, cut)
+    status, _ = call(fast, wire.EXISTS, wire.pack_exists([b"k" * 16], True))
+    assert status == 0
