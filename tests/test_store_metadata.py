@@ -3,6 +3,8 @@ pins, watermarks, multi-replica hot blocks, spill/promote plans, re-report, even
 
 from __future__ import annotations
 
+import time
+
 from kvmesh.services.store_master.metadata import DRAM, SSD, BlockState, StoreMetadata
 
 KB = 1024
@@ -498,6 +500,8 @@ def test_watch_blocks_coalesces_only_for_a_subscriber_that_asks():
         head = await lone
         assert len(head.more) == 2
         server.EVENT_COALESCE_S = 600.0  # a wait would outlast the test's bound
+        quiet = time.monotonic() + 601  # ... but a quiet spell has passed
+        server._clock = lambda: quiet
         try:
             nxt = asyncio.ensure_future(new.__anext__())
             await asyncio.sleep(0)
@@ -506,6 +510,7 @@ def test_watch_blocks_coalesces_only_for_a_subscriber_that_asks():
                 alone = await nxt
         finally:
             server.EVENT_COALESCE_S = 0.002
+            server._clock = time.monotonic
         await old.aclose()
         await new.aclose()
         return got, alone
@@ -544,3 +549,46 @@ def test_every_replica_has_its_own_generation_and_a_slot_commit_the_writers():
     # distinct (token, offset) pairs give distinct generations, never 0
     seen = {wire.slot_gen(t, o) for t in (1, 2, 3, 1 << 63) for o in range(0, 64 * KB, 4 * KB)}
     assert len(seen) == 4 * 16 and 0 not in seen
+
+
+def test_watch_blocks_coalesces_a_run_of_lone_events():
+    """Issue 13: events published one at a time (a run of single puts) go out one
+    message per spell: the first at once, the next lone one, within EVENT_COALESCE_S of
+    that message, waits for the spell's end and takes what was published meanwhile."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvmesh.protos import kvmesh_pb2 as pb
+    from kvmesh.services.store_master import server
+    from kvmesh.services.store_master.model import Block, BlockState, Replica, Segment
+    from kvmesh.services.store_master.server import EventBus, StoreMasterServicer
+
+    seg = Segment("s0", "node-a", "127.0.0.1:1", 1, 1 << 20)
+    blocks = [Block(bytes([i]) * 16, 4096, [Replica(seg, i * 4096, state=BlockState.COMPLETE)])
+              for i in range(1, 4)]  # fmt: skip
+    host = SimpleNamespace(meta=SimpleNamespace(blocks={}), bus=EventBus())
+    frozen = time.monotonic()
+    server._clock = lambda: frozen  # no time passes between the messages
+
+    async def main():
+        s = StoreMasterServicer.WatchBlocks(host, pb.WatchBlocksRequest(coalesce=True), None)
+        nxt = asyncio.ensure_future(s.__anext__())
+        await asyncio.sleep(0.01)  # subscribed and waiting
+        host.bus.publish("stored", blocks[0], blocks[0].replicas[0])
+        async with asyncio.timeout(30):
+            first = await nxt
+        nxt = asyncio.ensure_future(s.__anext__())
+        host.bus.publish("stored", blocks[1], blocks[1].replicas[0])
+        await asyncio.sleep(0)  # the stream takes it, alone, and waits
+        host.bus.publish("stored", blocks[2], blocks[2].replicas[0])
+        async with asyncio.timeout(30):
+            second = await nxt
+        await s.aclose()
+        return first, second
+
+    try:
+        first, second = asyncio.run(main())
+    finally:
+        server._clock = time.monotonic
+    assert [bytes(e.hash)[0] for e in (first, *first.more)] == [1]
+    assert [bytes(e.hash)[0] for e in (second, *second.more)] == [2, 3]

@@ -72,8 +72,13 @@ log = logging.getLogger(__name__)
 EVENT_QUEUE = 65536
 # WatchBlocks gathers the events published this long after the first one it wakes for
 # into one stream message (``BlockEvent.more``): one message per put cost a store-node
-# and this master a gRPC send and receive each, on the cores the puts run on
+# and this master a gRPC send and receive each, on the cores the puts run on. A lone
+# event goes out at once after a quiet spell; within this long of the last message it
+# waits for the rest of the spell, so a run of single puts (each one event, published
+# one at a time) is at most one message per spell too: each message a put's write met
+# on the store-node delayed it (issue 13: 4 KiB put commit ~30% faster)
 EVENT_COALESCE_S = 0.002
+_clock = time.monotonic  # the spells' clock (a test's to set)
 EVENT_BATCH = 1024  # most events in one message
 
 
@@ -505,6 +510,7 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         # big snapshot must not get its subscriber cut (and resent) before it is through
         q: asyncio.Queue = asyncio.Queue(maxsize=EVENT_QUEUE + len(snapshot))
         bus.subs.append((node, q))
+        last = -float("inf")  # when the last message went out (coalescing)
         try:
             for ev in snapshot:
                 yield ev
@@ -512,8 +518,10 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
                 ev = await q.get()
                 if ev is None:
                     return
-                if coalesce and not q.empty():  # nothing else pending: send it now
-                    await asyncio.sleep(EVENT_COALESCE_S)  # publishing meanwhile wakes nobody
+                # nothing else pending after a quiet spell: send it now
+                wait = EVENT_COALESCE_S if not q.empty() else last + EVENT_COALESCE_S - _clock()
+                if coalesce and wait > 0:
+                    await asyncio.sleep(wait)  # publishing meanwhile wakes nobody
                     more: list[pb.BlockEvent] = []
                     cut = False
                     while not q.empty() and len(more) < EVENT_BATCH:
@@ -527,10 +535,12 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
                         head.CopyFrom(ev)
                         head.more.extend(more)
                         ev = head
+                    last = _clock()
                     yield ev
                     if cut:
                         return
                     continue
+                last = _clock()
                 yield ev
         finally:
             if (node, q) in bus.subs:
