@@ -6,6 +6,7 @@ is checked against the single-process reference."""
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 import time
@@ -134,9 +135,9 @@ def one_pair(tmp_path_factory):
         decode=1,
         node_args=NODE_ARGS,
         # the estimate itself must be right (its queue term at the node's measured rate,
-        # the credit for the prefill in flight, its recent error); the margin is 0.85, the
-        # headroom a production deployment keeps for noise, here the load generator and
-        # six processes sharing two cores with the node
+        # the credit for the prefill in flight, its recent error); the margin is 0.85
+        # (production's default is 0.95): more headroom for the load generator and six
+        # processes sharing two cores with the node
         conductor_args=["--report-interval-ms", "50", "--slo-margin", "0.85"],
     )
     c.start()
@@ -144,20 +145,18 @@ def one_pair(tmp_path_factory):
     c.stop()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="admission's word under CI load (issue 15, open): in a clean-clone CI run on 2 busy "
-    "cores 1 of 27 accepted requests ended at 1.076x its TTFT SLO, where none may; replays at "
-    "this test's settings passed 8 of 8 and at the default margin 11 of 13",
-)
 def test_overload_rejects_early_and_accepted_requests_meet_ttft(one_pair):
-    """A burst of 24 long prompts at once, then 40 more arriving at twice the rate the
+    """A burst of 24 long prompts at once, then 200 more arriving at twice the rate the
     prefill node serves them: admission accepts what it can serve inside the TTFT SLO and
-    refuses the rest before any work. Every accepted request meets the SLO (at most 1% of
-    them over, for the noise of a shared 2-core machine), measured at the client with 5% of
-    the SLO for that measurement; admission keeps the production margin of 0.85."""
+    refuses the rest before any work, at once (reason ``ttft``), or, where the node then
+    runs slower than estimated (other processes on the two cores), from the prefill queue
+    once a request can no longer make it (reason ``deadline``). Every request served meets
+    the SLO (at most 1% of them over), measured at the client with 5% of the SLO for that
+    measurement; no refused request was computed."""
     cluster = one_pair
-    burst, stream = 24, 40
+    # about half the stream is accepted: over 100 requests, so that the 1% allowed over
+    # the SLO is one request, not zero
+    burst, stream = 24, 200
     results: list[tuple[str, float, int]] = []
     lock = threading.Lock()
     rng = random.Random(3)
@@ -190,8 +189,9 @@ def test_overload_rejects_early_and_accepted_requests_meet_ttft(one_pair):
                 break
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+            reason = dict(e.trailing_metadata() or ()).get("kvmesh-reject-reason", "")
             with lock:
-                results.append(("rejected", (time.perf_counter() - t0) * 1000, i))
+                results.append((f"rejected {reason}", (time.perf_counter() - t0) * 1000, i))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(burst)]
     for t in threads:
@@ -210,13 +210,14 @@ def test_overload_rejects_early_and_accepted_requests_meet_ttft(one_pair):
         t.join(120)
     channel.close()
     ok = sorted(ms for kind, ms, _ in results if kind == "ok")
-    rejected = [i for kind, _, i in results if kind == "rejected"]
+    rejected = collections.Counter(kind.split()[-1] for kind, _, _ in results if kind != "ok")
     assert len(results) == burst + stream
-    assert ok and rejected, (len(ok), len(rejected))
+    assert ok and rejected, (len(ok), rejected)
+    assert set(rejected) <= {"ttft", "deadline"}, rejected
     # measured at the client, whose threads share the two cores with the cluster: 5% of
     # the SLO is allowed for that measurement, not for the admission's estimate
     over = [ms for ms in ok if ms > 1.05 * slo_ms]
-    assert len(over) <= len(ok) // 100, (slo_ms, over, ok)
+    assert len(over) <= len(ok) // 100, (slo_ms, over, ok, rejected)
     # a rejected request did no work: the prefill node computed the accepted prompts only
     accepted = [i for kind, _, i in results if kind == "ok"]
     computed = node(cluster.conductor, "prefill-0").computed_tokens_total - computed_before

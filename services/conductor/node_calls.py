@@ -146,7 +146,8 @@ class NodeCalls:
     ):
         """Prefill on the chosen node; a node that fails is skipped for the next
         disaggregated candidate (at most three tries). With ``due`` (``perf_counter``
-        seconds: when the first token is due at the client), each node is told the time
+        seconds: when the first token is due at the client, by admission's rule: within the
+        SLO margin's share of the SLO), each node is told the time
         left and its estimated time on the request, and a node that refuses the request as
         too late ends the request (RESOURCE_EXHAUSTED, reason ``deadline``): no other node
         would start it sooner than the estimate that admitted it. Each node asked is added to
@@ -203,8 +204,8 @@ class NodeCalls:
                     raise Rejected(
                         e.code(),
                         f"request {r.request_id} cannot meet its TTFT SLO of "
-                        f"{r.ttft_slo_ms + r.ttft_spent_ms:.0f} ms: {e.details()}; retry later "
-                        f"or with a looser SLO",
+                        f"{r.ttft_slo_ms + r.ttft_spent_ms:.0f} ms (with admission's margin): "
+                        f"{e.details()}; retry later or with a looser SLO",
                         (("retry-after-ms", "1000"), ("kvmesh-reject-reason", "deadline")),
                     ) from None
                 log.warning("prefill on %s failed (%s); trying the next node", node_id, last)

@@ -444,7 +444,9 @@ class Conductor(Service):
             block_hashes=r.hashes,
         )
         if d.route == DISAGG:
-            due = t_arrival + (r.ttft_slo_ms + r.ttft_spent_ms) / 1000
+            # the node re-checks admission's own rule at the start of the work, with
+            # fresh facts: the first token within the margin's share of what was left
+            due = t_arrival + (r.ttft_spent_ms + r.ttft_slo_ms * self.cfg.slo_margin) / 1000
             presp, pnode = await self.calls.prefill(
                 r, d, tokens, req, dnode, att, due if self.cfg.refuse_late else None
             )
