@@ -17,7 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
-COMPILED = ("rolling", "estimator", "index", "queue_order", "policy")
+COMPILED = ("rolling", "normal_fit", "estimator", "index", "queue_order", "policy")
 _HERE = Path(__file__).parent
 
 

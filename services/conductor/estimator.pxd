@@ -1,6 +1,7 @@
 # Compiled-only declarations for estimator.py (see policy.pxd).
 cimport cython
 
+from kvmesh.services.conductor.normal_fit cimport normal_nnls
 from kvmesh.services.conductor.rolling cimport RollingWindow
 
 
@@ -13,6 +14,8 @@ cdef class _Regression:
     cdef public object _yraw
     cdef public object _xbuf
     cdef public object _ybuf
+    cdef double[::1] _xr
+    cdef double[::1] _yr
     cdef public Py_ssize_t _head
     cdef public Py_ssize_t _rows
     cdef public object _errors

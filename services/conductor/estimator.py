@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh.services.conductor.normal_fit import normal_nnls
 from kvmesh.services.conductor.rolling import RollingWindow
 
 _gelsd: Any
@@ -59,6 +60,9 @@ class _Regression:
         self._yraw = array("d", bytes(8 * 2 * window))
         self._xbuf = np.frombuffer(self._xraw, dtype=np.float64).reshape(nf, 2 * window)
         self._ybuf = np.frombuffer(self._yraw, dtype=np.float64)
+        # (the same memory again; compiled, typed views taken once, not on every report)
+        self._xr = self._xraw
+        self._yr = self._yraw
         self._head = 0  # where the next row goes
         self._rows = 0  # rows held, up to window
         self._errors: deque[float] = deque(maxlen=window)
@@ -88,11 +92,11 @@ class _Regression:
         if track_error and ms > 0:
             self._errors.append(abs(self._predict(f) - ms) / ms)
         i, w = self._head, self._window
-        xr, j = self._xraw, i
+        xr, j = self._xr, i
         for v in f:  # feature by feature: at i and i + window of its own ring
             xr[j] = xr[j + w] = v
             j += 2 * w
-        yr = self._yraw
+        yr = self._yr
         yr[i] = yr[i + w] = ms
         self._head = (i + 1) % w
         self._rows = min(self._rows + 1, w)
@@ -111,6 +115,20 @@ class _Regression:
         # same bits as the row-major arithmetic it replaced)
         xt, y = self._xbuf[:, start : start + rows], self._ybuf[start : start + rows]
         scales = self._scales(xt)
+        coef = None
+        if self._nf == 3:
+            w = self._window
+            coef = normal_nnls(self._xr, self._yr, start, rows, 2 * w, scales)
+        if coef is None:
+            coef = self._gelsd_nnls(xt, y, scales)
+        if all(map(math.isfinite, coef)) and any(coef):
+            self.coef = coef
+
+    def _gelsd_nnls(self, xt: np.ndarray, y: np.ndarray, scales: list[float]) -> list[float]:
+        """The fit by LAPACK's SVD solver (``np.linalg.lstsq``), for the windows the
+        normal equations leave to it (``normal_fit.normal_nnls``: too few rows, collinear
+        features, non-finite numbers): its minimum-norm solution of a rank-deficient
+        window, its cut-off of tiny singular values."""
         scale = np.array(scales)
         nf = self._nf
         active = list(range(nf))
@@ -128,8 +146,7 @@ class _Regression:
                     coef[j] = s / scales[j]
                 break
             active = [a for a, s in zip(active, sol) if s >= 0]
-        if all(map(math.isfinite, coef)) and any(coef):
-            self.coef = coef
+        return coef
 
     def _scales(self, xt: np.ndarray) -> list[float]:
         """Each feature's ``max(max |x| over the window, 1e-12)``, as
@@ -141,7 +158,7 @@ class _Regression:
         gone = obs - rows  # the observations numbered up to this one have left the window
         amax, at = self._amax, self._amax_obs
         if at is not None and self._scaled_to >= gone and min(at) > gone:
-            xr, stride = self._xraw, 2 * w
+            xr, stride = self._xr, 2 * w
             for o in range(self._scaled_to + 1, obs + 1):  # observation o is at (o-1) % w
                 j = (o - 1) % w
                 for f in range(self._nf):
