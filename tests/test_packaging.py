@@ -4,6 +4,7 @@ subpackage, the .proto sources and the vendored data included."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -47,10 +48,13 @@ def wheel(tmp_path_factory) -> Path:
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, src / rel)
     out = tmp / "dist"
+    # without compiling the scheduler (minutes on 2 cores; what a wheel holds is the same
+    # but for the .so files; tests/test_conductor_compiled.py covers the compiled modules)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(out), str(src)],
         check=True, capture_output=True, timeout=300,
+        env={**os.environ, "KVMESH_PURE_PYTHON": "1"},
     )  # fmt: skip
     (whl,) = out.glob("kvmesh-*.whl")
     return whl
