@@ -111,15 +111,15 @@ class _Regression:
         if rows < 2:
             return
         start = self._head if rows == self._window else 0
-        # (features x rows; each division and comparison below is elementwise IEEE, the
-        # same bits as the row-major arithmetic it replaced)
-        xt, y = self._xbuf[:, start : start + rows], self._ybuf[start : start + rows]
-        scales = self._scales(xt)
+        scales = self._scales(None)
         coef = None
         if self._nf == 3:
             w = self._window
             coef = normal_nnls(self._xr, self._yr, start, rows, 2 * w, scales)
         if coef is None:
+            # (features x rows; each division and comparison below is elementwise IEEE,
+            # the same bits as the row-major arithmetic it replaced)
+            xt, y = self._xbuf[:, start : start + rows], self._ybuf[start : start + rows]
             coef = self._gelsd_nnls(xt, y, scales)
         if all(map(math.isfinite, coef)) and any(coef):
             self.coef = coef
@@ -148,12 +148,13 @@ class _Regression:
             active = [a for a, s in zip(active, sol) if s >= 0]
         return coef
 
-    def _scales(self, xt: np.ndarray) -> list[float]:
+    def _scales(self, xt: np.ndarray | None) -> list[float]:
         """Each feature's ``max(max |x| over the window, 1e-12)``, as
         ``np.maximum(np.maximum.reduce(np.abs(xt), axis=1), 1e-12)``: from the maxima
         of the last refit and the few rows observed since (in Python: ~8 rows of 3
         features cost less than the two numpy reductions), recomputed over the window
-        only when the row holding a maximum has left it (or a NaN came in)."""
+        only when the row holding a maximum has left it (or a NaN came in). ``xt``: the
+        window, features x rows (None: this model's own, taken only when needed)."""
         obs, rows, w = self.observations, self._rows, self._window
         gone = obs - rows  # the observations numbered up to this one have left the window
         amax, at = self._amax, self._amax_obs
@@ -174,6 +175,9 @@ class _Regression:
         else:
             at = None
         if at is None:
+            if xt is None:
+                start = self._head if rows == w else 0
+                xt = self._xbuf[:, start : start + rows]
             ab = np.abs(xt)
             m = np.maximum.reduce(ab, axis=1)
             amax[:] = m.tolist()

@@ -10,7 +10,7 @@ cdef class Lookup:
     cdef public long store_dram_prefix
 
 
-@cython.locals(holders=object)
+@cython.locals(holders=object, n=Py_ssize_t)
 cdef Py_ssize_t _run(dict pool, list hashes, Py_ssize_t i, object node) except -1
 
 

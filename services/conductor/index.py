@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import islice
 
 from kvmesh.services.conductor import _prefetch
 
@@ -46,8 +45,9 @@ class Lookup:
 def _run(pool: dict, hashes: list[bytes], i: int, node: str) -> int:
     """Where ``node``'s run of held blocks that reaches block ``i`` ends (``pool`` maps a
     hash to its holder or holders)."""
-    get = pool.get
-    for holders in map(get, islice(hashes, i, None)):
+    n = len(hashes)
+    while i < n:
+        holders = pool.get(hashes[i])
         if holders is not node and (
             holders is None or (holders != node if type(holders) is str else node not in holders)
         ):
@@ -159,9 +159,7 @@ class CacheIndex:
                 self._lookup_many(self._pool, hashes, set(first), per_node)
         k = 0
         if not ssd:
-            for replicas in map(store.get, hashes):
-                if replicas is None:
-                    break
+            while k < n and hashes[k] in store:
                 k += 1
             out.store_prefix = out.store_dram_prefix = k
             return out

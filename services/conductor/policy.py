@@ -874,7 +874,8 @@ class Scheduler:
         now = self.clock()
         c, decode_node = d.booked()
         if d.route == DISAGG and d.prefill_node is not None:
-            self.prefill[d.prefill_node].enqueue(r.request_id, c.work_ms, now)
+            p = self.prefill[d.prefill_node]
+            p.enqueue(r.request_id, c.work_ms, now)
         else:
             self.decode[decode_node].local_queue_ms += c.prefill_ms
         dn = self.decode[decode_node]
@@ -929,7 +930,8 @@ class Scheduler:
         if ttft_ms is not None:
             self.ttft_error.add(c.ttft_ms, ttft_ms)
             window = self._residuals[d.route]
-            self.error_tail[d.route].add(c.ttft_ms + r.ttft_spent_ms, ttft_ms)
+            et = self.error_tail[d.route]
+            et.add(c.ttft_ms + r.ttft_spent_ms, ttft_ms)
             if node_ms is not None:  # what neither the queue nor the slot explains
                 window.append(ttft_ms - (node_queue_ms or 0.0) - node_ms)
             else:
