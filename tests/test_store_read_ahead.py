@@ -24,6 +24,7 @@ from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import TransferEngine
 from kvmesh.services.common.settings import DEV_SECRET
 from kvmesh.services.store.client import StoreClient
+from kvmesh.services.store.located import SPEC_BYTES
 from kvmesh.services.store_master import wire
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -86,10 +87,12 @@ def used(cl: StoreClient) -> tuple[int, int]:
 
 
 def test_a_key_the_client_put_is_read_ahead_and_comes_back(store):
-    """Small and 256 KiB values, bytes and zero-copy: the put remembers where each
-    went, the get reads there while it asks and uses what it read."""
-    vals = [os.urandom(4096) for _ in range(4)] + [os.urandom(256 << 10)]
+    """4 and 64 KiB values, bytes and zero-copy: the put remembers where each went,
+    the get reads there while it asks and uses what it read; a get of more than
+    SPEC_BYTES is not read ahead."""
+    vals = [os.urandom(4096) for _ in range(4)] + [os.urandom(64 << 10)]
     keys = [f"ahead-own-{i}".encode() for i in range(len(vals))]
+    big = os.urandom(SPEC_BYTES + 4096)
 
     async def body(a: StoreClient, _b: StoreClient):
         assert all(await a.batch_put(keys[:4], vals[:4]))  # one size a batch: pooled slots
@@ -100,15 +103,19 @@ def test_a_key_the_client_put_is_read_ahead_and_comes_back(store):
         assert used(a) == (len(keys), 0)
         assert await a.batch_get(keys) == vals
         assert used(a) == (2 * len(keys), 0)
-        dst = np.zeros(256 << 10, np.uint8)
+        dst = np.zeros(64 << 10, np.uint8)
         rid = a.te.register(dst)
         try:
-            assert await a.get_into([keys[-1]], rid, [0]) == [256 << 10]
+            assert await a.get_into([keys[-1]], rid, [0]) == [64 << 10]
             assert dst.tobytes() == vals[-1]
         finally:
             a.te.unregister(rid)
         assert used(a) == (2 * len(keys) + 1, 0)
-        await a.remove(keys)
+        assert await a.put(b"ahead-own-big", big)
+        assert b"ahead-own-big" in a._where.map
+        assert await a.get(b"ahead-own-big") == big
+        assert used(a) == (2 * len(keys) + 1, 0)  # over the budget: asked first
+        await a.remove([*keys, b"ahead-own-big"])
         assert len(a._where) == 0
 
     run_two(store.master, body)
