@@ -248,13 +248,17 @@ def test_a_queued_request_that_can_no_longer_meet_its_ttft_slo_is_refused_before
         a = start(ch, max_tokens=2)  # holds the compute slot
         hold.wait_held(1, a)
         with_a = free_blocks(cluster)
-        b = start(ch, max_tokens=2, slo=pb.SLO(ttft_ms=3000))
+        # a short prompt, so admission's estimate (a's remaining time, then b's) fits
+        b = pbg.ConductorStub(ch).Generate(
+            pb.GenerateRequest(prompt=long_prompt()[:300], max_tokens=2, slo=pb.SLO(ttft_ms=5000)),
+            timeout=120,
+        )
         with pytest.raises(grpc.RpcError) as e:
             next(b)
         err = e.value
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
         assert dict(err.trailing_metadata())["kvmesh-reject-reason"] == "deadline"
-        assert "TTFT SLO of 3000 ms" in err.details() and "before any work" in err.details()
+        assert "TTFT SLO of 5000 ms" in err.details() and "before any work" in err.details()
         assert not a.done() and len(hold.held()) == 1  # b never reached the compute
         assert wait_free(cluster, with_a) == with_a  # b's reservation is back
         hold.at("")

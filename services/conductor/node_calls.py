@@ -143,11 +143,12 @@ class NodeCalls:
         dnode: NodeInfo,
         att: Attempt,
         due: float | None = None,
+        block_size: int = 0,
     ):
         """Prefill on the chosen node; a node that fails is skipped for the next
         disaggregated candidate (at most three tries). With ``due`` (``perf_counter``
         seconds: when the first token is due at the client, by admission's rule: within the
-        SLO margin's share of the SLO), each node is told the time
+        SLO margin's share of the SLO; ``block_size``: the model's), each node is told the time
         left and its estimated time on the request, and a node that refuses the request as
         too late ends the request (RESOURCE_EXHAUSTED, reason ``deadline``): no other node
         would start it sooner than the estimate that admitted it. Each node asked is added to
@@ -190,7 +191,7 @@ class NodeCalls:
                             block_hashes=r.hashes,
                             target=att.target,
                             sampling=req.sampling,
-                            **_deadline(d, node_id, due),
+                            **_deadline(d, node_id, due, len(tokens), block_size),
                         ),
                         timeout=self.request_timeout_s,
                     ),
@@ -218,20 +219,23 @@ class NodeCalls:
         )
 
 
-def _deadline(d: Decision, node_id: str, due: float | None) -> dict[str, float]:
-    """The Prefill call's ``deadline_ms`` and ``expected_ms`` for ``node_id``: the time left
-    until ``due`` less the estimated way back to the client, and the node's estimated time
-    on the request (``{}`` without ``due``)."""
+def _deadline(d: Decision, node_id: str, due: float | None, n: int, bs: int) -> dict:
+    """The Prefill call's deadline fields for ``node_id`` (``{}`` without ``due``): the ms
+    left until ``due``, the node's estimated time on the request and the prompt tokens
+    that estimate has it compute (of ``n``, at block size ``bs``). The estimate's overhead
+    is not taken off the time left: most of it (the reservation, the call) is spent by
+    now, and the way back to the client is within the SLO margin's headroom."""
     if due is None:
         return {}
     c = next((c for c in d.candidates if c.route == DISAGG and c.node == node_id), d.estimate)
     if c is None:
         return {}
-    expected = c.work_ms * c.speed
-    back = max(0.0, c.ttft_ms - c.queue_ms - expected)  # the estimate's overhead
-    # a request already late is still sent, with a deadline the node refuses at once
-    left = max(0.001, (due - time.perf_counter()) * 1000 - back)
-    return {"deadline_ms": left, "expected_ms": expected}
+    return {
+        # a request already late is still sent, with a deadline the node refuses at once
+        "deadline_ms": max(0.001, (due - time.perf_counter()) * 1000),
+        "expected_ms": c.work_ms * c.speed,
+        "expected_computed_tokens": max(1, n - (c.cached_blocks + c.fetch_blocks) * bs),
+    }
 
 
 def _refused_late(e: grpc.aio.AioRpcError) -> bool:

@@ -386,7 +386,9 @@ class Conductor(Service):
                 produced += len(resp.token_ids)
                 yield resp
         finally:
-            self.sched.request_done(r, d, produced)
+            # a request refused or failed before its first token says nothing about
+            # how much of max_tokens requests use
+            self.sched.request_done(r, d, produced or None)
 
     async def _serve(
         self,
@@ -448,7 +450,14 @@ class Conductor(Service):
             # fresh facts: the first token within the margin's share of what was left
             due = t_arrival + (r.ttft_spent_ms + r.ttft_slo_ms * self.cfg.slo_margin) / 1000
             presp, pnode = await self.calls.prefill(
-                r, d, tokens, req, dnode, att, due if self.cfg.refuse_late else None
+                r,
+                d,
+                tokens,
+                req,
+                dnode,
+                att,
+                due if self.cfg.refuse_late else None,
+                int(info["block_size"]),
             )
             dreq.request_id = record["node_request_id"] = att.rid  # a retry's own
             route.prefill_node = pnode.node_id

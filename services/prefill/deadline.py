@@ -7,7 +7,8 @@ long), the requests queued behind are late before they start. Each carries the t
 for its first token (``deadline_ms``) and the conductor's estimate of the node's time on
 it (``expected_ms``); the node scales that estimate by how much slower than estimated its
 recent requests ran (:class:`Slowdown`) and refuses a request once the scaled time no
-longer fits: while it waits (at the latest start that still fits) or when its turn comes.
+longer fits: while it waits (re-checked as the node's speed changes, keeping its place in
+the queue) or when its turn comes.
 """
 
 from __future__ import annotations
@@ -23,30 +24,53 @@ class TooLate(Exception):
 
 
 class Slowdown:
-    """How much slower than the conductor's estimates this node runs now: the ratio of
-    measured to estimated slot time of the last ``window`` requests that carried an
-    estimate and ended within the last ``horizon_s`` seconds. The factor is the larger of
-    the latest ratio and their mean, so a node that has just slowed down counts as slow
-    at once, and one that recovers counts as recovered once its recent requests agree.
-    1.0 without a recent sample: one stall (a request held up for seconds) must not keep
-    the node refusing work after it, and the conductor's own estimate catches up with a
-    lasting change of speed (it scales by the node's measured rate)."""
+    """How much slower than the conductor's estimates this node runs now, from the last
+    ``window`` requests that ended within the last ``horizon_s`` seconds: the larger of the
+    latest one's measured / estimated slot time and the window's total measured / total
+    estimated, at most ``cap``. A node that has just slowed down counts as slow at once;
+    one that recovers, once its recent requests agree. 1.0 without a recent sample.
 
-    def __init__(self, window: int = 4, horizon_s: float = 3.0) -> None:
-        self.horizon_s = horizon_s
-        self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (ended, ratio)
+    A sample counts only when it says something about speed: an estimate of at least
+    ``min_expected_ms`` (fixed per-request costs swamp smaller ones), and a request that
+    computed no more tokens than its estimate assumed (one whose cached prefix was gone
+    took longer for another reason). The horizon and the cap keep one stall from keeping
+    the node refusing work: the conductor's own estimate catches up with a lasting change
+    of speed, since it scales by the node's measured rate."""
 
-    def observe(self, expected_ms: float, actual_ms: float, now: float | None = None) -> None:
-        if expected_ms > 0 and actual_ms >= 0:
-            now = time.perf_counter() if now is None else now
-            self._samples.append((now, actual_ms / expected_ms))
+    def __init__(
+        self,
+        window: int = 4,
+        horizon_s: float = 3.0,
+        cap: float = 3.0,
+        min_expected_ms: float = 5.0,
+    ) -> None:
+        self.horizon_s, self.cap, self.min_expected_ms = horizon_s, cap, min_expected_ms
+        # (ended, estimated ms, measured ms)
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+
+    def observe(
+        self,
+        expected_ms: float,
+        actual_ms: float,
+        now: float | None = None,
+        expected_tokens: int = 0,
+        computed_tokens: int = 0,
+    ) -> None:
+        if expected_ms < self.min_expected_ms or actual_ms < 0:
+            return
+        if expected_tokens and computed_tokens > expected_tokens:
+            return
+        now = time.perf_counter() if now is None else now
+        self._samples.append((now, expected_ms, actual_ms))
 
     def factor(self, now: float | None = None) -> float:
         now = time.perf_counter() if now is None else now
-        recent = [r for t, r in self._samples if now - t <= self.horizon_s]
+        recent = [(e, a) for t, e, a in self._samples if now - t <= self.horizon_s]
         if not recent:
             return 1.0
-        return max(recent[-1], sum(recent) / len(recent))
+        latest = recent[-1][1] / recent[-1][0]
+        total = sum(a for _, a in recent) / sum(e for e, _ in recent)
+        return min(self.cap, max(latest, total))
 
 
 @dataclass
@@ -75,12 +99,17 @@ class Deadline:
         """Raises :class:`TooLate` when the request, starting now, would finish after its
         deadline: its estimate scaled by how much slower than estimated the node runs."""
         now = time.perf_counter() if now is None else now
+        if self.expected_ms * slowdown.factor(now) / 1000 > self.at - now:
+            raise self.too_late(slowdown, waited_s, now)
+
+    def too_late(self, slowdown: Slowdown, waited_s: float, now: float | None = None) -> TooLate:
+        """The refusal, saying by how much the request would miss."""
+        now = time.perf_counter() if now is None else now
         f = slowdown.factor(now)
         need = self.expected_ms * f / 1000
-        if now + need > self.at:
-            raise TooLate(
-                f"it waited {waited_s * 1000:.0f} ms for the compute slot and needs "
-                f"~{need * 1000:.0f} ms more (the estimate of {self.expected_ms:.0f} ms x "
-                f"{f:.2f}, how much slower than estimated this node runs now), "
-                f"{(now + need - self.at) * 1000:.0f} ms past its TTFT deadline"
-            )
+        return TooLate(
+            f"it waited {waited_s * 1000:.0f} ms for the compute slot and needs "
+            f"~{need * 1000:.0f} ms more (the estimate of {self.expected_ms:.0f} ms x "
+            f"{f:.2f}, how much slower than estimated this node runs now), "
+            f"{max(0.0, now + need - self.at) * 1000:.0f} ms past its TTFT deadline"
+        )

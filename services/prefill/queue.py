@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+
+RECHECK_S = 0.25  # a waiter with a limit looks at it again at least this often
 
 
 class NotInTime(Exception):
@@ -17,8 +19,8 @@ class NotInTime(Exception):
 class ComputeQueue:
     """A FIFO single slot with a count of its waiters.
 
-    A waiter that is cancelled leaves the queue without ever holding the slot; a holder
-    that raises frees it for the next one.
+    A waiter that is cancelled, or whose limit runs out, leaves the queue without ever
+    holding the slot; a holder that raises frees it for the next one.
     """
 
     def __init__(self) -> None:
@@ -31,25 +33,49 @@ class ComputeQueue:
         return self._slot.locked()
 
     @asynccontextmanager
-    async def turn(self, limit_s: float | None = None) -> AsyncIterator[float]:
+    async def turn(self, limit: Callable[[], float] | None = None) -> AsyncIterator[float]:
         """Waits for this request's turn and holds the slot for the ``async with`` body;
-        yields the seconds it waited. With ``limit_s``, a request whose turn has not come
-        within that many seconds leaves the queue with :class:`NotInTime` (at once when it
-        is not positive)."""
+        yields the seconds it waited. With ``limit`` (the seconds it may still wait, asked
+        again as time passes: what it returns may change), a request whose limit runs out
+        first leaves the queue with :class:`NotInTime` (at once when it is not positive);
+        until then it keeps its place."""
         t0 = time.perf_counter()
-        if limit_s is not None and limit_s <= 0:
+        if limit is not None and limit() <= 0:
             raise NotInTime
         self.depth += 1
         try:
-            async with asyncio.timeout(limit_s):
+            if limit is None:
                 await self._slot.acquire()
-        except TimeoutError:
-            raise NotInTime from None
+            else:
+                await self._acquire_within(limit)
         finally:
             self.depth -= 1
         try:
             yield time.perf_counter() - t0
         finally:
+            self._slot.release()
+
+    async def _acquire_within(self, limit: Callable[[], float]) -> None:
+        acquire = asyncio.ensure_future(self._slot.acquire())
+        try:
+            while not acquire.done():
+                left = limit()
+                if left <= 0:
+                    break
+                await asyncio.wait({acquire}, timeout=min(left, RECHECK_S))
+        except BaseException:  # this request was cancelled while it waited
+            await self._abandon(acquire)
+            raise
+        if not acquire.done():
+            await self._abandon(acquire)
+            raise NotInTime
+        acquire.result()
+
+    async def _abandon(self, acquire: asyncio.Future) -> None:
+        """Leaves the queue: a slot the waiter got meanwhile goes to the next one."""
+        acquire.cancel()  # Lock.acquire passes on a slot it was handed as it is cancelled
+        await asyncio.wait({acquire})
+        if not acquire.cancelled() and acquire.exception() is None:
             self._slot.release()
 
     async def idle(self) -> None:

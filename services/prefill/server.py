@@ -247,25 +247,22 @@ class PrefillNode(ModelNode):
         handoffs: list[_Handoff] = []
         deadline = Deadline.of(req.deadline_ms, req.expected_ms, t0)
         try:
-            while True:
-                limit = deadline.wait_limit_s(self.slowdown) if deadline else None
-                try:
-                    async with self.compute.turn(limit):
-                        waited = time.perf_counter() - t0
-                        kvm.PREFILL_QUEUE_SECONDS.observe(waited)
-                        record_span(
-                            "prefill.queue",
-                            t_queue,
-                            attributes={"kvmesh.queue_depth": self.queue_depth},
-                        )
-                        if deadline:
-                            deadline.check(self.slowdown, waited)
-                        return await self._prefill_locked(req, waited * 1000, handoffs)
-                except NotInTime:
-                    assert deadline is not None  # only a deadline sets a limit
-                    # raises TooLate, unless the node sped up while it waited: then it
-                    # queues again for what time is left
-                    deadline.check(self.slowdown, time.perf_counter() - t0)
+            limit = (lambda: deadline.wait_limit_s(self.slowdown)) if deadline else None
+            try:
+                async with self.compute.turn(limit):
+                    waited = time.perf_counter() - t0
+                    kvm.PREFILL_QUEUE_SECONDS.observe(waited)
+                    record_span(
+                        "prefill.queue",
+                        t_queue,
+                        attributes={"kvmesh.queue_depth": self.queue_depth},
+                    )
+                    if deadline:
+                        deadline.check(self.slowdown, waited)
+                    return await self._prefill_locked(req, waited * 1000, handoffs)
+            except NotInTime:
+                assert deadline is not None  # only a deadline sets a limit
+                raise deadline.too_late(self.slowdown, time.perf_counter() - t0) from None
         except BaseException as e:  # cleanup only: re-raised
             if isinstance(e, TooLate):
                 kvm.PREFILL_REFUSED.labels("deadline").inc()
@@ -344,7 +341,12 @@ class PrefillNode(ModelNode):
                 self.pool.free(table)
             raise
         prefill_ms = (time.perf_counter() - t0) * 1000
-        self.slowdown.observe(req.expected_ms, prefill_ms)
+        self.slowdown.observe(
+            req.expected_ms,
+            prefill_ms,
+            expected_tokens=req.expected_computed_tokens,
+            computed_tokens=len(p.tokens) - start,
+        )
         self._observe(len(p.tokens), start, handoff, timing, prefill_ms)
         self._keep_new_blocks(p, table, len(prefix))
         c = self.counters
