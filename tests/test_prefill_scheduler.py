@@ -20,7 +20,9 @@ from kvmesh.services.common.hashing import prefix_hashes
 from kvmesh.services.engine.config import ModelConfig
 from kvmesh.services.engine.kv_pool import KVPool, OutOfBlocks
 from kvmesh.services.engine.model import PrefillStopped
+from kvmesh.services.model_node import drop_payload
 from kvmesh.services.node_config import NodeConfig
+from kvmesh.services.prefill.deadline import Slowdown, TooLate
 from kvmesh.services.prefill.queue import ComputeQueue
 from kvmesh.services.prefill.server import PrefillNode, PrefillServicer
 
@@ -273,6 +275,7 @@ def make_node(num_blocks=16, model=None, te=None, store=None) -> PrefillNode:
     node.counters = {"computed": 0, "cached": 0, "fetched": 0, "generated": 0}
     node.events = FakeEvents()
     node.compute = ComputeQueue()
+    node.slowdown = Slowdown()
     node.background = set()
     return node
 
@@ -531,3 +534,62 @@ async def test_a_request_cancelled_while_its_failed_handoff_settles_frees_its_bl
     assert node.pool.num_used == 0
     await asyncio.sleep(0.01)
     assert not any(e.startswith("notify") for e in te.log), te.log
+
+
+async def test_a_queued_request_past_its_deadline_is_refused_without_work_and_dropped():
+    """Behind a slot held longer than its deadline allows, a request leaves the queue with
+    TooLate (counted), computes nothing, takes no block, and tells the decode node it will
+    never write its reservation (drop); the servicer answers RESOURCE_EXHAUSTED, reason
+    deadline. A request with no deadline behind the same slot waits and is served."""
+    node = make_node()
+    late = request("late", PROMPT)
+    late.deadline_ms, late.expected_ms = 80.0, 20.0
+    patient = request("patient", PROMPT, first_target_block=200)
+    held = asyncio.Event()
+    release = asyncio.Event()
+
+    async def hold():
+        async with node.compute.turn():
+            held.set()
+            await release.wait()
+
+    h = asyncio.create_task(hold())
+    await held.wait()
+    t_late = asyncio.create_task(node.prefill(late))
+    t_patient = asyncio.create_task(node.prefill(patient))
+    with pytest.raises(TooLate, match="past its TTFT deadline"):
+        await t_late
+    assert not t_patient.done() and node.compute.depth == 1
+    assert node.model.calls == [] and node.pool.num_used == 0
+    await asyncio.sleep(0)  # the drop notify runs in the background
+    assert node.te.log == ["notify " + drop_payload("prefill-0", "late").decode()]
+    release.set()
+    await h
+    await t_patient
+    assert node.counters["computed"] == len(PROMPT)
+
+    calls: list = []
+
+    class Ctx:  # a servicer context: abort records the status, raises as grpc.aio does
+        async def abort(self, code, details, trailing_metadata=()):
+            calls.append((code, details, dict(trailing_metadata)))
+            raise grpc.aio.AbortError()
+
+    ctx = Ctx()
+    release2 = asyncio.Event()
+
+    async def hold2():
+        async with node.compute.turn():
+            await release2.wait()
+
+    h2 = asyncio.create_task(hold2())
+    await asyncio.sleep(0)
+    again = request("late2", PROMPT)
+    again.deadline_ms, again.expected_ms = 50.0, 20.0
+    with pytest.raises(grpc.aio.AbortError):
+        await PrefillServicer(node).Prefill(again, ctx)
+    release2.set()
+    await h2
+    ((code, details, md),) = calls
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and md["kvmesh-reject-reason"] == "deadline"
+    assert "late2" in details and "before any work" in details
