@@ -88,7 +88,12 @@ class Locations:
         gens: Sequence[int] | None,
     ) -> None:
         """Learns from a master's answer (``locs`` as ``wire.unpack_get_resp``'s): keys
-        it placed are noted (with ``gens``), keys it did not are forgotten."""
+        it placed are noted (with ``gens``), keys it did not are forgotten. An answer
+        placing more than ``SPEC_BYTES`` in all teaches nothing: such gets never read
+        ahead, and noting a large batch's keys costs it ~2 us a key (an entry it leaves
+        stale is only a wasted guess: reads ahead are checked by generation)."""
+        if sum(loc[5] for loc in locs) > SPEC_BYTES:
+            return
         found = set()
         for j, (i, addr, region, _, off, size) in enumerate(locs):
             found.add(i)
