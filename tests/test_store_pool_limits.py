@@ -12,51 +12,28 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 
-import grpc
 import pytest
 
 from kvmesh.loadtest.store_cluster import NODE_PREFIX, StoreCluster
-from kvmesh.protos import kvmesh_pb2 as pb
-from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import TransferEngine
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store.fastconn import FastConn
 from kvmesh.services.store_master import metadata, wire
-from tests.store_util import run_client
+from tests.store_util import INVALID, fast_address, fast_call, run_client, running_store
 
 MiB = 1 << 20
-INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 @pytest.fixture
 def store(tmp_path):
-    c = StoreCluster(str(tmp_path), nodes=1, segment="256MiB")
-    c.start()
-    yield c
-    c.stop()
+    with running_store(str(tmp_path), nodes=1, segment="256MiB") as c:
+        yield c
 
 
 def run(master: str, fn, **kw):
     return run_client(master, fn, "pool-tester", **kw)
-
-
-def fast_addr(master: str) -> tuple[str, int]:
-    with grpc.insecure_channel(master) as ch:
-        hello = pbg.StoreMasterStub(ch).StoreHello(pb.StoreHelloRequest(), timeout=10)
-    host, port = hello.fast_address.rsplit(":", 1)
-    return host, int(port)
-
-
-def call(addr, method: int, body: bytes, rid: int = 7) -> tuple[int, bytes]:
-    with socket.create_connection(addr, timeout=5) as s:
-        s.settimeout(5)
-        s.sendall(wire.HEAD.pack(len(body), rid, method) + body)
-        n, got, status = wire.HEAD.unpack(s.recv(wire.HEAD_SIZE, socket.MSG_WAITALL))
-        assert got == rid
-        return status, s.recv(n, socket.MSG_WAITALL) if n else b""
 
 
 def spy_frames(monkeypatch) -> list[tuple[int, bytes]]:
@@ -152,26 +129,30 @@ def test_one_size_does_not_lock_another_out_of_the_pool(store, monkeypatch):
 def test_the_put_slots_refill_is_capped_by_a_share_of_the_free_space(store):
     """A PUT_SLOTS commit asking for 60 more 4 MiB slots on a 256 MiB segment gets only
     what REMOTE_SPARE_SHARE of the free space holds (not up to the eviction watermark)."""
-    addr = fast_addr(store.master)
-    status, body = call(addr, wire.PUT_RESERVE, wire.pack_put_reserve("refiller", 4 * MiB, 1, 0))
+    addr = fast_address(store)
+    status, body = fast_call(
+        addr, wire.PUT_RESERVE, wire.pack_put_reserve("refiller", 4 * MiB, 1, 0)
+    )
     assert status == 0
     _, region, _, node, token, (off,) = wire.unpack_put_reserve_resp(body)
     free = 256 * MiB - store.stats().bytes_used
     frame = wire.pack_put_slots(node, region, [b"refill-cap"], 4 * MiB, [off], [token], 60)
-    status, body = call(addr, wire.PUT_SLOTS, frame)
+    status, body = fast_call(addr, wire.PUT_SLOTS, frame)
     assert status == 0
     st, tok2, new = wire.unpack_put_slots_resp(body, 1)
     assert st == [1] and 1 <= len(new) <= int(free * metadata.REMOTE_SPARE_SHARE) // (4 * MiB)
     rel = wire.pack_put_release(node, region, 4 * MiB, [(o, tok2) for o in new])
-    status, body = call(addr, wire.PUT_RELEASE, rel)
+    status, body = fast_call(addr, wire.PUT_RELEASE, rel)
     assert status == 0 and wire.unpack_count(body) == len(new)
 
 
 def test_spare_slots_come_from_a_share_of_the_free_space(store):
     """PUT_RESERVE of 1 slot and 60 spare 4 MiB slots on a 256 MiB segment: the spare
     ones fit in REMOTE_SPARE_SHARE of the free space (not the whole segment)."""
-    addr = fast_addr(store.master)
-    status, body = call(addr, wire.PUT_RESERVE, wire.pack_put_reserve("greedy", 4 * MiB, 1, 60))
+    addr = fast_address(store)
+    status, body = fast_call(
+        addr, wire.PUT_RESERVE, wire.pack_put_reserve("greedy", 4 * MiB, 1, 60)
+    )
     assert status == 0
     _, region, _, node, token, offs = wire.unpack_put_reserve_resp(body)
     cap = int(256 * MiB * metadata.REMOTE_SPARE_SHARE) // (4 * MiB)
@@ -179,17 +160,19 @@ def test_spare_slots_come_from_a_share_of_the_free_space(store):
     # and they are given back with PUT_RELEASE (a wrong token frees nothing)
     rel = [(o, token) for o in offs]
     used = store.stats().bytes_used
-    status, body = call(
+    status, body = fast_call(
         addr, wire.PUT_RELEASE, wire.pack_put_release(node, region, 4 * MiB, [(offs[0], token ^ 1)])
     )
     assert status == 0 and wire.unpack_count(body) == 0
-    status, body = call(addr, wire.PUT_RELEASE, wire.pack_put_release(node, region, 4 * MiB, rel))
+    status, body = fast_call(
+        addr, wire.PUT_RELEASE, wire.pack_put_release(node, region, 4 * MiB, rel)
+    )
     assert status == 0 and wire.unpack_count(body) == len(offs)
     assert store.stats().bytes_used == used - len(offs) * 4 * MiB
 
 
 def test_put_release_bad_input_gets_a_clear_status(store):
-    addr = fast_addr(store.master)
+    addr = fast_address(store)
     ok = wire.pack_put_release("nobody", 0, 4096, [(0, 1), (4096, 1)])
     at = 1 + len("nobody") + 4 + 8
     cases = {
@@ -201,9 +184,9 @@ def test_put_release_bad_input_gets_a_clear_status(store):
         "too many": wire.pack_put_release("nobody", 0, 4096, [(i, 1) for i in range(70_000)]),
     }
     for what, body in cases.items():
-        status, msg = call(addr, wire.PUT_RELEASE, body)
+        status, msg = fast_call(addr, wire.PUT_RELEASE, body)
         assert status == INVALID and msg, (what, status, msg)
-    status, body = call(addr, wire.PUT_RELEASE, ok)  # nobody holds them: nothing freed
+    status, body = fast_call(addr, wire.PUT_RELEASE, ok)  # nobody holds them: nothing freed
     assert status == 0 and wire.unpack_count(body) == 0
 
 

@@ -7,79 +7,34 @@ the GET frame, garbled, lying or truncated, gets a clear status."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import socket
 import struct
 
-import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmesh.loadtest.store_cluster import StoreCluster
-from kvmesh.protos import kvmesh_pb2 as pb
-from kvmesh.protos import kvmesh_pb2_grpc as pbg
-from kvmesh.rdma import TransferEngine
-from kvmesh.services.common.settings import DEV_SECRET
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store.located import SPEC_BYTES
 from kvmesh.services.store_master import wire
-
-INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-FUZZ = settings(
-    max_examples=int(os.environ.get("KVMESH_FUZZ_EXAMPLES", "60")),
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=list(HealthCheck),
-)
+from tests.store_util import FUZZ, INVALID, fast_address, fast_call, run_clients, running_store
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    c = StoreCluster(str(tmp_path_factory.mktemp("ahead")), nodes=1, segment="64MiB")
-    c.start()
-    yield c
-    c.stop()
+    with running_store(str(tmp_path_factory.mktemp("ahead")), nodes=1, segment="64MiB") as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def fast(store):
-    with grpc.insecure_channel(store.master) as ch:
-        hello = pbg.StoreMasterStub(ch).StoreHello(pb.StoreHelloRequest(), timeout=10)
-    host, port = hello.fast_address.rsplit(":", 1)
-    return host, int(port)
-
-
-def call(addr, method: int, body: bytes, rid: int = 7) -> tuple[int, bytes]:
-    with socket.create_connection(addr, timeout=5) as s:
-        s.settimeout(5)
-        s.sendall(wire.HEAD.pack(len(body), rid, method) + body)
-        n, got, status = wire.HEAD.unpack(s.recv(wire.HEAD_SIZE, socket.MSG_WAITALL))
-        assert got == rid
-        return status, s.recv(n, socket.MSG_WAITALL) if n else b""
+    return fast_address(store)
 
 
 def run_two(master: str, fn):
     """``await fn(a, b)``: two clients (each on its own engine) of ``master``."""
-
-    async def main():
-        tes, cls = [], []
-        try:
-            for name in ("ahead-a", "ahead-b"):
-                te = TransferEngine(DEV_SECRET.encode())
-                await te.start()
-                tes.append(te)
-                cls.append(StoreClient(te, master, name, rpc_timeout=3))
-            return await fn(*cls)
-        finally:
-            for cl in cls:
-                await cl.close()
-            for te in tes:
-                await te.close()
-
-    return asyncio.run(main())
+    return run_clients(master, fn, "ahead-a", "ahead-b")
 
 
 def used(cl: StoreClient) -> tuple[int, int]:
@@ -182,20 +137,22 @@ def test_get_answers_carry_one_generation_per_replica_when_asked(store, fast):
         return a._where.map[key]
 
     where = run_two(store.master, body)
-    status, got = call(fast, wire.GET, wire.pack_get([b"never-put-000000", key], "t", True, True))
+    status, got = fast_call(
+        fast, wire.GET, wire.pack_get([b"never-put-000000", key], "t", True, True)
+    )
     assert status == 0
     lease, locs, gens = wire.unpack_get_resp_gens(got)
     assert [loc[0] for loc in locs] == [1] and gens == [where[4]]
     assert (locs[0][1], locs[0][2], locs[0][4], locs[0][5]) == where[:4]
-    status, plain = call(fast, wire.GET, wire.pack_get([key], "t", True))
+    status, plain = fast_call(fast, wire.GET, wire.pack_get([key], "t", True))
     assert status == 0 and wire.unpack_get_resp_gens(plain)[2] is None
-    status, none = call(fast, wire.GET, wire.pack_get([b"never-put-000000"], "t", True, True))
+    status, none = fast_call(fast, wire.GET, wire.pack_get([b"never-put-000000"], "t", True, True))
     assert status == 0 and wire.unpack_get_resp_gens(none)[1:] == ([], [])
     bad = bytearray(wire.pack_get([key], "t", True, True))
     bad[0] |= 0x80
-    status, msg = call(fast, wire.GET, bytes(bad))
+    status, msg = fast_call(fast, wire.GET, bytes(bad))
     assert status == INVALID and b"flags" in msg
-    assert call(fast, wire.REMOVE, wire.pack_keys([key]))[0] == 0
+    assert fast_call(fast, wire.REMOVE, wire.pack_keys([key]))[0] == 0
 
 
 @FUZZ
@@ -217,11 +174,11 @@ def test_fuzz_get_frame(store, fast, flags, nkeys, lie, cut):
     if lie:
         body = body[:at] + struct.pack("<I", max(0, nkeys + lie)) + body[at + 4 :]
     body = body[: len(body) - cut] if cut < len(body) else b""
-    status, got = call(fast, wire.GET, body)
+    status, got = fast_call(fast, wire.GET, body)
     if status == 0:
         lease, locs, gens = wire.unpack_get_resp_gens(got)
         assert locs == [] and gens == []  # no placement: none to name either way
     else:
         assert status == INVALID and got, (flags, nkeys, lie, cut)
-    status, _ = call(fast, wire.EXISTS, wire.pack_exists([b"k" * 16], True))
+    status, _ = fast_call(fast, wire.EXISTS, wire.pack_exists([b"k" * 16], True))
     assert status == 0

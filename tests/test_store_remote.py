@@ -9,76 +9,39 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import struct
 import time
 
-import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmesh.loadtest.store_cluster import StoreCluster
-from kvmesh.protos import kvmesh_pb2 as pb
-from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import TransferEngine
-from kvmesh.services.common.settings import DEV_SECRET
 from kvmesh.services.store import client as client_mod
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store_master import wire
-
-INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-FUZZ = settings(
-    max_examples=int(os.environ.get("KVMESH_FUZZ_EXAMPLES", "60")),
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=list(HealthCheck),
-)
+from tests.store_util import FUZZ, INVALID, fast_address, fast_call, run_client, running_store
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    c = StoreCluster(str(tmp_path_factory.mktemp("remote")), nodes=1, segment="96MiB")
-    c.start()
-    yield c
-    c.stop()
+    with running_store(str(tmp_path_factory.mktemp("remote")), nodes=1, segment="96MiB") as c:
+        yield c
 
 
 def run(master: str, fn):
-    async def main():
-        te = TransferEngine(DEV_SECRET.encode())
-        await te.start()
-        cl = StoreClient(te, master, "remote-tester", rpc_timeout=3)
-        try:
-            return await fn(cl, te)
-        finally:
-            await cl.close()
-            await te.close()
-
-    return asyncio.run(main())
+    return run_client(master, fn, "remote-tester", rpc_timeout=3)
 
 
 @pytest.fixture(scope="module")
 def fast(store):
-    with grpc.insecure_channel(store.master) as ch:
-        hello = pbg.StoreMasterStub(ch).StoreHello(pb.StoreHelloRequest(), timeout=10)
-    host, port = hello.fast_address.rsplit(":", 1)
-    return host, int(port)
+    return fast_address(store)
 
 
 def rpool(cl: StoreClient, size: int = 4096) -> list:
     """The client's held remote slots of ``size`` on its current fast connection."""
     return cl._rslots.of(size, cl._fast)
-
-
-def call(addr, method: int, body: bytes, rid: int = 7) -> tuple[int, bytes]:
-    with socket.create_connection(addr, timeout=5) as s:
-        s.settimeout(5)
-        s.sendall(wire.HEAD.pack(len(body), rid, method) + body)
-        n, got, status = wire.HEAD.unpack(s.recv(wire.HEAD_SIZE, socket.MSG_WAITALL))
-        assert got == rid
-        return status, s.recv(n, socket.MSG_WAITALL) if n else b""
 
 
 def test_remote_put_is_two_compact_calls_and_every_byte_comes_back(store, monkeypatch):
@@ -364,25 +327,27 @@ def test_a_commit_must_present_its_reservations_token(store, fast):
     """Review finding 1, master side (issue 13): PUT_SLOTS with another token (an expired
     slot reserved again for someone else looks just like this) is status 0 and stores
     nothing; with the token PUT_RESERVE returned it stores the key."""
-    status, body = call(fast, wire.PUT_RESERVE, wire.pack_put_reserve("tok-writer", 4096, 1, 0))
+    status, body = fast_call(
+        fast, wire.PUT_RESERVE, wire.pack_put_reserve("tok-writer", 4096, 1, 0)
+    )
     assert status == 0
     _, region, _, node, token, offs = wire.unpack_put_reserve_resp(body)
     assert token != 0 and len(offs) == 1
     key = b"token-key-000001"
 
     def commit(tok: int) -> list[int]:
-        st, b = call(
+        st, b = fast_call(
             fast, wire.PUT_SLOTS, wire.pack_put_slots(node, region, [key], 4096, offs, [tok], 0)
         )
         assert st == 0
         return wire.unpack_put_slots_resp(b, 1)[0]
 
     assert commit(token ^ 1) == [0] and commit(0) == [0]
-    assert call(fast, wire.EXISTS, wire.pack_exists([key], True))[1] == wire.pack_exists_resp(
+    assert fast_call(fast, wire.EXISTS, wire.pack_exists([key], True))[1] == wire.pack_exists_resp(
         0, [False]
     )
     assert commit(token) == [1]
-    status, body = call(fast, wire.REMOVE, wire.pack_keys([key]))
+    status, body = fast_call(fast, wire.REMOVE, wire.pack_keys([key]))
     assert status == 0
 
 
@@ -403,12 +368,12 @@ def test_put_frames_bad_input_gets_a_clear_status(store, fast):
         "zero size": wire.pack_put_start("fuzzer", [b"c" * 16], [0]),
     }
     for what, body in cases.items():
-        status, msg = call(fast, wire.PUT_START, body)
+        status, msg = fast_call(fast, wire.PUT_START, body)
         assert status == INVALID, (what, status, msg)
         assert msg, what
-    status, msg = call(fast, wire.PUT_END, wire.pack_put_end([b"x" * 16], False)[:-3])
+    status, msg = fast_call(fast, wire.PUT_END, wire.pack_put_end([b"x" * 16], False)[:-3])
     assert status == INVALID and msg
-    status, body = call(fast, wire.PUT_END, wire.pack_put_end([b"never-put" * 2], False))
+    status, body = fast_call(fast, wire.PUT_END, wire.pack_put_end([b"never-put" * 2], False))
     assert status == 0 and wire.unpack_put_end_resp(body) == (0, [0])
 
 
@@ -438,14 +403,14 @@ def test_slot_frames_bad_input_gets_a_clear_status(store, fast):
         ),
     }
     for (method, what), body in cases.items():
-        status, msg = call(fast, method, body)
+        status, msg = fast_call(fast, method, body)
         assert status == INVALID, (what, status, msg)
         assert msg, what
-    status, msg = call(fast, wire.PUT_RESERVE, cases[(wire.PUT_RESERVE, "count 0")])
+    status, msg = fast_call(fast, wire.PUT_RESERVE, cases[(wire.PUT_RESERVE, "count 0")])
     assert b"count" in msg
-    status, body = call(fast, wire.PUT_SLOTS, slots)
+    status, body = fast_call(fast, wire.PUT_SLOTS, slots)
     assert status == 0 and wire.unpack_put_slots_resp(body, 2) == ([0, 0], 0, [])
-    status, body = call(fast, wire.EXISTS, wire.pack_exists([b"a" * 16, b"b" * 16], True))
+    status, body = fast_call(fast, wire.EXISTS, wire.pack_exists([b"a" * 16, b"b" * 16], True))
     assert status == 0 and wire.unpack_exists_resp(body) == (0, [False, False])
 
 
@@ -489,7 +454,7 @@ def test_fuzz_put_frames(store, fast, stored, which, nkeys, flips, cut, extra):
         if start + pos < len(body):
             body[start + pos] = b
     body = bytes(body[: max(0, len(body) - cut)]) + extra
-    status, _ = call(fast, which, body)
+    status, _ = fast_call(fast, which, body)
     assert status in (0, INVALID), status
 
 
@@ -511,6 +476,6 @@ def stored(store):
 
 def test_put_start_of_a_stored_key_says_present(store, fast, stored):
     key, val = stored
-    status, body = call(fast, wire.PUT_START, _valid_put_start([key], [len(val)]))
+    status, body = fast_call(fast, wire.PUT_START, _valid_put_start([key], [len(val)]))
     assert status == 0
     assert wire.unpack_put_start_resp(body) == ([], [0])
