@@ -774,8 +774,9 @@ def breakdown(res: dict) -> str:
         f"{'size':>6} {'api':<9} {'total':>8} {'rtts':>5} {'ctrl':>8} {'wire':>8} "
         f"{'copy':>8} {'rest':>8}",
     ]
-    from kvmesh.services.store.client import DIRECT_GET_MIN, StoreClient
+    from kvmesh.services.store.client import StoreClient
     from kvmesh.services.store.direct import DIRECT_PUT_MIN
+    from kvmesh.services.store.limits import DIRECT_GET_MIN
     from kvmesh.services.store.remote_pool import REMOTE_SLOT_MAX
 
     for label, size in SIZES:

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvmesh.rdma import TransferEngine
-from kvmesh.services.store import client as client_mod
+from kvmesh.services.store import limits
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store_master import wire
 from tests.store_util import FUZZ, INVALID, fast_address, fast_call, run_client, running_store
@@ -47,7 +47,7 @@ def rpool(cl: StoreClient, size: int = 4096) -> list:
 def test_remote_put_is_two_compact_calls_and_every_byte_comes_back(store, monkeypatch):
     """Mixed sizes and multi-MiB values (copied and sent in pipelined runs), put_from
     and get_into: the master is asked twice per put whatever the batch, never by gRPC."""
-    monkeypatch.setattr(client_mod, "PIPELINE_BYTES", 1 << 20)  # several runs per batch
+    monkeypatch.setattr(limits, "PIPELINE_BYTES", 1 << 20)  # several runs per batch
     sizes = [4096, 4096, 300_000, 3 << 20, 5000, 2 << 20]
     keys = [f"remote-{i}".encode() for i in range(len(sizes))]
     vals = [os.urandom(n) for n in sizes]
@@ -87,7 +87,7 @@ def test_large_gets_land_in_the_returned_bytes_without_staging(store):
     it returns: every byte comes back, no staging buffer is made for them, the transient
     regions are gone afterwards, and small values in the same batch still come back
     through the staging path. A value whose holder is unreachable is a miss (None)."""
-    big = client_mod.DIRECT_GET_MIN
+    big = limits.DIRECT_GET_MIN
     sizes = [big, 4096, 3 * big + 7, 5000, 5 << 20]
     keys = [f"direct-{i}".encode() for i in range(len(sizes))]
     vals = [os.urandom(n) for n in sizes]

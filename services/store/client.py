@@ -46,45 +46,32 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 
 import grpc
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import Slice, TransferEngine, TransferError
-from kvmesh.rdma.transport import RemoteAccessError
 from kvmesh.rdma.wire import LoopTurns
 from kvmesh.services.common import channels
 from kvmesh.services.common.channels import make_channel
 from kvmesh.services.common.registry import Membership
 from kvmesh.services.common.telemetry import record_span
-from kvmesh.services.store import direct
-from kvmesh.services.store.batching import gather_results, per_key, run_all
-from kvmesh.services.store.copy import (
-    FILLABLE_BYTES,
-    copy_into,
-    copy_many,
-    fresh_bytes_many,
-    fresh_bytes_target,
-)
+from kvmesh.services.store import direct, limits
+from kvmesh.services.store.batching import gather_results, per_key
+from kvmesh.services.store.copy import copy_into
 from kvmesh.services.store.fastconn import CallError, FastConn, FastConnError
+from kvmesh.services.store.gets import Gets
+from kvmesh.services.store.limits import Loc, bytes_view, check_keys
+from kvmesh.services.store.local_put import LocalPuts
 from kvmesh.services.store.located import Locations, ReadAhead
-from kvmesh.services.store.remote_pool import (
-    RemotePool,
-)
+from kvmesh.services.store.remote_pool import RemotePool
 from kvmesh.services.store.remote_put import RemotePuts
 from kvmesh.services.store_master import wire
 
 log = logging.getLogger(__name__)
 
-MAX_KEY_LEN = 256
-# a put of many values copies them into the staging region and sends each run of this
-# many bytes while it copies the next (the copy and the wire overlap)
-PIPELINE_BYTES = 4 << 20
-# a remote value this large is read by ``get`` straight into the bytes it returns (on the
-# TCP transport, where registering a buffer is a table entry; RDMA verbs would pin it)
-DIRECT_GET_MIN = 256 << 10
 _PB_RESP = {
     "PutStart": pb.PutStartResponse,
     "PutEnd": pb.PutEndResponse,
@@ -92,24 +79,9 @@ _PB_RESP = {
     "Unpin": pb.PinResponse,
     "Stats": pb.StoreStatsResponse,
 }
-# a located replica: (key index, data address, region id, node id, offset, size)
-Loc = tuple[int, str, int, str, int, int]
 
 
-def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    out = [k if type(k) is bytes else bytes(k) for k in keys]
-    for k in out:
-        if not 1 <= len(k) <= MAX_KEY_LEN:
-            raise ValueError(f"store keys must be 1..{MAX_KEY_LEN} bytes, got {len(k)}")
-    return out
-
-
-def _bytes_view(v) -> memoryview:
-    mv = memoryview(v)
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-
-
-class StoreClient(RemotePuts, ReadAhead):
+class StoreClient(LocalPuts, RemotePuts, Gets, ReadAhead):
     """``te`` must be started; ``master`` is a store-master gRPC address or a started
     :class:`Membership` of the cluster (any live store-master is used). ``segment``: the
     :class:`SegmentHost` this node lends (enables the local paths); or call :meth:`lend`.
@@ -384,121 +356,6 @@ class StoreClient(RemotePuts, ReadAhead):
         resp = await self._call("Exists", pb.ExistsRequest(hashes=keys, any_order=any_order))
         return None if resp is None else (resp.prefix_blocks, list(resp.present))
 
-    async def _put_local_call(
-        self,
-        region: int,
-        keys: list[bytes],
-        slots: list[tuple[int, int]],
-        rsize: int,
-        rcount: int,
-        rspare: int,
-    ) -> tuple[list[int], list[int]] | None:
-        body = await self._fast_call(
-            wire.PUT_LOCAL,
-            wire.pack_put_local(self.node_id, region, keys, slots, rsize, rcount, rspare, []),
-        )
-        if body is not False:
-            return None if body is None else wire.unpack_put_local_resp(body, len(keys))
-        resp = await self._call(
-            "PutLocal",
-            pb.PutLocalRequest(
-                node_id=self.node_id,
-                region_id=region,
-                hashes=keys,
-                offsets=[o for o, _ in slots],
-                sizes=[z for _, z in slots],
-                reserve_size=rsize,
-                reserve_count=rcount,
-                reserve_spare=rspare,
-            ),
-        )
-        return None if resp is None else (list(resp.status), list(resp.reserved))
-
-    # -- local segment -----------------------------------------------------------------------
-    def _local_region(self) -> int:
-        seg = self.segment
-        if seg is None or seg.region < 0 or not seg.mounted.is_set():
-            return -1
-        return seg.region
-
-    def _is_local(self, addr: str, region: int) -> bool:
-        seg = self.segment
-        return seg is not None and region == seg.region and addr == self.te.address
-
-    def _region_view(self, region_id: int, offset: int, size: int) -> memoryview | None:
-        """A view of one of this engine's registered regions (local copies)."""
-        try:
-            return self.te.region_view(region_id, offset, size)
-        except RemoteAccessError:  # an unknown region or out of its bounds
-            return None
-
-    def _pool_for(self, size: int) -> list[int]:
-        seg = self.segment
-        if self._pool_epoch != seg.epoch:  # re-mounted: older slots are not ours any more
-            self._pool.clear()
-            self._pool_epoch = seg.epoch
-        return self._pool.setdefault(size, [])
-
-    def _pool_target(self, size: int) -> int:
-        return max(1, min(self.pool_slots, self.pool_bytes // size))
-
-    async def _put_local(
-        self,
-        keys: list[bytes],
-        sizes: Sequence[int],
-        src: Callable[[int], memoryview],
-        ok: list[bool],
-    ) -> list[int]:
-        """Puts what it can through reserved slots of the own segment (one ``PutLocal``
-        call, plus one to reserve when the pool lacks slots); returns the indices left
-        for the remote path."""
-        region = self._local_region()
-        if region < 0:
-            return list(range(len(keys)))
-        size = sizes[0]
-        if any(s != size for s in sizes):
-            return list(range(len(keys)))  # mixed sizes: PutStart places them locally
-        n = len(keys)
-        epoch = self.segment.epoch
-        if len(self._pool_for(size)) < n:
-            missing = n - len(self._pool_for(size))
-            r = await self._put_local_call(region, [], [], size, missing, self._pool_target(size))
-            if r is None or self.segment is None:
-                return list(range(n))
-            if self.segment.epoch == epoch:
-                self._pool_for(size).extend(r[1])
-        seg = self.segment
-        if seg is None or seg.epoch != epoch:
-            return list(range(n))
-        pool = self._pool_for(size)
-        take = min(n, len(pool))
-        if take == 0:
-            return list(range(n))
-        slots = [pool.pop() for _ in range(take)]
-        view = seg.view
-        # no await between taking the slots (same mount epoch) and copying into them
-        copy_many([(view[off : off + size], src(i)) for i, off in enumerate(slots)])
-        want = self._pool_target(size) - len(pool)
-        spare = want if want > self._pool_target(size) // 2 else 0
-        r = await self._put_local_call(
-            region, keys[:take], [(o, size) for o in slots], size if spare else 0, 0, spare
-        )
-        if r is None:
-            for i in range(take):
-                ok[i] = False
-            return list(range(take, n))
-        status, reserved = r
-        same = self.segment is not None and self.segment.epoch == epoch
-        pool = self._pool_for(size) if same else []
-        for i in range(take):
-            ok[i] = status[i] in (1, 2)
-            if status[i] == 2 and same:
-                pool.append(slots[i])  # key was present: the slot is still ours
-        if same:
-            pool.extend(reserved)
-        self.stats["local_puts"] += sum(1 for i in range(take) if status[i] == 1)
-        return list(range(take, n))
-
     # -- zero-copy -------------------------------------------------------------------------
     async def put_from(
         self, keys: Sequence[bytes], region_id: int, offsets: Sequence[int], sizes: Sequence[int]
@@ -506,7 +363,7 @@ class StoreClient(RemotePuts, ReadAhead):
         """Stores ``sizes[i]`` bytes at ``offsets[i]`` of local region ``region_id`` under
         ``keys[i]``. True per key when it is in the store afterwards (written now or
         already present); False when it did not fit or its write/commit failed."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if not (len(keys) == len(offsets) == len(sizes)):
             raise ValueError("put_from: keys, offsets and sizes must have one entry each")
         if not keys:
@@ -628,7 +485,7 @@ class StoreClient(RemotePuts, ReadAhead):
             item[0].append(Slice(regs[i], src_off, region, off, size))
             item[1].append(i)
             item[2][0] += size
-            if values is not None and item[2][0] >= PIPELINE_BYTES:
+            if values is not None and item[2][0] >= limits.PIPELINE_BYTES:
                 issue(addr)
         failed: list[int] = []
         if values is None:  # nothing left to copy: every peer's write at once
@@ -662,91 +519,6 @@ class StoreClient(RemotePuts, ReadAhead):
             log.warning("store put to %s failed (%s); aborting %d key(s)", peer, e, len(slices))
             return False
 
-    async def get_into(
-        self,
-        keys: Sequence[bytes],
-        region_id: int,
-        offsets: Sequence[int],
-        capacities: Sequence[int] | None = None,
-        prefix: bool = False,
-    ) -> list[int]:
-        """Reads each key into local region ``region_id`` at ``offsets[i]``; returns the
-        bytes read per key, -1 for a miss. ``prefix``: only the longest run of present
-        keys from the first one is read (a KV hash chain); the rest are -1."""
-        keys = _check_keys(keys)
-        if len(offsets) != len(keys):
-            raise ValueError("get_into: keys and offsets must have one entry each")
-        out = [-1] * len(keys)
-        if not keys:
-            return out
-        sent = time.monotonic()
-        ahead = [] if prefix or self.segment is not None else self._where.plan(keys)
-        if capacities is not None:
-            ahead = [(i, w) for i, w in ahead if w[3] <= capacities[i]]
-        early = None
-        if ahead:  # read where the keys were while the master answers (located.py)
-            early = asyncio.ensure_future(
-                self._read_ahead(ahead, lambda i, w: Slice(region_id, offsets[i], *w[1:4]))
-            )
-        try:
-            got = await self._get_replicas(keys, not prefix)
-        except BaseException:
-            if early is not None:
-                early.cancel()
-            raise
-        read_early = await early if early is not None else set()
-        if got is None:
-            self.stats["misses"] += len(keys)
-            return out
-        lease_ms, locs, gens = got
-        deadline = sent + lease_ms / 1000
-        if read_early:
-            locs = self._take_early(dict(ahead), read_early, locs, gens, out, True)
-        by_peer: dict[str, list[Loc]] = {}
-        for loc in locs:
-            i, addr, region, _, off, size = loc
-            if capacities is not None and size > capacities[i]:
-                continue
-            if self._is_local(addr, region):
-                dst = self._region_view(region_id, offsets[i], size)
-                if dst is not None:
-                    dst[:] = self.segment.view[off : off + size]
-                    out[i] = size
-                    self.stats["local_gets"] += 1
-                    continue
-            by_peer.setdefault(addr, []).append(loc)
-
-        async def read(peer: str, items: list[Loc]) -> None:
-            try:
-                await self.te.read(
-                    peer,
-                    [
-                        Slice(region_id, offsets[i], region, off, size)
-                        for i, _, region, _, off, size in items
-                    ],
-                )
-            except (TransferError, OSError) as e:
-                self.stats["read_failed"] += len(items)
-                log.warning("store read from %s failed (%s): a miss", peer, e)
-                return
-            for i, *_, size in items:
-                out[i] = size
-
-        if by_peer:
-            await run_all(read(a, it) for a, it in by_peer.items())
-        if time.monotonic() > deadline:
-            # the master may have reused the space: what we read cannot be trusted
-            self.stats["lease_expired"] += 1
-            log.warning("store read finished after its lease; treating it as a miss")
-            out = [-1] * len(keys)
-        if prefix:
-            n = next((i for i, s in enumerate(out) if s < 0), len(out))
-            out = out[:n] + [-1] * (len(out) - n)
-        hits = sum(1 for s in out if s >= 0)
-        self.stats["gets"] += hits
-        self.stats["misses"] += len(out) - hits
-        return out
-
     # -- bytes API -------------------------------------------------------------------------
     async def put(self, key: bytes, value: bytes | bytearray | memoryview) -> bool:
         return (await self.batch_put([key], [value]))[0]
@@ -754,11 +526,11 @@ class StoreClient(RemotePuts, ReadAhead):
     async def batch_put(self, keys: Sequence[bytes], values: Sequence) -> list[bool]:
         if len(keys) != len(values):
             raise ValueError("batch_put: one value per key")
-        views = [_bytes_view(v) for v in values]
+        views = [bytes_view(v) for v in values]
         sizes = [len(v) for v in views]
         if any(s == 0 for s in sizes):
             raise ValueError("batch_put: values must not be empty")
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if not keys:
             return []
         ok = [False] * len(keys)
@@ -795,144 +567,21 @@ class StoreClient(RemotePuts, ReadAhead):
     def _staging_view(self) -> memoryview:
         return memoryview(self._staging)
 
-    async def get(self, key: bytes) -> bytes | None:
-        return (await self.batch_get([key]))[0]
-
-    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Values of ``keys`` (None = miss). Sizes come from the master, so this asks it
-        once for placements, copies replicas in the own segment and reads the others
-        into a staging buffer."""
-        keys = _check_keys(keys)
-        if not keys:
-            return []
-        out: list[bytes | None] = [None] * len(keys)
-        sent = time.monotonic()
-        ahead = [] if self.segment is not None else self._where.plan(keys)
-        early = None
-        if ahead:  # read where the keys were while the master answers (located.py)
-            early = asyncio.ensure_future(self._read_ahead_bytes(ahead))
-        try:
-            got = await self._get_replicas(keys, True)
-        except BaseException:
-            if early is not None:
-                early.cancel()
-            raise
-        read_early = await early if early is not None else {}
-        if got is None:
-            self.stats["misses"] += len(keys)
-            return out
-        lease_ms, locs, gens = got
-        deadline = sent + lease_ms / 1000
-        if read_early:
-            locs = self._take_early(dict(ahead), read_early, locs, gens, out, False)
-        remote: list[Loc] = []
-        local: list[tuple[int, memoryview]] = []
-        seg = self.segment
-        for loc in locs:
-            i, addr, region, _, off, size = loc
-            if seg is not None and region == seg.region and addr == self.te.address:
-                local.append((i, seg.view[off : off + size]))
-            else:
-                remote.append(loc)
-        for (i, _), v in zip(local, fresh_bytes_many([v for _, v in local])):
-            out[i] = v
-        nlocal = len(locs) - len(remote)
-        if remote and FILLABLE_BYTES and self.te.transport_kind != "rdma":
-            # large values land straight in the bytes handed back (no staging, no copy)
-            direct = [loc for loc in remote if loc[5] >= DIRECT_GET_MIN]
-            if direct:
-                remote = [loc for loc in remote if loc[5] < DIRECT_GET_MIN]
-                await self._get_direct(direct, out)
-        if remote:
-            async with self._staging_lock:
-                buf, sregion = self._stage(sum(loc[5] for loc in remote))
-                offs, pos = [], 0
-                for loc in remote:
-                    offs.append(pos)
-                    pos += loc[5]
-                # per peer, runs of PIPELINE_BYTES: each run's values are copied out
-                # while the later runs are still on the wire
-                by_peer: dict[str, list[int]] = {}
-                runs: list[tuple[str, list[int]]] = []
-                run_bytes: dict[str, int] = {}
-                for j, loc in enumerate(remote):
-                    js = by_peer.setdefault(loc[1], [])
-                    js.append(j)
-                    run_bytes[loc[1]] = run_bytes.get(loc[1], 0) + loc[5]
-                    if run_bytes[loc[1]] >= PIPELINE_BYTES:
-                        runs.append((loc[1], by_peer.pop(loc[1])))
-                        run_bytes[loc[1]] = 0
-                runs.extend(by_peer.items())
-
-                async def read(peer: str, js: list[int]) -> None:
-                    try:
-                        await self.te.read(
-                            peer,
-                            [
-                                Slice(sregion, offs[j], remote[j][2], remote[j][4], remote[j][5])
-                                for j in js
-                            ],
-                        )
-                        vals = fresh_bytes_many([buf[offs[j] : offs[j] + remote[j][5]] for j in js])
-                        for j, v in zip(js, vals):
-                            out[remote[j][0]] = v
-                    except (TransferError, OSError) as e:
-                        self.stats["read_failed"] += len(js)
-                        log.warning("store read from %s failed (%s): a miss", peer, e)
-
-                await run_all(read(a, js) for a, js in runs)
-        if time.monotonic() > deadline:
-            self.stats["lease_expired"] += 1
-            out = [None] * len(keys)
-        hits = sum(1 for v in out if v is not None)
-        self.stats["local_gets"] += nlocal if hits else 0
-        self.stats["gets"] += hits
-        self.stats["misses"] += len(out) - hits
-        return out
-
-    async def _get_direct(self, locs: list[Loc], out: list[bytes | None]) -> None:
-        """Reads each remote value of ``DIRECT_GET_MIN`` bytes or more into a fresh
-        ``bytes`` registered for the read (a table entry on the TCP transport): the value
-        is on the wire once and copied never; the peers' reads run concurrently."""
-        targets = [fresh_bytes_target(loc[5]) for loc in locs]
-        regions = [self.te.register(t[1]) for t in targets]
-        try:
-            by_peer: dict[str, list[int]] = {}
-            for j, loc in enumerate(locs):
-                by_peer.setdefault(loc[1], []).append(j)
-
-            async def read(peer: str, js: list[int]) -> None:
-                try:
-                    await self.te.read(
-                        peer, [Slice(regions[j], 0, locs[j][2], locs[j][4], locs[j][5]) for j in js]
-                    )
-                except (TransferError, OSError) as e:
-                    self.stats["read_failed"] += len(js)
-                    log.warning("store read from %s failed (%s): a miss", peer, e)
-                    return
-                for j in js:
-                    out[locs[j][0]] = targets[j][0]
-
-            await run_all(read(a, js) for a, js in by_peer.items())
-        finally:
-            for rid in regions:
-                self.te.unregister(rid)
-
     async def exists(self, keys: bytes | Sequence[bytes]) -> bool | list[bool]:
         """One key -> bool; a list of keys -> one bool per key."""
         single = isinstance(keys, (bytes, bytearray))
-        ks = _check_keys([keys] if single else keys)
+        ks = check_keys([keys] if single else keys)
         r = await self._exists(ks, True)
         present = r[1] if r is not None else [False] * len(ks)
         return present[0] if single else present
 
     async def prefix_len(self, chain: Sequence[bytes]) -> int:
         """How many blocks of a hash chain, from the first, the store holds."""
-        r = await self._exists(_check_keys(chain), False)
+        r = await self._exists(check_keys(chain), False)
         return r[0] if r is not None else 0
 
     async def remove(self, keys: bytes | Sequence[bytes]) -> int:
-        ks = _check_keys([keys] if isinstance(keys, (bytes, bytearray)) else keys)
+        ks = check_keys([keys] if isinstance(keys, (bytes, bytearray)) else keys)
         self._where.forget(ks)
         body = await self._fast_call(wire.REMOVE, wire.pack_keys(ks))
         if body is not False:
@@ -942,6 +591,6 @@ class StoreClient(RemotePuts, ReadAhead):
 
     async def pin(self, keys: Sequence[bytes], on: bool = True) -> int:
         """Soft pin (e.g. a system prompt's blocks): evicted only after unpinned ones."""
-        req = pb.PinRequest(hashes=_check_keys(keys))
+        req = pb.PinRequest(hashes=check_keys(keys))
         resp = await self._call("Pin" if on else "Unpin", req)
         return resp.pinned if resp is not None else 0
