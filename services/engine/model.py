@@ -105,7 +105,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 def _linear(in_f: int, out_f: int, bias: bool = False) -> nn.Linear:
-    return torch.nn.utils.skip_init(nn.Linear, in_f, out_f, bias=bias)
+    """An ``nn.Linear`` with uninitialized weights (``init_weights`` or a checkpoint fills
+    them). Made on the CPU without running its initializer, not by ``skip_init``: that
+    goes through the meta device, whose first use imports sympy and torch._dynamo, 3-5 s
+    of CPU at every node's start."""
+    m = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(m)
+    m.in_features, m.out_features = in_f, out_f
+    m.weight = nn.Parameter(torch.empty(out_f, in_f))
+    m.register_parameter("bias", nn.Parameter(torch.empty(out_f)) if bias else None)
+    return m
 
 
 def _apply(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -223,8 +232,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype | str = torch.float32) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = torch.nn.utils.skip_init(
-            nn.Embedding, config.vocab_size, config.hidden_size
+        # uninitialized like _linear's (no meta device): _weight skips its initializer
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
         )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
