@@ -52,6 +52,16 @@ def _last_error(log_path: str) -> str:
 CONDUCTOR = "conductor-0"
 
 
+def node_threads(nodes: int) -> int:
+    """Torch threads for each of ``nodes`` model nodes on this machine: its usable cores
+    shared out, at least one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, nodes))
+
+
 def cluster_secret(workdir: str) -> str:
     """The data-plane secret of a local cluster: the operator's ``KVMESH_SECRET`` when it is
     set (and not one of the well-known ones), else a random one for this cluster. It is
@@ -74,6 +84,8 @@ class LocalCluster:
     registers its addresses in etcd; :meth:`start` reads the conductor's from there, and
     a restarted conductor gets the same ports again. The nodes share a data-plane secret
     (:attr:`secret`, given to them as ``KVMESH_SECRET``): see :func:`cluster_secret`.
+    Unless ``node_args`` or ``decode_args`` say ``--threads``, the nodes share this
+    machine's cores out (:func:`node_threads`).
 
     Every process is tied to this one (:mod:`kvmesh.services.children`): if this process
     dies, even by SIGKILL, they get SIGTERM. With ``max_restarts`` > 0, a service that
@@ -120,8 +132,13 @@ class LocalCluster:
         self.n_prefill, self.n_decode = prefill, decode
         self.conductor_port = conductor_port  # 0 until start() reads the bound port
         self.lease_ttl = lease_ttl
-        self.node_args = node_args or []
+        self.node_args = list(node_args or [])
         self.decode_args = decode_args or []  # after node_args, for decode nodes only
+        if "--threads" not in self.node_args + self.decode_args:
+            # the nodes share this machine's cores: each torch left to its default takes
+            # all of them, and their spinning thread pools then slow every forward (and
+            # the start-up profile) several times over
+            self.node_args += ["--threads", str(node_threads(prefill + decode))]
         seg = (
             self.node_args[self.node_args.index("--segment-memory") + 1]
             if "--segment-memory" in self.node_args
