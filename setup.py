@@ -40,7 +40,7 @@ def _extensions() -> list[Extension]:
     pkg.mkdir(parents=True, exist_ok=True)
     for d in (inc / "kvmesh", inc / "kvmesh" / "services", pkg):
         (d / "__init__.pxd").touch()
-    for m in (*COMPILED, "_sorted", "_prefetch"):  # (cimported only, not compiled)
+    for m in (*COMPILED, "_sorted", "_prefetch", "_blocktable"):  # (cimported only, not compiled)
         src, dst = root / "services" / "conductor" / f"{m}.pxd", pkg / f"{m}.pxd"
         if not dst.exists() or dst.read_bytes() != src.read_bytes():  # (else: no rebuild)
             shutil.copyfile(src, dst)
@@ -48,7 +48,7 @@ def _extensions() -> list[Extension]:
         Extension(
             f"kvmesh.services.conductor.{m}",
             [f"services/conductor/{m}.py"],
-            include_dirs=["services/conductor"],  # _prefetch.h
+            include_dirs=["services/conductor"],  # _prefetch.h, _blocktable.h
             # float results must equal Python's bit for bit: no fused multiply-add
             extra_compile_args=["-O2", "-ffp-contract=off"],
         )
@@ -79,6 +79,9 @@ SOURCES = (
     "_prefetch.py",
     "_prefetch.pxd",
     "_prefetch.h",
+    "_blocktable.py",
+    "_blocktable.pxd",
+    "_blocktable.h",
 )
 STAMP = "_compiled.json"
 

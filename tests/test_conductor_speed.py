@@ -205,6 +205,68 @@ def test_lookup_equals_a_plain_reference():
     assert len(idx) == 0 and all(idx.holds(node) == 0 for node in nodes)
 
 
+def test_lookup_equals_a_plain_reference_through_churn():
+    """Thousands of blocks stored and removed, by several nodes and the store's tiers,
+    with nodes dropped and the store reset: every lookup equals the plain reference (the
+    compiled index answers from its block table, which grows and closes the gaps its
+    removals leave; plain Python from the dicts)."""
+    rng = random.Random(11)
+    idx = CacheIndex()
+    nodes = [f"n{i}" for i in range(5)]
+    chains = [[_h(rng) for _ in range(rng.randint(1, 40))] for _ in range(300)]
+
+    def check(k: int) -> None:
+        for _ in range(k):
+            chain = rng.choice(chains)
+            hashes = chain[: rng.randint(0, len(chain))] + [_h(rng)] * rng.randint(0, 1)
+            # equal bytes, not the same objects (as from a request)
+            hashes = [bytes(bytearray(h)) for h in hashes]
+            look = idx.lookup(hashes)
+            per_node, n, dram = _reference_lookup(idx, hashes)
+            assert look.per_node == per_node and list(look.per_node) == list(per_node)
+            assert (look.store_prefix, look.store_dram_prefix) == (n, dram)
+
+    for rnd in range(6):
+        for chain in chains:
+            op = rng.random()
+            part = chain[rng.randint(0, len(chain) - 1) :] if op < 0.5 else chain
+            if op < 0.35:
+                idx.removed(rng.choice(nodes), part)
+            elif op < 0.5:
+                idx.store_removed(part, rng.choice(("dram", "ssd")))
+            elif op < 0.85:
+                idx.stored(rng.choice(nodes), chain[: rng.randint(1, len(chain))])
+            else:
+                idx.store_stored(chain[: rng.randint(0, len(chain))], rng.choice(("dram", "ssd")))
+        check(150)
+        if rnd == 2:
+            idx.drop_node(nodes[0])
+            check(100)
+        if rnd == 4:
+            idx.store_reset(rng.choice(chains)[:5])
+            check(100)
+    for chain in chains:
+        for node in nodes:
+            idx.removed(node, chain)
+    idx.store_reset([])
+    check(50)
+    assert len(idx) == 0
+
+
+def test_lookup_with_keys_not_bytes():
+    """Keys that are not bytes (a caller's own ids) are looked up as the dicts do."""
+    idx = CacheIndex()
+    idx.stored("a", ["k1", "k2", "k3"])
+    idx.stored("b", ["k1"])
+    idx.store_stored(["k1", "k2"])
+    look = idx.lookup(["k1", "k2", "k3", "k4"])
+    assert look.per_node == {"a": 3, "b": 1} or look.per_node == {"b": 1, "a": 3}
+    assert (look.store_prefix, look.store_dram_prefix) == (2, 2)
+    idx.stored("a", [b"x", b"y"])
+    assert idx.lookup([b"x", b"y", "k1"]).per_node == {"a": 3}
+    assert idx.lookup([b"x", b"y", "k9"]).per_node == {"a": 2}
+
+
 def test_least_queued_order_follows_every_change():
     """The least-queued pick (an order kept current, queue_order.py) equals a sort of
     every node, through enqueues, dequeues, load reports, direct writes, and nodes that

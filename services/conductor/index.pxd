@@ -1,7 +1,7 @@
 # Compiled-only declarations for index.py (see policy.pxd).
 cimport cython
 
-from kvmesh.services.conductor cimport _prefetch
+from kvmesh.services.conductor cimport _blocktable, _prefetch
 
 
 cdef class Lookup:
@@ -20,6 +20,7 @@ cdef class CacheIndex:
     cdef public dict _names
     cdef public dict _store
     cdef public dict _ssd
+    cdef public object _table
 
     @cython.locals(out=Lookup, n=Py_ssize_t, k=Py_ssize_t, dram=Py_ssize_t,
                    store=dict, ssd=dict, per_node=dict)

@@ -10,6 +10,11 @@ string per node, and only a block held by several maps to a set of them: no set 
 per block (about 200 bytes each, and one more object for the garbage collector to walk
 at 10^6 blocks), and a lookup that follows one node compares pointers instead of
 reading a set for each block.
+
+Compiled (setup.py), the index also keeps a mirror of its three dicts in one C table
+(``_blocktable``: a block's holder and its store and SSD replica counts in one slot),
+written with the dicts, from which ``lookup`` answers (one cache miss per block); plain
+Python has no table and the dicts answer, with the same answers.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvmesh.services.conductor import _prefetch
+from kvmesh.services.conductor import _blocktable, _prefetch
 
 POOL = "pool"  # a node's engine KV pool (prefix cache)
 STORE = "store"  # the cluster store: DRAM segments, and SSD tiers behind them
@@ -67,26 +72,30 @@ class CacheIndex:
         self._names: dict[str, str] = {}  # one string object per node id
         self._store: dict[bytes, int] = {}  # hash -> replica count, any tier
         self._ssd: dict[bytes, int] = {}  # hash -> replicas on an SSD tier
+        # compiled: the dicts' mirror that ``lookup`` reads (plain Python: None)
+        self._table = _blocktable.new_table()
 
     # -- node pools ------------------------------------------------------------------------
     def stored(self, node: str, hashes: Iterable[bytes]) -> None:
         node = self._names.setdefault(node, str(node))
         mine = self._by_node.setdefault(node, {})
-        pool = self._pool
+        pool, table = self._pool, self._table
         for h in hashes:
             holders = pool.get(h)
             if holders is None:
-                pool[h] = node
+                pool[h] = holders = node
             elif isinstance(holders, str):
                 if holders != node:
-                    pool[h] = {holders, node}
+                    pool[h] = holders = {holders, node}
             else:
                 holders.add(node)
             mine[h] = None
+            if table is not None:
+                _blocktable.set_holder(table, h, holders)
 
     def removed(self, node: str, hashes: Iterable[bytes]) -> None:
         mine = self._by_node.get(node)
-        pool = self._pool
+        pool, table = self._pool, self._table
         for h in hashes:
             holders = pool.get(h)
             if holders is not None:
@@ -97,6 +106,8 @@ class CacheIndex:
                     holders.discard(node)
                     if len(holders) == 1:
                         pool[h] = next(iter(holders))
+                if table is not None:
+                    _blocktable.set_holder(table, h, pool.get(h))
             if mine is not None:
                 mine.pop(h, None)
 
@@ -121,10 +132,13 @@ class CacheIndex:
 
     # -- store -----------------------------------------------------------------------------
     def store_stored(self, hashes: Iterable[bytes], tier: str = "dram") -> None:
+        table = self._table
         for h in hashes:
             self._store[h] = self._store.get(h, 0) + 1
             if tier == "ssd":
                 self._ssd[h] = self._ssd.get(h, 0) + 1
+            if table is not None:
+                _blocktable.set_store(table, h, self._store[h], self._ssd.get(h, 0))
 
     def store_removed(self, hashes: Iterable[bytes], tier: str = "dram") -> None:
         for h in hashes:
@@ -134,9 +148,13 @@ class CacheIndex:
                     table[h] = n
                 else:
                     table.pop(h, None)
+            if self._table is not None:
+                _blocktable.set_store(self._table, h, self._store.get(h, 0), self._ssd.get(h, 0))
 
     def store_reset(self, hashes: Iterable[bytes]) -> None:
         self._store, self._ssd = {}, {}
+        if self._table is not None:
+            _blocktable.clear_store(self._table)
         self.store_stored(hashes)
 
     # -- queries ---------------------------------------------------------------------------
@@ -145,6 +163,13 @@ class CacheIndex:
         of ``holders`` of the first block, the order candidates are tried in) and the
         longest prefix in the store (and in its DRAM)."""
         out = Lookup()
+        if self._table is not None:  # compiled: the table (None: the dicts must answer)
+            got = _blocktable.lookup(self._table, hashes, out.per_node)
+            if got is not None:
+                out.store_prefix, out.store_dram_prefix, many = got
+                if many is not None:  # several hold the first block
+                    self._lookup_many(self._pool, hashes, set(many), out.per_node)
+                return out
         store, ssd = self._store, self._ssd
         _prefetch.prefetch(self._pool, hashes)  # (compiled: the misses overlap)
         _prefetch.prefetch(store, hashes)
