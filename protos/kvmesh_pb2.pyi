@@ -374,14 +374,16 @@ class PinResponse(_message.Message):
     def __init__(self, pinned: _Optional[int] = ...) -> None: ...
 
 class WatchBlocksRequest(_message.Message):
-    __slots__ = ("node_id", "snapshot", "coalesce")
+    __slots__ = ("node_id", "snapshot", "coalesce", "coalesce_ms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     COALESCE_FIELD_NUMBER: _ClassVar[int]
+    COALESCE_MS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     snapshot: bool
     coalesce: bool
-    def __init__(self, node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., coalesce: _Optional[bool] = ...) -> None: ...
+    coalesce_ms: int
+    def __init__(self, node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., coalesce: _Optional[bool] = ..., coalesce_ms: _Optional[int] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
     __slots__ = ("seq", "type", "hash", "node_id", "tier", "offset", "size", "region_id", "master_id", "more")

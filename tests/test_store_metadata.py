@@ -592,3 +592,47 @@ def test_watch_blocks_coalesces_a_run_of_lone_events():
         server._clock = time.monotonic
     assert [bytes(e.hash)[0] for e in (first, *first.more)] == [1]
     assert [bytes(e.hash)[0] for e in (second, *second.more)] == [2, 3]
+
+
+def test_watch_blocks_holds_events_as_long_as_the_subscriber_asks():
+    """Issue 13: ``coalesce_ms`` is the subscriber's own window (a store-node asks for
+    more lag than the master's 2 ms default: its index is read only after a master
+    restart). A lone event published 30 ms after another waits for it within a 500 ms
+    window, and goes alone within the default one."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvmesh.protos import kvmesh_pb2 as pb
+    from kvmesh.services.store_master import server
+    from kvmesh.services.store_master.model import Block, BlockState, Replica, Segment
+    from kvmesh.services.store_master.server import EventBus, StoreMasterServicer
+
+    seg = Segment("s0", "node-a", "127.0.0.1:1", 1, 1 << 20)
+    blocks = [Block(bytes([i]) * 16, 4096, [Replica(seg, i * 4096, state=BlockState.COMPLETE)])
+              for i in range(1, 4)]  # fmt: skip
+    frozen = time.monotonic()
+    server._clock = lambda: frozen  # every lone event after the first is inside the window
+
+    async def second_message(coalesce_ms: int) -> list[int]:
+        host = SimpleNamespace(meta=SimpleNamespace(blocks={}), bus=EventBus())
+        req = pb.WatchBlocksRequest(coalesce=True, coalesce_ms=coalesce_ms)
+        s = StoreMasterServicer.WatchBlocks(host, req, None)
+        nxt = asyncio.ensure_future(s.__anext__())
+        await asyncio.sleep(0.01)  # subscribed and waiting
+        host.bus.publish("stored", blocks[0], blocks[0].replicas[0])
+        async with asyncio.timeout(30):
+            await nxt
+        nxt = asyncio.ensure_future(s.__anext__())
+        host.bus.publish("stored", blocks[1], blocks[1].replicas[0])
+        await asyncio.sleep(0.03)
+        host.bus.publish("stored", blocks[2], blocks[2].replicas[0])
+        async with asyncio.timeout(30):
+            second = await nxt
+        await s.aclose()
+        return [bytes(e.hash)[0] for e in (second, *second.more)]
+
+    try:
+        assert asyncio.run(second_message(500)) == [2, 3]
+        assert asyncio.run(second_message(0)) == [2]  # the master's 2 ms
+    finally:
+        server._clock = time.monotonic

@@ -52,6 +52,11 @@ DIGEST_SUM_MIN = 64 << 10
 # ~0.3 ms, less than the thread hand-off costs a busy host; the GIL is released anyway)
 DIGEST_THREAD_MIN = 8 << 20
 _DIGEST_BLOCK = 4096
+# how long the master may hold this node's block events to send them together: the index
+# they feed is read only for a re-report after a master restart, so a few ms more lag
+# costs nothing, while one gRPC message per put cost this node and the master CPU on the
+# cores the puts run on (issue 13)
+INDEX_EVENT_LAG_MS = 20
 
 
 def digest(data: memoryview) -> int:
@@ -297,7 +302,12 @@ class SegmentHost:
                 log.info("lent %d bytes to store-master %s", self.size, addr)
                 backoff = 0.2
                 stream = stub.WatchBlocks(
-                    pb.WatchBlocksRequest(node_id=self.node_id, snapshot=True, coalesce=True)
+                    pb.WatchBlocksRequest(
+                        node_id=self.node_id,
+                        snapshot=True,
+                        coalesce=True,
+                        coalesce_ms=INDEX_EVENT_LAG_MS,
+                    )
                 )
                 async for msg in stream:
                     for ev in (msg, *msg.more) if msg.more else (msg,):
