@@ -46,7 +46,7 @@ def sections() -> list[Section]:
     from kvmesh.services.node_config import NodeConfig
     from kvmesh.services.prefill.server import PrefillConfig
     from kvmesh.services.store.node import StoreNodeConfig
-    from kvmesh.services.store_master.server import StoreMasterConfig
+    from kvmesh.services.store_master.config import StoreMasterConfig
 
     return [
         Section(

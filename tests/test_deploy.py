@@ -22,7 +22,7 @@ from kvmesh.services.common.config import ConfigError, load
 from kvmesh.services.conductor.server import ConductorConfig
 from kvmesh.services.decode.server import DecodeConfig
 from kvmesh.services.prefill.server import PrefillConfig
-from kvmesh.services.store_master.server import StoreMasterConfig
+from kvmesh.services.store_master.config import StoreMasterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "deploy" / "systemd"

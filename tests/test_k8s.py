@@ -27,7 +27,7 @@ from kvmesh.services.common.health import service_names
 from kvmesh.services.conductor.server import ConductorConfig
 from kvmesh.services.decode.server import DecodeConfig
 from kvmesh.services.prefill.server import PrefillConfig
-from kvmesh.services.store_master.server import StoreMasterConfig
+from kvmesh.services.store_master.config import StoreMasterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"

@@ -261,8 +261,9 @@ def test_watch_blocks_misses_nothing_stored_while_the_snapshot_is_sent():
     from types import SimpleNamespace
 
     from kvmesh.protos import kvmesh_pb2 as pb
+    from kvmesh.services.store_master.events import EventBus
     from kvmesh.services.store_master.model import Block, BlockState, Replica, Segment
-    from kvmesh.services.store_master.server import EventBus, StoreMasterServicer
+    from kvmesh.services.store_master.server import StoreMasterServicer
 
     seg = Segment("s0", "node-a", "127.0.0.1:1", 1, 1 << 20)
 
@@ -427,8 +428,9 @@ def test_watch_blocks_coalesces_what_is_published_together_in_order():
     from types import SimpleNamespace
 
     from kvmesh.protos import kvmesh_pb2 as pb
+    from kvmesh.services.store_master.events import EventBus
     from kvmesh.services.store_master.model import Block, BlockState, Replica, Segment
-    from kvmesh.services.store_master.server import EventBus, StoreMasterServicer
+    from kvmesh.services.store_master.server import StoreMasterServicer
 
     seg = Segment("s0", "node-a", "127.0.0.1:1", 1, 1 << 20)
     blocks = [Block(bytes([i]) * 16, 4096, [Replica(seg, i * 4096, state=BlockState.COMPLETE)])
@@ -477,9 +479,10 @@ def test_watch_blocks_coalesces_only_for_a_subscriber_that_asks():
     from types import SimpleNamespace
 
     from kvmesh.protos import kvmesh_pb2 as pb
-    from kvmesh.services.store_master import server
+    from kvmesh.services.store_master import events
+    from kvmesh.services.store_master.events import EventBus
     from kvmesh.services.store_master.model import Block, BlockState, Replica, Segment
-    from kvmesh.services.store_master.server import EventBus, StoreMasterServicer
+    from kvmesh.services.store_master.server import StoreMasterServicer
 
     seg = Segment("s0", "node-a", "127.0.0.1:1", 1, 1 << 20)
     blocks = [Block(bytes([i]) * 16, 4096, [Replica(seg, i * 4096, state=BlockState.COMPLETE)])
@@ -499,9 +502,9 @@ def test_watch_blocks_coalesces_only_for_a_subscriber_that_asks():
         # the coalescing one: drain what was published together, then a lone event
         head = await lone
         assert len(head.more) == 2
-        server.EVENT_COALESCE_S = 600.0  # a wait would outlast the test's bound
+        events.EVENT_COALESCE_S = 600.0  # a wait would outlast the test's bound
         quiet = time.monotonic() + 601  # ... but a quiet spell has passed
-        server._clock = lambda: quiet
+        events._clock = lambda: quiet
         try:
             nxt = asyncio.ensure_future(new.__anext__())
             await asyncio.sleep(0)
@@ -509,8 +512,8 @@ def test_watch_blocks_coalesces_only_for_a_subscriber_that_asks():
             async with asyncio.timeout(30):
                 alone = await nxt
         finally:
-            server.EVENT_COALESCE_S = 0.002
-            server._clock = time.monotonic
+            events.EVENT_COALESCE_S = 0.002
+            events._clock = time.monotonic
         await old.aclose()
         await new.aclose()
         return got, alone
@@ -559,16 +562,17 @@ def test_watch_blocks_coalesces_a_run_of_lone_events():
     from types import SimpleNamespace
 
     from kvmesh.protos import kvmesh_pb2 as pb
-    from kvmesh.services.store_master import server
+    from kvmesh.services.store_master import events
+    from kvmesh.services.store_master.events import EventBus
     from kvmesh.services.store_master.model import Block, BlockState, Replica, Segment
-    from kvmesh.services.store_master.server import EventBus, StoreMasterServicer
+    from kvmesh.services.store_master.server import StoreMasterServicer
 
     seg = Segment("s0", "node-a", "127.0.0.1:1", 1, 1 << 20)
     blocks = [Block(bytes([i]) * 16, 4096, [Replica(seg, i * 4096, state=BlockState.COMPLETE)])
               for i in range(1, 4)]  # fmt: skip
     host = SimpleNamespace(meta=SimpleNamespace(blocks={}), bus=EventBus())
     frozen = time.monotonic()
-    server._clock = lambda: frozen  # no time passes between the messages
+    events._clock = lambda: frozen  # no time passes between the messages
 
     async def main():
         s = StoreMasterServicer.WatchBlocks(host, pb.WatchBlocksRequest(coalesce=True), None)
@@ -589,7 +593,7 @@ def test_watch_blocks_coalesces_a_run_of_lone_events():
     try:
         first, second = asyncio.run(main())
     finally:
-        server._clock = time.monotonic
+        events._clock = time.monotonic
     assert [bytes(e.hash)[0] for e in (first, *first.more)] == [1]
     assert [bytes(e.hash)[0] for e in (second, *second.more)] == [2, 3]
 
@@ -603,15 +607,16 @@ def test_watch_blocks_holds_events_as_long_as_the_subscriber_asks():
     from types import SimpleNamespace
 
     from kvmesh.protos import kvmesh_pb2 as pb
-    from kvmesh.services.store_master import server
+    from kvmesh.services.store_master import events
+    from kvmesh.services.store_master.events import EventBus
     from kvmesh.services.store_master.model import Block, BlockState, Replica, Segment
-    from kvmesh.services.store_master.server import EventBus, StoreMasterServicer
+    from kvmesh.services.store_master.server import StoreMasterServicer
 
     seg = Segment("s0", "node-a", "127.0.0.1:1", 1, 1 << 20)
     blocks = [Block(bytes([i]) * 16, 4096, [Replica(seg, i * 4096, state=BlockState.COMPLETE)])
               for i in range(1, 4)]  # fmt: skip
     frozen = time.monotonic()
-    server._clock = lambda: frozen  # every lone event after the first is inside the window
+    events._clock = lambda: frozen  # every lone event after the first is inside the window
 
     async def second_message(coalesce_ms: int) -> list[int]:
         host = SimpleNamespace(meta=SimpleNamespace(blocks={}), bus=EventBus())
@@ -635,4 +640,4 @@ def test_watch_blocks_holds_events_as_long_as_the_subscriber_asks():
         assert asyncio.run(second_message(500)) == [2, 3]
         assert asyncio.run(second_message(0)) == [2]  # the master's 2 ms
     finally:
-        server._clock = time.monotonic
+        events._clock = time.monotonic

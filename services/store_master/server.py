@@ -41,9 +41,7 @@ import json
 import logging
 import sys
 import time
-import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -52,12 +50,13 @@ from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common import channels
 from kvmesh.services.common.channels import make_channel
-from kvmesh.services.common.config import ConfigError, load, option
+from kvmesh.services.common.config import load
 from kvmesh.services.common.election import LeaderElection, leader_key
 from kvmesh.services.common.interceptors import wrap_handler
 from kvmesh.services.common.registry import Membership, node_key, nodes_prefix
 from kvmesh.services.common.service import Service, run, setup_logging
-from kvmesh.services.common.settings import ServiceConfig
+from kvmesh.services.store_master.config import StoreMasterConfig
+from kvmesh.services.store_master.events import EventBus, watch
 from kvmesh.services.store_master.fastpath import FastPathServer, serve_fast_path
 from kvmesh.services.store_master.metadata import DRAM, SSD, Block, Plan, Replica, StoreMetadata
 from kvmesh.services.store_master.validation import (
@@ -68,81 +67,6 @@ from kvmesh.services.store_master.validation import (
 )
 
 log = logging.getLogger(__name__)
-
-EVENT_QUEUE = 65536
-# WatchBlocks gathers the events published this long after the first one it wakes for
-# into one stream message (``BlockEvent.more``): one message per put cost a store-node
-# and this master a gRPC send and receive each, on the cores the puts run on. A lone
-# event goes out at once after a quiet spell; within this long of the last message it
-# waits for the rest of the spell, so a run of single puts (each one event, published
-# one at a time) is at most one message per spell too: each message a put's write met
-# on the store-node delayed it (issue 13: 4 KiB put commit ~30% faster). This is the
-# default window; a subscriber may ask for its own (``coalesce_ms``: a store-node asks for
-# 20 ms, another ~20% off a 4 KiB put's p50 and ~40% off the master's and the node's CPU
-# per put)
-EVENT_COALESCE_S = 0.002
-EVENT_COALESCE_MAX_MS = 1000  # the most lag a subscriber may ask for (coalesce_ms)
-_clock = time.monotonic  # the spells' clock (a test's to set)
-EVENT_BATCH = 1024  # most events in one message
-
-
-@dataclass
-class StoreMasterConfig(ServiceConfig):
-    """store-master: metadata of the cluster KV block store."""
-
-    lease_ms: int = option(10000, "read lease granted with replica locations, in ms")
-    put_timeout_s: float = option(30.0, "a put not ended within this is reclaimed")
-    high_watermark: float = option(0.9, "eviction starts above this fraction of capacity")
-    low_watermark: float = option(0.8, "eviction frees down to this fraction of capacity")
-    hot_reads: float = option(
-        8.0, "a block read this often within hot_window_s gets another replica"
-    )
-    hot_window_s: float = option(2.0, "time constant of the decayed read count of a block")
-    max_replicas: int = option(3, "most DRAM replicas a hot block gets (1 = no replication)")
-    fast_path: bool = option(
-        True,
-        "also serve the hot calls on a raw-TCP control path "
-        "(advertised in StoreHello; under TLS it speaks TLS with the gRPC certificate and CA)",
-    )
-    fast_port: int = option(0, "port of the raw-TCP control path (0 = any free port)")
-    fast_poll_us: int = option(
-        200,
-        "busy-poll window of the raw-TCP control path in "
-        "microseconds: after answering, the event loop polls "
-        "for the next call this long before sleeping (CPU for "
-        "latency; 0 = never spin)",
-    )
-    fast_max_conns: int = option(
-        1024,
-        "most connections the raw-TCP control path holds at once (served or in their "
-        "TLS handshake); one more is closed on accept and its client uses gRPC",
-    )
-    fast_max_handshakes: int = option(
-        64,
-        "most TLS handshakes the raw-TCP control path has pending at once (each may "
-        "take 10 s); one more is closed on accept",
-    )
-
-    def validate(self) -> None:
-        super().validate()
-        if self.lease_ms <= 0:
-            raise ConfigError("lease_ms: must be > 0")
-        if not 0 < self.low_watermark < self.high_watermark <= 1:
-            raise ConfigError("watermarks: need 0 < low_watermark < high_watermark <= 1")
-        if self.max_replicas < 1:
-            raise ConfigError("max_replicas: must be >= 1")
-        if self.hot_reads <= 0 or self.hot_window_s <= 0:
-            raise ConfigError("hot_reads and hot_window_s: must be > 0")
-        if not 0 <= self.fast_poll_us <= 5000:
-            raise ConfigError(
-                f"fast_poll_us: {self.fast_poll_us} must be between 0 and 5000 "
-                f"(the event loop spins that long at most)"
-            )
-        if self.fast_max_conns < 1 or self.fast_max_handshakes < 1:
-            raise ConfigError(
-                f"fast_max_conns ({self.fast_max_conns}) and fast_max_handshakes "
-                f"({self.fast_max_handshakes}): must be >= 1"
-            )
 
 
 def _placement(b: Block, r: Replica | None = None) -> pb.Placement:
@@ -163,52 +87,6 @@ def _record(b: Block, r: Replica) -> pb.BlockRecord:
     return pb.BlockRecord(
         hash=b.hash, offset=r.offset, size=b.size, tier=r.tier, region_id=r.segment.region_id
     )
-
-
-class EventBus:
-    """Fans block events out to ``WatchBlocks`` streams; a subscriber that falls
-    ``EVENT_QUEUE`` events behind is cut off (it re-subscribes with a snapshot)."""
-
-    def __init__(self) -> None:
-        self.master_id = uuid.uuid4().hex[:12]
-        self.seq = 0
-        self.subs: list[tuple[str, asyncio.Queue]] = []
-
-    def event(self, kind: str, blk: Block, rep: Replica) -> pb.BlockEvent:
-        """The event of ``rep`` of ``blk``, numbered with the bus's current sequence."""
-        s = rep.segment
-        return pb.BlockEvent(
-            seq=self.seq,
-            type=kind,
-            hash=blk.hash,
-            node_id=s.node_id,
-            tier=rep.tier,
-            offset=rep.offset,
-            size=blk.size,
-            region_id=s.region_id,
-            master_id=self.master_id,
-        )
-
-    def publish(self, kind: str, blk: Block, rep: Replica) -> None:
-        self.seq += 1
-        if not self.subs:
-            return
-        ev = self.event(kind, blk, rep)
-        for node, q in list(self.subs):
-            if node and node != rep.segment.node_id:
-                continue
-            try:
-                q.put_nowait(ev)
-            except asyncio.QueueFull:
-                self.cut(node, q)
-
-    def cut(self, node: str, q: asyncio.Queue) -> None:
-        """Ends a subscriber's stream (it sees None next)."""
-        if (node, q) in self.subs:
-            self.subs.remove((node, q))
-        while not q.empty():
-            q.get_nowait()
-        q.put_nowait(None)
 
 
 class StoreMasterServicer(pbg.StoreMasterServicer):
@@ -492,64 +370,9 @@ class StoreMasterServicer(pbg.StoreMasterServicer):
         return pb.PinResponse(pinned=self.meta.pin(list(req.hashes), False))
 
     async def WatchBlocks(self, req, context):
-        node = req.node_id
-        bus = self.bus
-        # opt-in: older subscribers read only the head of a message and would drop ``more``
-        window = min(req.coalesce_ms, EVENT_COALESCE_MAX_MS) / 1000 or EVENT_COALESCE_S
-        coalesce = req.coalesce and window > 0
-        # Subscribe, and take the snapshot, with no await in between; only then send the
-        # snapshot. Sending suspends at every yield (the stream's flow control): had the
-        # subscription waited until the snapshot was sent, a block stored meanwhile would
-        # be in neither. An event for a snapshotted block arrives after it, in order.
-        snapshot = (
-            [
-                bus.event("stored", b, r)
-                for b in list(self.meta.blocks.values())
-                for r in b.complete(None)
-                if not node or r.segment.node_id == node
-            ]
-            if req.snapshot
-            else []
-        )
-        # room for what happens while the snapshot is sent, on top of the usual lag: a
-        # big snapshot must not get its subscriber cut (and resent) before it is through
-        q: asyncio.Queue = asyncio.Queue(maxsize=EVENT_QUEUE + len(snapshot))
-        bus.subs.append((node, q))
-        last = -float("inf")  # when the last message went out (coalescing)
-        try:
-            for ev in snapshot:
+        async with contextlib.aclosing(watch(self.bus, self.meta.blocks, req)) as events:
+            async for ev in events:
                 yield ev
-            while True:
-                ev = await q.get()
-                if ev is None:
-                    return
-                # nothing else pending after a quiet spell: send it now
-                wait = window if not q.empty() else last + window - _clock()
-                if coalesce and wait > 0:
-                    await asyncio.sleep(wait)  # publishing meanwhile wakes nobody
-                    more: list[pb.BlockEvent] = []
-                    cut = False
-                    while not q.empty() and len(more) < EVENT_BATCH:
-                        nxt = q.get_nowait()
-                        if nxt is None:
-                            cut = True
-                            break
-                        more.append(nxt)
-                    if more:  # events are shared by subscribers: batch in a copy
-                        head = pb.BlockEvent()
-                        head.CopyFrom(ev)
-                        head.more.extend(more)
-                        ev = head
-                    last = _clock()
-                    yield ev
-                    if cut:
-                        return
-                    continue
-                last = _clock()
-                yield ev
-        finally:
-            if (node, q) in bus.subs:
-                bus.subs.remove((node, q))
 
     async def Stats(self, req, context):
         m = self.meta
