@@ -249,6 +249,8 @@ LOADED = [
     ("kvmesh.services.conductor.server", ("torch", "safetensors", "kvmesh.services.engine")),
     ("kvmesh.services.store_master.server", ("torch", "safetensors", "kvmesh.services.engine")),
     ("kvmesh.services.cli", ("torch", "kvmesh.services.engine")),
+    # what `kvmesh up` checks --model with before etcd starts (presets, shipped, hub ids)
+    ("kvmesh.services.engine.model_spec", ("torch", "safetensors")),
     ("kvmesh.services.common", ("torch",)),
     ("kvmesh.rdma", ("kvmesh.services", "torch")),
     # the model nodes load the engine (torch), never another service's code; the store

@@ -1,11 +1,16 @@
-"""Model configuration, presets and dtype handling for the kvmesh engine."""
+"""Model configuration, presets and dtype handling for the kvmesh engine.
+
+Importing it does not load torch (the functions that need it import it): the launcher
+reads the presets' names (:mod:`.model_spec`) without paying seconds for torch."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ROPE_SCALING_TYPES = ("linear", "llama3")
 
@@ -86,6 +91,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """float32 RoPE inverse frequencies [head_dim // 2], scaled per ``config.rope_scaling``
 
     (bit-for-bit the computation of transformers' ``modeling_rope_utils``)."""
+    import torch
+
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = config.rope_scaling
@@ -160,11 +167,12 @@ PRESETS: dict[str, ModelConfig] = {
 # The Devil's Dictionary (public domain); what `kvmesh up --demo` serves.
 SHIPPED_MODELS: dict[str, str] = {"demo": "demo"}
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+# accepted names -> torch's attribute
+_DTYPES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 
 
@@ -173,6 +181,8 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
     float16 is rejected: it is extremely slow on CPU and not supported by the engine.
     """
+    import torch
+
     if isinstance(name, torch.dtype):
         if name in (torch.float32, torch.bfloat16):
             return name
@@ -184,9 +194,11 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         )
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; expected 'float32' or 'bfloat16'")
-    return _DTYPES[key]
+    return getattr(torch, _DTYPES[key])
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """Canonical name of a supported torch dtype ("float32" or "bfloat16")."""
+    import torch
+
     return {torch.float32: "float32", torch.bfloat16: "bfloat16"}[resolve_dtype(dtype)]

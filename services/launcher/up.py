@@ -119,7 +119,7 @@ def _http_port(port: int) -> int:
 def up(args: argparse.Namespace) -> int:
     model = getattr(args, "model", None) or ("tiny" if args.demo is None else "demo")
     try:  # a bad --model fails before etcd starts; a hub id is downloaded once, here
-        from kvmesh.services.engine.checkpoint import CheckpointError, resolve_model
+        from kvmesh.services.engine.model_spec import CheckpointError, resolve_model
 
         resolve_model(model)
     except CheckpointError as e:
