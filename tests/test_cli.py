@@ -171,3 +171,36 @@ def test_local_cluster_secret_is_random_or_the_operators_and_written_for_hand_st
     assert cluster_secret(str(tmp_path / "b")) == "the-operators-own"
     monkeypatch.setenv("KVMESH_SECRET", DEV_SECRET)  # a well-known one is never used
     assert cluster_secret(str(tmp_path / "b")) not in (DEV_SECRET, "the-operators-own")
+
+
+def test_a_service_ends_like_a_normal_exit_without_the_interpreter_teardown(tmp_path):
+    """After its graceful shutdown a service process ends with os._exit (cli's
+    _exit_after_shutdown): what a normal exit begins with still runs first - an idle
+    thread-pool worker is told to end (no hang joining it), a non-daemon thread finishes
+    its work, atexit handlers run, buffered logs and stdout are flushed - and the exit
+    status is 0."""
+    out = tmp_path / "thread.txt"
+    code = f"""
+import logging, sys, threading, time, atexit
+from concurrent.futures import ThreadPoolExecutor
+from kvmesh.services.cli import _exit_after_shutdown
+pool = ThreadPoolExecutor(1)
+pool.submit(lambda: None).result()  # its worker now idles, not a daemon
+def late():
+    time.sleep(0.5)
+    open({str(out)!r}, "w").write("finished")
+threading.Thread(target=late).start()
+atexit.register(lambda: print("atexit ran"))
+logging.basicConfig(stream=sys.stderr, level="INFO")
+logging.getLogger("x").info("logged")
+sys.stdout = open(sys.stdout.fileno(), "w", buffering=1 << 16, closefd=False)
+print("in a big buffer")
+_exit_after_shutdown()
+print("never")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == "finished"
+    assert "atexit ran" in r.stdout and "in a big buffer" in r.stdout, r.stdout
+    assert "never" not in r.stdout
+    assert "logged" in r.stderr
