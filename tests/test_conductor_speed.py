@@ -333,6 +333,11 @@ def test_rolling_window_equals_a_sort_of_the_window():
             assert w.median() == statistics.median(ref)
             built = RollingWindow(maxlen, [9.0] * (len(ref) == maxlen) + list(ref))  # at once
             assert list(built) == list(ref) and built.sorted() == sorted(ref)
+            # refilled: as built anew from the same numbers, its old ones gone
+            w2 = RollingWindow(maxlen, [7.0, float("nan")])
+            w2.refill([9.0] * (len(ref) == maxlen) + list(ref))
+            assert list(w2) == list(ref) and w2.sorted() == sorted(ref)
+            assert w2.median() == statistics.median(ref)
 
 
 def test_measured_rate_added_to_equals_recomputed():

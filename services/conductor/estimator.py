@@ -354,8 +354,8 @@ class MeasuredRate:
                 r = ms / pred
                 r = r if r > lo else lo  # max(lo, r): lo for a NaN
                 ratios.append(r if r < hi else hi)
-            if full:
-                self._ratios = RollingWindow(seen.maxlen or len(seen), ratios)
+            if full:  # (the same window refilled: no new window and deque per refit)
+                self._ratios.refill(ratios)
             else:
                 for r in ratios:
                     self._ratios.append(r)

@@ -10,6 +10,8 @@ cdef class RollingWindow:
     cdef public Py_ssize_t _nans
     cdef public Py_ssize_t _maxlen
 
+    @cython.locals(kept=list)
+    cpdef refill(self, object items)
     @cython.locals(s=list)
     cpdef append(self, object x)
     cpdef list sorted(self)

@@ -29,6 +29,16 @@ class RollingWindow:
         kept.sort()
         self._sorted: list[float] = kept
 
+    def refill(self, items: Iterable[float]) -> None:
+        """Replaces the window's numbers with ``items`` (as a new window of the same
+        length would hold them; no new objects)."""
+        self._items.clear()
+        self._items.extend(items)
+        kept = [x for x in self._items if x == x]
+        self._nans = len(self._items) - len(kept)
+        kept.sort()
+        self._sorted = kept
+
     def append(self, x: float) -> None:
         items = self._items
         if len(items) == self._maxlen:
