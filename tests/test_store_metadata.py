@@ -502,18 +502,20 @@ def test_watch_blocks_coalesces_only_for_a_subscriber_that_asks():
         # the coalescing one: drain what was published together, then a lone event
         head = await lone
         assert len(head.more) == 2
-        events.EVENT_COALESCE_S = 600.0  # a wait would outlast the test's bound
-        quiet = time.monotonic() + 601  # ... but a quiet spell has passed
-        events._clock = lambda: quiet
+        # a lone event after a quiet spell goes at once, even for a subscriber whose
+        # window (600 s) would outlast the test's bound
+        cap, events.EVENT_COALESCE_MAX_MS = events.EVENT_COALESCE_MAX_MS, 600_000
         try:
-            nxt = asyncio.ensure_future(new.__anext__())
-            await asyncio.sleep(0)
+            req = pb.WatchBlocksRequest(coalesce=True, coalesce_ms=600_000)
+            slow = StoreMasterServicer.WatchBlocks(host, req, None)
+            nxt = asyncio.ensure_future(slow.__anext__())
+            await asyncio.sleep(0.01)  # subscribed and waiting
             host.bus.publish("removed", blocks[0], blocks[0].replicas[0])
             async with asyncio.timeout(30):
                 alone = await nxt
         finally:
-            events.EVENT_COALESCE_S = 0.002
-            events._clock = time.monotonic
+            events.EVENT_COALESCE_MAX_MS = cap
+        await slow.aclose()
         await old.aclose()
         await new.aclose()
         return got, alone
@@ -641,3 +643,44 @@ def test_watch_blocks_holds_events_as_long_as_the_subscriber_asks():
         assert asyncio.run(second_message(0)) == [2]  # the master's 2 ms
     finally:
         events._clock = time.monotonic
+
+
+def test_watch_blocks_sends_full_batches_without_waiting_the_window():
+    """Review of issue 13: the window delays events, it caps no rate. A subscriber whose
+    window outlasts the test's bound still gets each full batch (1 + EVENT_BATCH events)
+    at once; only the partial rest waits to fill."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvmesh.protos import kvmesh_pb2 as pb
+    from kvmesh.services.store_master import events
+    from kvmesh.services.store_master.events import EVENT_BATCH, EventBus
+    from kvmesh.services.store_master.model import Block, BlockState, Replica, Segment
+    from kvmesh.services.store_master.server import StoreMasterServicer
+
+    seg = Segment("s0", "node-a", "127.0.0.1:1", 1, 1 << 30)
+    n = 2 * (EVENT_BATCH + 1) + 3
+    blocks = [Block(i.to_bytes(16, "big"), 4096, [Replica(seg, i * 4096, state=BlockState.COMPLETE)])
+              for i in range(n)]  # fmt: skip
+    host = SimpleNamespace(meta=SimpleNamespace(blocks={}), bus=EventBus())
+
+    async def main():
+        req = pb.WatchBlocksRequest(coalesce=True, coalesce_ms=600_000)
+        s = StoreMasterServicer.WatchBlocks(host, req, None)
+        nxt = asyncio.ensure_future(s.__anext__())
+        await asyncio.sleep(0.01)  # subscribed and waiting
+        for b in blocks:
+            host.bus.publish("stored", b, b.replicas[0])
+        async with asyncio.timeout(30):
+            msgs = [await nxt, await s.__anext__()]
+        await s.aclose()
+        return msgs
+
+    cap, events.EVENT_COALESCE_MAX_MS = events.EVENT_COALESCE_MAX_MS, 600_000
+    try:
+        msgs = asyncio.run(main())
+    finally:
+        events.EVENT_COALESCE_MAX_MS = cap
+    got = [int.from_bytes(e.hash, "big") for m in msgs for e in (m, *m.more)]
+    assert [1 + len(m.more) for m in msgs] == [EVENT_BATCH + 1] * 2
+    assert got == list(range(2 * (EVENT_BATCH + 1)))  # in order

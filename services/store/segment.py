@@ -52,11 +52,13 @@ DIGEST_SUM_MIN = 64 << 10
 # ~0.3 ms, less than the thread hand-off costs a busy host; the GIL is released anyway)
 DIGEST_THREAD_MIN = 8 << 20
 _DIGEST_BLOCK = 4096
-# how long the master may hold this node's block events to send them together: the index
-# they feed is read only for a re-report after a master restart, so a few ms more lag
-# costs nothing, while one gRPC message per put cost this node and the master CPU on the
-# cores the puts run on (issue 13)
-INDEX_EVENT_LAG_MS = 20
+# how long the master may hold this node's block events to send them together (the
+# master's default is 2 ms): one gRPC message per put cost this node and the master CPU on
+# the cores the puts run on (issue 13). Kept short: the index these events feed is
+# re-reported after a master restart, and an event applied late digests the slot as it is
+# then (were the slot reused meanwhile and the "removed" event lost with the master, the
+# index would carry another block's bytes under the key: unlikely in 10 ms, not 0)
+INDEX_EVENT_LAG_MS = 10
 
 
 def digest(data: memoryview) -> int:
