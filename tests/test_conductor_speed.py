@@ -338,6 +338,8 @@ def test_rolling_window_equals_a_sort_of_the_window():
             w2.refill([9.0] * (len(ref) == maxlen) + list(ref))
             assert list(w2) == list(ref) and w2.sorted() == sorted(ref)
             assert w2.median() == statistics.median(ref)
+            w2.refill(iter(w2))  # refilled from itself (review): the same numbers kept
+            assert list(w2) == list(ref) and w2.sorted() == sorted(ref)
 
 
 def test_measured_rate_added_to_equals_recomputed():

@@ -179,8 +179,8 @@ static void kvmesh_kvt_delete(kvmesh_kvt *t, kvmesh_kvt_slot *s) {
     Py_XDECREF(holder);
 }
 
-/* The slot for ``key``, added if missing (NULL, and an exception, on failure; NULL
- * without one where the table is or becomes broken). */
+/* The slot for ``key``, added if missing (NULL without an exception where the table
+ * is or becomes broken, out of memory included: the dicts answer then). */
 static kvmesh_kvt_slot *kvmesh_kvt_slot_of(kvmesh_kvt *t, PyObject *key, int add) {
     Py_hash_t h;
     kvmesh_kvt_slot *s;
@@ -196,8 +196,12 @@ static kvmesh_kvt_slot *kvmesh_kvt_slot_of(kvmesh_kvt *t, PyObject *key, int add
     s = kvmesh_kvt_find(t, key, h);
     if (s->key == NULL && add) {
         if ((t->used + 1) * 2 > t->mask + 1) {
-            if (kvmesh_kvt_rebuild(t, (t->mask + 1) * 2, 0) < 0)
+            if (kvmesh_kvt_rebuild(t, (t->mask + 1) * 2, 0) < 0) {
+                /* out of memory: the dicts (written first) answer from now on */
+                t->broken = 1;
+                PyErr_Clear();
                 return NULL;
+            }
             s = kvmesh_kvt_find(t, key, h);
         }
         Py_INCREF(key);
@@ -262,7 +266,12 @@ static int kvmesh_kvt_clear_store(PyObject *cap) {
     kvmesh_kvt *t = kvmesh_kvt_get(cap);
     if (t == NULL)
         return -1;
-    return kvmesh_kvt_rebuild(t, t->mask + 1, 1);
+    if (kvmesh_kvt_rebuild(t, t->mask + 1, 1) < 0) {
+        /* out of memory: the dicts (emptied first) answer from now on */
+        t->broken = 1;
+        PyErr_Clear();
+    }
+    return 0;
 }
 
 /* ``CacheIndex.lookup`` from the table: fills ``per_node`` where the first block has

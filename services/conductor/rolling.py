@@ -31,7 +31,9 @@ class RollingWindow:
 
     def refill(self, items: Iterable[float]) -> None:
         """Replaces the window's numbers with ``items`` (as a new window of the same
-        length would hold them; no new objects)."""
+        length would hold them; no new objects for a list that is not this window's)."""
+        if type(items) is not list:  # (this window itself, a generator over it, ...)
+            items = list(items)
         self._items.clear()
         self._items.extend(items)
         kept = [x for x in self._items if x == x]
