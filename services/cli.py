@@ -73,8 +73,12 @@ def _exit_after_shutdown() -> None:
 
     getattr(threading, "_shutdown", lambda: None)()
     getattr(atexit, "_run_exitfuncs", lambda: None)()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed pipe or file: nothing more to say
+            pass
     os._exit(0)
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+import os
+from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -20,6 +21,7 @@ from kvmesh.services.common.config import parse_size
 from kvmesh.services.common.node_events import EventHub
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.service import Service
+from kvmesh.services.common.settings import THREAD_SHARE_ENV
 from kvmesh.services.common.tokenizer import ByteTokenizer, HFTokenizer
 from kvmesh.services.engine.checkpoint import LoadedModel, load_model
 from kvmesh.services.engine.config import ModelConfig, dtype_name, resolve_dtype
@@ -74,14 +76,22 @@ async def to_the_end(aw: Awaitable[T]) -> T:
         return result
 
 
+def torch_threads(configured: int, env: Mapping[str, str] = os.environ) -> int:
+    """The torch threads a node takes: its ``threads`` option where set (a flag,
+    ``KVMESH_THREADS``, a config file), else its launcher's share of the machine's cores
+    (``THREAD_SHARE_ENV``), else 0 (torch's default)."""
+    return configured or int(env.get(THREAD_SHARE_ENV, "0") or 0)
+
+
 class ModelNode(Service):
     """Base of :class:`PrefillNode` and :class:`DecodeNode`."""
 
     def __init__(self, cfg: NodeConfig) -> None:
         super().__init__(cfg)
         self.cfg: NodeConfig = cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        threads = torch_threads(cfg.threads)
+        if threads > 0:
+            torch.set_num_threads(threads)
         self.dtype = resolve_dtype(cfg.dtype)
         # Set by setup() from load_model(cfg.model): a preset or a Hugging Face directory.
         self.loaded: LoadedModel | None = None

@@ -518,3 +518,24 @@ def test_a_setpriv_without_pdeathsig_falls_back_to_the_python_shim(tmp_path, mon
             children.tied_argv(["true"], os.getpid(), signal.SIGTERM, via="setpriv")
     finally:
         children._setpriv_with_pdeathsig.cache_clear()
+
+
+def test_nodes_share_the_cores_only_where_nothing_sets_threads(tmp_path):
+    """Review of the core sharing: a launcher hands its nodes a share of the machine's
+    cores as a hint below every way of setting ``threads``: a flag, ``KVMESH_THREADS`` or
+    a config file (all of which set the option) win over it."""
+    from kvmesh.services.common.config import load
+    from kvmesh.services.common.settings import THREAD_SHARE_ENV
+    from kvmesh.services.launcher.cluster import LocalCluster, node_threads
+    from kvmesh.services.model_node import torch_threads
+    from kvmesh.services.node_config import NodeConfig
+
+    c = LocalCluster(str(tmp_path), prefill=1, decode=1, node_args=["--threads=3"])
+    env = c.env()
+    assert env[THREAD_SHARE_ENV] == str(node_threads(2))
+    assert "--threads=3" in c.node_args and c.node_args.count("--threads") == 0  # untouched
+    assert torch_threads(0, env) == node_threads(2)  # nothing set threads: the share
+    assert torch_threads(3, env) == 3  # a flag, KVMESH_THREADS or a config file: theirs
+    assert torch_threads(0, {}) == 0  # no launcher: torch's default
+    cfg = load(NodeConfig, [], env={"KVMESH_THREADS": "5", **env})
+    assert torch_threads(cfg.threads, env) == 5

@@ -134,3 +134,8 @@ class ServiceConfig:
 
     def default_node_id(self, role: str) -> str:
         return self.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+# torch threads a model node takes when nothing sets its ``threads``: a launcher's share of
+# its machine's cores (``kvmesh.services.launcher.cluster``), read by the model nodes
+THREAD_SHARE_ENV = "KVMESH_LAUNCHER_THREAD_SHARE"

@@ -26,7 +26,7 @@ from kvmesh.services.children import kill_all, spawn_tied, terminate_all
 from kvmesh.services.client import cluster_status
 from kvmesh.services.common.etcd import EtcdClient, EtcdError, etcd_credentials
 from kvmesh.services.common.registry import node_key
-from kvmesh.services.common.settings import KNOWN_SECRETS
+from kvmesh.services.common.settings import KNOWN_SECRETS, THREAD_SHARE_ENV
 from kvmesh.services.launcher.local_etcd import Etcd
 
 T = TypeVar("T")
@@ -84,8 +84,9 @@ class LocalCluster:
     registers its addresses in etcd; :meth:`start` reads the conductor's from there, and
     a restarted conductor gets the same ports again. The nodes share a data-plane secret
     (:attr:`secret`, given to them as ``KVMESH_SECRET``): see :func:`cluster_secret`.
-    Unless ``node_args`` or ``decode_args`` say ``--threads``, the nodes share this
-    machine's cores out (:func:`node_threads`).
+    The nodes share this machine's cores out (:func:`node_threads`) where nothing else
+    sets their ``threads`` (``--threads`` in ``node_args``/``decode_args``,
+    ``KVMESH_THREADS``, a config file).
 
     Every process is tied to this one (:mod:`kvmesh.services.children`): if this process
     dies, even by SIGKILL, they get SIGTERM. With ``max_restarts`` > 0, a service that
@@ -134,11 +135,11 @@ class LocalCluster:
         self.lease_ttl = lease_ttl
         self.node_args = list(node_args or [])
         self.decode_args = decode_args or []  # after node_args, for decode nodes only
-        if "--threads" not in self.node_args + self.decode_args:
-            # the nodes share this machine's cores: each torch left to its default takes
-            # all of them, and their spinning thread pools then slow every forward (and
-            # the start-up profile) several times over
-            self.node_args += ["--threads", str(node_threads(prefill + decode))]
+        # the nodes share this machine's cores: each torch left to its default takes all
+        # of them, and their spinning thread pools then slow every forward (and the
+        # start-up profile) several times over. A hint below every way of setting
+        # ``threads`` (flag, KVMESH_THREADS, the TOML file), read only where none did
+        self.thread_share = node_threads(prefill + decode)
         seg = (
             self.node_args[self.node_args.index("--segment-memory") + 1]
             if "--segment-memory" in self.node_args
@@ -218,6 +219,7 @@ class LocalCluster:
     def env(self) -> dict[str, str]:
         """The environment of the cluster's processes (one started by hand too)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVMESH_SECRET": self.secret}
+        env[THREAD_SHARE_ENV] = str(self.thread_share)
         if self.etcd_password:
             env.update(KVMESH_ETCD_USER=self.etcd_user, KVMESH_ETCD_PASSWORD=self.etcd_password)
         return env
