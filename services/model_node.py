@@ -77,10 +77,16 @@ async def to_the_end(aw: Awaitable[T]) -> T:
 
 
 def torch_threads(configured: int, env: Mapping[str, str] = os.environ) -> int:
-    """The torch threads a node takes: its ``threads`` option where set (a flag,
-    ``KVMESH_THREADS``, a config file), else its launcher's share of the machine's cores
-    (``THREAD_SHARE_ENV``), else 0 (torch's default)."""
-    return configured or int(env.get(THREAD_SHARE_ENV, "0") or 0)
+    """The torch threads a node takes: its ``threads`` option where above 0 (a flag,
+    ``KVMESH_THREADS``, a config file); else, unless ``OMP_NUM_THREADS`` says how many,
+    its launcher's share of the machine's cores (``THREAD_SHARE_ENV``; a value that is not
+    a positive number is ignored); else 0 (torch's default)."""
+    if configured > 0:
+        return configured
+    if env.get("OMP_NUM_THREADS"):
+        return 0
+    share = env.get(THREAD_SHARE_ENV, "")
+    return int(share) if share.isdigit() else 0
 
 
 class ModelNode(Service):

@@ -60,7 +60,11 @@ class NodeConfig(ServiceConfig):
     ssd_bytes: str = option("1GiB", "most bytes of block data the SSD tier keeps on disk")
     data_port: int = option(0, "transfer-engine (data plane) port (0 = any free port)")
     secret: str = option(DEV_SECRET, "cluster secret; data-plane peers must share it")
-    threads: int = option(0, "torch intra-op threads (0 = torch's default)")
+    threads: int = option(
+        0,
+        "torch intra-op threads (0 = the share of the cores kvmesh up gives each node, "
+        "else torch's default, which OMP_NUM_THREADS sets)",
+    )
     te_poll_us: int = option(
         200,
         "busy-poll window in microseconds: after a request the "

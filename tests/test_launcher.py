@@ -537,5 +537,7 @@ def test_nodes_share_the_cores_only_where_nothing_sets_threads(tmp_path):
     assert torch_threads(0, env) == node_threads(2)  # nothing set threads: the share
     assert torch_threads(3, env) == 3  # a flag, KVMESH_THREADS or a config file: theirs
     assert torch_threads(0, {}) == 0  # no launcher: torch's default
+    assert torch_threads(0, {**env, "OMP_NUM_THREADS": "1"}) == 0  # torch reads that one
+    assert torch_threads(0, {THREAD_SHARE_ENV: "two"}) == 0  # not a number: ignored
     cfg = load(NodeConfig, [], env={"KVMESH_THREADS": "5", **env})
     assert torch_threads(cfg.threads, env) == 5
