@@ -16,7 +16,13 @@ from kvmesh.services.common.settings import ServiceConfig
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "deploy" / "README.md").read_text()
 # set by the test suite or by `kvmesh up` for its own children, never by an operator
-INTERNAL = {"KVMESH_TEST_HOLD_PREFILL", "KVMESH_FAULT_CORRUPT_EVERY", "KVMESH_LAUNCHER_PID"}
+# set by tests, or by `kvmesh up` for the processes it starts (not a deployment's knobs)
+INTERNAL = {
+    "KVMESH_TEST_HOLD_PREFILL",
+    "KVMESH_FAULT_CORRUPT_EVERY",
+    "KVMESH_LAUNCHER_PID",
+    "KVMESH_LAUNCHER_THREAD_SHARE",
+}
 
 
 def _compose_knobs() -> set[str]:
