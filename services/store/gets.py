@@ -45,6 +45,19 @@ class Gets:
     _is_local: Callable[[str, int], bool]
     _region_view: Callable[[int, int, int], memoryview | None]
 
+    async def _ask_reading_ahead(self, keys: list[bytes], any_order: bool, read: Any) -> Any:
+        """The master's answer for ``keys`` (``_get_replicas``), with ``read`` (the read
+        where the keys were, :mod:`~kvmesh.services.store.located`; or None) running
+        meanwhile: (answer, what the read got, or None)."""
+        early = asyncio.ensure_future(read) if read is not None else None
+        try:
+            got = await self._get_replicas(keys, any_order)
+        except BaseException:
+            if early is not None:
+                early.cancel()
+            raise
+        return got, (await early if early is not None else None)
+
     async def get_into(
         self,
         keys: Sequence[bytes],
@@ -66,18 +79,13 @@ class Gets:
         ahead = [] if prefix or self.segment is not None else self._where.plan(keys)
         if capacities is not None:
             ahead = [(i, w) for i, w in ahead if w[3] <= capacities[i]]
-        early = None
-        if ahead:  # read where the keys were while the master answers (located.py)
-            early = asyncio.ensure_future(
-                self._read_ahead(ahead, lambda i, w: Slice(region_id, offsets[i], *w[1:4]))
-            )
-        try:
-            got = await self._get_replicas(keys, not prefix)
-        except BaseException:
-            if early is not None:
-                early.cancel()
-            raise
-        read_early = await early if early is not None else set()
+        got, read_early = await self._ask_reading_ahead(
+            keys,
+            not prefix,
+            self._read_ahead(ahead, lambda i, w: Slice(region_id, offsets[i], *w[1:4]))
+            if ahead
+            else None,
+        )
         if got is None:
             self.stats["misses"] += len(keys)
             return out
@@ -143,16 +151,9 @@ class Gets:
         out: list[bytes | None] = [None] * len(keys)
         sent = time.monotonic()
         ahead = [] if self.segment is not None else self._where.plan(keys)
-        early = None
-        if ahead:  # read where the keys were while the master answers (located.py)
-            early = asyncio.ensure_future(self._read_ahead_bytes(ahead))
-        try:
-            got = await self._get_replicas(keys, True)
-        except BaseException:
-            if early is not None:
-                early.cancel()
-            raise
-        read_early = await early if early is not None else {}
+        got, read_early = await self._ask_reading_ahead(
+            keys, True, self._read_ahead_bytes(ahead) if ahead else None
+        )
         if got is None:
             self.stats["misses"] += len(keys)
             return out
