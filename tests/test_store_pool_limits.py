@@ -20,7 +20,8 @@ from kvmesh.loadtest.store_cluster import NODE_PREFIX, StoreCluster
 from kvmesh.rdma import TransferEngine
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store.fastconn import FastConn
-from kvmesh.services.store_master import metadata, wire
+from kvmesh.services.store_master import wire
+from kvmesh.services.store_master.slots import REMOTE_SPARE_SHARE
 from tests.store_util import INVALID, fast_address, fast_call, run_client, running_store
 
 MiB = 1 << 20
@@ -140,7 +141,7 @@ def test_the_put_slots_refill_is_capped_by_a_share_of_the_free_space(store):
     status, body = fast_call(addr, wire.PUT_SLOTS, frame)
     assert status == 0
     st, tok2, new = wire.unpack_put_slots_resp(body, 1)
-    assert st == [1] and 1 <= len(new) <= int(free * metadata.REMOTE_SPARE_SHARE) // (4 * MiB)
+    assert st == [1] and 1 <= len(new) <= int(free * REMOTE_SPARE_SHARE) // (4 * MiB)
     rel = wire.pack_put_release(node, region, 4 * MiB, [(o, tok2) for o in new])
     status, body = fast_call(addr, wire.PUT_RELEASE, rel)
     assert status == 0 and wire.unpack_count(body) == len(new)
@@ -155,7 +156,7 @@ def test_spare_slots_come_from_a_share_of_the_free_space(store):
     )
     assert status == 0
     _, region, _, node, token, offs = wire.unpack_put_reserve_resp(body)
-    cap = int(256 * MiB * metadata.REMOTE_SPARE_SHARE) // (4 * MiB)
+    cap = int(256 * MiB * REMOTE_SPARE_SHARE) // (4 * MiB)
     assert 1 <= len(offs) <= 1 + cap, len(offs)
     # and they are given back with PUT_RELEASE (a wrong token frees nothing)
     rel = [(o, token) for o in offs]

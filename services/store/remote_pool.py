@@ -36,7 +36,7 @@ of every size that are out of time and then other sizes' idle slots, oldest firs
 it fits (so one size never locks the others out); if it still does not fit (slots popped
 or asked for), it takes the usual path. The
 master grants spare slots only from a small share of a segment's free space
-(``metadata.REMOTE_SPARE_SHARE``), so a pool never fills a segment up to its eviction
+(``slots.REMOTE_SPARE_SHARE``), so a pool never fills a segment up to its eviction
 watermark.
 
 A slot is taken only when its use-by time leaves room for the write: ``size`` at
