@@ -242,7 +242,7 @@ def test_layer_rule_catches_a_violation():
 
 _STORE_MASTER_INSIDE = tuple(
     f"kvmesh.services.store_master.{m}"
-    for m in ("server", "metadata", "slots", "fastpath", "policy")
+    for m in ("server", "metadata", "slots", "fastpath", "fastcalls", "policy")
 )
 
 # What a service's entry module really loads (imports run, lazy ones included).

@@ -1,6 +1,6 @@
 """Limits on the store-master's calls and the key check every path applies (gRPC in
 :mod:`kvmesh.services.store_master.server`, raw TCP in
-:mod:`kvmesh.services.store_master.fastpath`)."""
+:mod:`kvmesh.services.store_master.fastcalls`)."""
 
 from __future__ import annotations
 
