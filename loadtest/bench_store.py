@@ -53,7 +53,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,23 +61,25 @@ import time
 
 import numpy as np
 
+from kvmesh.loadtest.bench_store_common import (
+    NETNS,
+    NETNS_IPS,
+    SECRET,
+    Values,
+    _free_port,
+    _in_ns,
+    _put_tag,
+    _wait_port,
+    netns_down,
+    netns_up,
+    pct,
+)
 from kvmesh.loadtest.bench_store_report import APIS, SIZES, breakdown, goals, table
 
 MC_NAME = {"batch_put": "put_batch", "batch_get": "get_batch"}
 MOONCAKE_BATCH = 128
-NETNS = "kvmesh-bench"
-VETH = ("kvb-host", "kvb-peer")
-NETNS_IPS = ("10.231.7.1", "10.231.7.2")
 _TLS_SANS = ("127.0.0.1", "::1", "localhost", *NETNS_IPS)  # the addresses services advertise
 _TICK = os.sysconf("SC_CLK_TCK")
-# the data-plane secret of this run (the well-known dev secret is refused off loopback)
-SECRET = os.environ.setdefault("KVMESH_BENCH_SECRET", os.urandom(16).hex())
-READS = {
-    "get": "put",
-    "batch_get": "batch_put",
-    "get_into": "put_from",
-    "batch_get_into": "batch_put_from",
-}
 
 
 def plan(size: int, quick: bool) -> tuple[int, int]:
@@ -90,16 +91,6 @@ def plan(size: int, quick: bool) -> tuple[int, int]:
     ops = max(8, min(512 if quick else 2048, budget // size))
     batch = min(MOONCAKE_BATCH, ops, max(2, (256 << 20) // size))
     return ops, batch
-
-
-def _put_tag(tag: str, api: str) -> str:
-    """The tag of the put whose keys a read of ``api`` reads back."""
-    return tag[: -len(api)] + READS[api]
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else 0.0
 
 
 def proc_cpu(pids: list[int]) -> float:
@@ -114,34 +105,6 @@ def proc_cpu(pids: list[int]) -> float:
         except (OSError, IndexError, ValueError):
             pass
     return total
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class Values:
-    """``ops`` distinct values of ``size`` bytes: one random buffer (the zero-copy
-    source), its slices as ``bytes`` (the bytes APIs' values), and a destination buffer
-    for the zero-copy gets, zeroed before each read-back."""
-
-    def __init__(self, size: int, ops: int) -> None:
-        self.size, self.ops = size, ops
-        self.src = np.frombuffer(os.urandom(size * ops), dtype=np.uint8).copy()
-        self.dst = np.zeros(size * ops, dtype=np.uint8)
-        self.values = [self.src[i * size : (i + 1) * size].tobytes() for i in range(ops)]
-
-    def check_bytes(self, got: list) -> int:
-        """How many values read back differ from the ones put (None counts)."""
-        return sum(1 for i, v in enumerate(got) if v is None or v != self.values[i])
-
-    def check_dst(self) -> int:
-        bad = self.dst.reshape(self.ops, self.size) != self.src.reshape(self.ops, self.size)
-        n = int(bad.any(axis=1).sum())
-        self.dst[:] = 0
-        return n
 
 
 # ------------------------------------------------------------------------------ kvmesh
@@ -529,54 +492,6 @@ class EnginePeer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-# ------------------------------------------------------------------------------ netns
-def _in_ns(ns: str | None) -> list[str]:
-    return ["ip", "netns", "exec", ns] if ns else []
-
-
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
-
-
-def netns_up() -> str | None:
-    """Builds the namespace and the veth pair; None when done, else why not."""
-    if os.geteuid() != 0:
-        return "netns topology needs root"
-    if shutil.which("ip") is None:
-        return "netns topology needs iproute2 (ip)"
-    netns_down()
-    try:
-        _sh("ip", "netns", "add", NETNS)
-        _sh("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
-        _sh("ip", "link", "set", VETH[1], "netns", NETNS)
-        _sh("ip", "addr", "add", f"{NETNS_IPS[0]}/24", "dev", VETH[0])
-        _sh("ip", "link", "set", VETH[0], "up")
-        _sh("ip", "netns", "exec", NETNS, "ip", "addr", "add", f"{NETNS_IPS[1]}/24", "dev", VETH[1])
-        _sh("ip", "netns", "exec", NETNS, "ip", "link", "set", VETH[1], "up")
-        _sh("ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up")
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
-        netns_down()
-        err = getattr(e, "stderr", b"") or b""
-        return f"cannot build a network namespace: {e} {err.decode(errors='replace').strip()}"
-    return None
-
-
-def netns_down() -> None:
-    for cmd in (("ip", "link", "del", VETH[0]), ("ip", "netns", "del", NETNS)):
-        subprocess.run(cmd, capture_output=True, timeout=30)
-
-
-def _wait_port(host: str, port: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, port), timeout=1).close()
-            return True
-        except OSError:
-            time.sleep(0.1)
-    return False
 
 
 # ------------------------------------------------------------------------------ run
