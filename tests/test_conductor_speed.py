@@ -342,6 +342,27 @@ def test_rolling_window_equals_a_sort_of_the_window():
             assert list(w2) == list(ref) and w2.sorted() == sorted(ref)
 
 
+def test_candidates_sort_as_list_sort_does():
+    """Candidates are put in TTFT order by an insertion sort (compiled: no key calls):
+    the order of ``list.sort(key=ttft_ms)``, ties kept as they came, and with a NaN among
+    them the sort itself. (The plain module's function, the one the compiled module is
+    built from; the compiled build decides as the plain one on the streams above.)"""
+    plain = bench.impl_from(str(Path(bench.__file__).parents[1] / "services" / "conductor"))
+    P = plain.policy
+    rng = random.Random(5)
+    for _ in range(2000):
+        pool = [0.5, 1.0, 1.0, 2.0, 3.5, -1.0, float("inf")]
+        if rng.random() < 0.2:
+            pool.append(float("nan"))
+        cands = [
+            P.Candidate("disaggregated", f"p{i}", rng.choice(pool))
+            for i in range(rng.randint(0, 9))
+        ]
+        want = sorted(cands, key=lambda c: c.ttft_ms)
+        P._sort_by_ttft(cands)
+        assert [c.node for c in cands] == [c.node for c in want]
+
+
 def test_measured_rate_added_to_equals_recomputed():
     """The node's measured rate, kept up as prefills are observed and recomputed only
     when the model is refit, equals the median recomputed from the whole window (the

@@ -62,19 +62,32 @@ cdef class MeasuredRate:
     cdef public long warmup
     cdef public long least
     cdef public long observations
-    cdef public object _seen
+    cdef public Py_ssize_t _window
+    cdef public object _rows
+    cdef public object _ratio
+    cdef public object _sorted
+    cdef double[::1] _rv
+    cdef double[::1] _qv
+    cdef double[::1] _sv
+    cdef public Py_ssize_t _head
+    cdef public Py_ssize_t _count
     cdef public double _factor
     cdef public object _coef
-    cdef public RollingWindow _ratios
     cdef public long _fresh
 
+    @cython.locals(h=Py_ssize_t, rows=double[::1])
     cpdef observe(self, object new, object cached, object extra_ms, object actual_ms)
     cpdef double factor(self, _Regression model) except? -1.0
-    @cython.locals(fresh=long, lo=double, hi=double, a=double, b=double, k=double,
-                   full=bint, ratios=list, i=Py_ssize_t, n=double, c=double, x=double,
-                   ms=double, pred=double, r=double, s=list, f=double, few=long, y=double,
-                   z=double, m=double)
+    @cython.locals(w=Py_ssize_t, count=Py_ssize_t, fresh=Py_ssize_t, rows=double[::1],
+                   ratio=double[::1], lo=double, hi=double, full=bint, todo=Py_ssize_t,
+                   s=Py_ssize_t, three=bint, a=double, b=double, k=double, n=double,
+                   c=double, x=double, ms=double, pred=double, r=double, f=double,
+                   few=long, last=Py_ssize_t, y=double, z=double, m=double)
     cdef double _refactor(self, _Regression model, list coef) except? -1.0
+
+
+@cython.locals(i=Py_ssize_t, j=Py_ssize_t, v=double)
+cdef double _median_of(double[::1] ring, Py_ssize_t count, double[::1] out)
 
 
 cdef class ErrorTail:

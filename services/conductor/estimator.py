@@ -301,12 +301,21 @@ class MeasuredRate:
         self.lo, self.hi, self.recent = lo, hi, recent
         self.warmup, self.least = warmup, least
         self.observations = 0  # the warm-up ones included
-        # (new tokens, cached tokens, ms the model does not cover, actual ms)
-        self._seen: deque[tuple[int, int, float, float]] = deque(maxlen=window)
+        # the last ``window`` counted prefills as a ring of rows (new tokens, cached
+        # tokens, ms the model does not cover, actual ms), and beside each its ratio by
+        # the fit ``_coef`` (but for the last ``_fresh``, observed since): flat ``array``s,
+        # typed where compiled, so that a refit's ratios and their median are plain
+        # arithmetic on doubles (no tuple, float object or sorted list per prefill)
+        self._window = window
+        self._rows = array("d", bytes(8 * 4 * window))
+        self._ratio = array("d", bytes(8 * window))
+        self._sorted = array("d", bytes(8 * window))  # scratch: the ratios in order
+        # (the same memory, compiled: typed views taken once, not on every prefill)
+        self._rv, self._qv, self._sv = self._rows, self._ratio, self._sorted
+        self._head = 0  # the ring slot the next prefill goes to
+        self._count = 0  # prefills held, up to window
         self._factor = 1.0
         self._coef: object = None  # the fit the cached factor was computed against
-        # the ratios of ``_seen`` by that fit, but for the last ``_fresh`` (observed since)
-        self._ratios = RollingWindow(window)
         self._fresh = 0
 
     def observe(self, new: int, cached: int, extra_ms: float, actual_ms: float) -> None:
@@ -316,8 +325,25 @@ class MeasuredRate:
             self.observations += 1
             if self.observations <= self.warmup:
                 return
-            self._seen.append((new, cached, extra_ms, actual_ms))
+            h, rows = self._head, self._rv
+            rows[4 * h] = new
+            rows[4 * h + 1] = cached
+            rows[4 * h + 2] = extra_ms
+            rows[4 * h + 3] = actual_ms
+            self._head = h + 1 if h + 1 < self._window else 0
+            if self._count < self._window:
+                self._count += 1
             self._fresh += 1
+
+    @property
+    def _seen(self) -> list[tuple[float, float, float, float]]:
+        """The prefills held, oldest first: (new, cached, extra ms, actual ms)."""
+        w, n, rows = self._window, self._count, self._rows
+        first = self._head - n + w
+        return [
+            (rows[4 * s], rows[4 * s + 1], rows[4 * s + 2], rows[4 * s + 3])
+            for s in [(first + i) % w for i in range(n)]
+        ]
 
     def factor(self, model: PrefillModel) -> float:
         """Real ms per predicted ms by ``model``'s current fit (1.0 before any counted
@@ -333,57 +359,71 @@ class MeasuredRate:
         ratio is ``min(hi, max(lo, ms / pred))`` for the prediction ``pred`` by ``coef``
         (as ``PrefillModel.predict``) plus the ms the model does not cover, or 1.0 where
         that is not positive; never a NaN (a NaN ``ms / pred`` is taken as ``lo``)."""
-        seen, fresh = self._seen, self._fresh
+        w, count, fresh = self._window, self._count, self._fresh
+        rows, ratio = self._rv, self._qv
         lo, hi = self.lo, self.hi
-        if len(coef) != 3:  # pragma: no cover - another model's features
-            ratios = [
-                min(hi, max(lo, ms / pred)) if (pred := model.predict(n, c) + x) > 0 else 1.0
-                for n, c, x, ms in seen
-            ]
-            self._ratios = RollingWindow(seen.maxlen or len(seen), ratios)
-        else:
+        full = self._coef is not coef or fresh > count
+        todo = count if full else fresh
+        s = self._head - todo + w  # the first slot to bring up to date
+        if s >= w:
+            s -= w
+        three = len(coef) == 3
+        a = b = k = 0.0
+        if three:
             a, b, k = coef
-            full = self._coef is not coef or fresh > len(seen)
-            ratios = []
-            for i in range(0 if full else len(seen) - fresh, len(seen)):
-                n, c, x, ms = seen[i]
+        for _ in range(todo):
+            n, c, x, ms = rows[4 * s], rows[4 * s + 1], rows[4 * s + 2], rows[4 * s + 3]
+            if three:
                 pred = a + b * n + k * n * (n + c) + x
-                if not pred > 0:
-                    ratios.append(1.0)
-                    continue
+            else:  # pragma: no cover - another model's features
+                pred = model.predict(int(n), int(c)) + x
+            if not pred > 0:
+                r = 1.0
+            else:
                 r = ms / pred
                 r = r if r > lo else lo  # max(lo, r): lo for a NaN
-                ratios.append(r if r < hi else hi)
-            if full:  # (the same window refilled: no new window and deque per refit)
-                self._ratios.refill(ratios)
-            else:
-                for r in ratios:
-                    self._ratios.append(r)
+                r = r if r < hi else hi
+            ratio[s] = r
+            s = s + 1 if s + 1 < w else 0
         self._fresh = 0
-        s = self._ratios.sorted()
-        f = s[len(s) // 2] if s else 1.0
+        f = _median_of(ratio, count, self._sv) if count else 1.0
         few = self.recent
-        if few and len(seen) >= few:  # the last few, slower of late? (``_ratios`` holds
-            # the ratio of each of ``seen`` by this fit, in the same order)
+        if few and count >= few:  # the last few, slower of late?
+            last = self._head - 1 + w
             if few == 3:  # the median of three, without a sort (a ratio is never a NaN)
-                x, y, z = self._ratios.tail(3)
+                x, y, z = ratio[last % w], ratio[(last - 1) % w], ratio[(last - 2) % w]
                 if x > y:
                     x, y = y, x
                 m = z if z < y else y  # min(max(x, y), z)
                 m = m if m > x else x  # the middle one: max(min(x, y), that)
             else:
-                m = sorted(self._ratios.tail(few))[few // 2]
+                m = sorted([ratio[(last - i) % w] for i in range(few)])[few // 2]
             f = max(f, m)
-        if f > 1.0 and len(seen) < self.least:  # too few to say slower: shrunk
-            f = f ** (len(seen) / self.least)
+        if f > 1.0 and count < self.least:  # too few to say slower: shrunk
+            f = f ** (count / self.least)
         self._factor = f
         self._coef = coef
         return f
 
     @property
     def tokens_per_s(self) -> float:
-        ms = sum(s[3] for s in self._seen)
-        return 1000.0 * sum(s[0] for s in self._seen) / ms if ms > 0 else float("nan")
+        seen = self._seen
+        ms = sum(s[3] for s in seen)
+        return 1000.0 * sum(s[0] for s in seen) / ms if ms > 0 else float("nan")
+
+
+def _median_of(ring: Any, count: int, out: Any) -> float:
+    """The upper median (``sorted(...)[count // 2]``) of the first ``count`` numbers of
+    ``ring``, none a NaN, sorted into ``out`` by insertion (a window of ~20: cheaper
+    than any call, compiled)."""
+    for i in range(count):
+        v = ring[i]
+        j = i
+        while j > 0 and out[j - 1] > v:
+            out[j] = out[j - 1]
+            j -= 1
+        out[j] = v
+    return out[count // 2]
 
 
 class ErrorTail:

@@ -123,11 +123,16 @@ cdef _remove(list xs, double x)
                top=long, k=long, on_ssd=long, new=long, cached=long, new2=long,
                cached2=long, saved=double, held=long, prefill_ms=double, new_blocks=long,
                bw=double, over=double, handoff_ms=double, work=double, queue=double,
-               f=double)
+               f=double, c=Candidate)
 cdef Candidate _disagg_candidate(PrefillNodeState p, long n, long usable, long local,
                                  long store_prefix, bint use_store, double now,
                                  object dram_prefix, double overhead_ms,
                                  double ssd_bytes_per_ms)
+
+
+@cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, t=double, c=Candidate,
+               prev=Candidate)
+cdef _sort_by_ttft(list cands)
 
 
 @cython.locals(best_tbt=double, d=DecodeNodeState, ends=list, joins=list,

@@ -447,19 +447,43 @@ def _disagg_candidate(
     # the slot time (what the node's measured rate scales) and the wait for the slot
     work = prefill_ms + fetch_ms + handoff_ms
     queue, f = p.wait(now)
-    return Candidate(
-        DISAGG,
-        p.node_id,
-        queue + work * f + overhead_ms,
-        queue,
-        prefill_ms * f,
-        fetch_ms * f,
-        handoff_ms * f,
-        local,
-        fetch_blocks,
-        work,
-        f,
-    )
+    c = Candidate.__new__(Candidate)  # (compiled: no call through __init__'s arguments)
+    c.route = DISAGG
+    c.node = p.node_id
+    c.ttft_ms = queue + work * f + overhead_ms
+    c.queue_ms = queue
+    c.prefill_ms = prefill_ms * f
+    c.fetch_ms = fetch_ms * f
+    c.handoff_ms = handoff_ms * f
+    c.cached_blocks = local
+    c.fetch_blocks = fetch_blocks
+    c.work_ms = work
+    c.speed = f
+    return c
+
+
+def _sort_by_ttft(cands: list[Candidate]) -> None:
+    """``cands.sort(key=attrgetter("ttft_ms"))``, in place: stable, by insertion (a
+    handful of candidates; compiled, no key calls). With a NaN among them, the sort
+    itself, so that the order stays the same."""
+    n = len(cands)
+    for i in range(n):
+        c = cands[i]
+        t = c.ttft_ms
+        if t != t:
+            cands.sort(key=_TTFT)
+            return
+    for i in range(1, n):
+        c = cands[i]
+        t = c.ttft_ms
+        j = i
+        while j > 0:
+            prev = cands[j - 1]
+            if not prev.ttft_ms > t:
+                break
+            cands[j] = prev
+            j -= 1
+        cands[j] = c
 
 
 def _decode_scan(
@@ -623,8 +647,11 @@ class Scheduler:
         n = r.n_tokens
         any_node = next(iter(self.prefill.values()), None) or next(iter(self.decode.values()))
         bs = any_node.block_size
-        usable = min(len(r.hashes), (n - 1) // bs)  # the last token is always computed
-        look = self._lookup(r.hashes[:usable], store_prefix)
+        hashes = r.hashes
+        usable = min(len(hashes), (n - 1) // bs)  # the last token is always computed
+        if usable < len(hashes):  # (else the list as it is: no copy)
+            hashes = hashes[:usable]
+        look = self._lookup(hashes, store_prefix)
         cands = self._prefill_candidates(n, usable, look, store_prefix is not None, now)
         fast = (
             self._decode_node_candidates(n, usable, look.per_node if look else {})
@@ -634,9 +661,9 @@ class Scheduler:
         # the fast paths skip the transfer tax (a short prompt; a prefix the decode node
         # already holds): they are tried first, the others only if they break an SLO;
         # each kind by TTFT (a stable sort: ties keep their order)
-        cands.sort(key=_TTFT)
+        _sort_by_ttft(cands)
         if fast:
-            fast.sort(key=_TTFT)
+            _sort_by_ttft(fast)
             cands = fast + cands
         if not cands or not self.decode:
             return Decision(
