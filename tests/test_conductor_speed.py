@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import logging
 import math
 import random
 import statistics
@@ -265,6 +266,32 @@ def test_lookup_with_keys_not_bytes():
     idx.stored("a", [b"x", b"y"])
     assert idx.lookup([b"x", b"y", "k1"]).per_node == {"a": 3}
     assert idx.lookup([b"x", b"y", "k9"]).per_node == {"a": 2}
+
+
+def test_a_broken_block_table_is_dropped_freed_and_said_once(caplog):
+    """Compiled, a key that is not bytes breaks the index's C table (as running out of
+    memory does): the index drops it, which frees it (its reference to every key goes),
+    warns once, and its dicts answer every lookup as before."""
+    idx = CacheIndex()
+    compiled = idx._table is not None
+    kx = bytes(range(16))  # (an object of its own: its references are counted below)
+    idx.stored("a", [kx, b"y"])
+    idx.store_stored([kx])
+    refs = sys.getrefcount(kx)
+    with caplog.at_level(logging.WARNING, logger="kvmesh.services.conductor.index"):
+        idx.stored("a", ["k1", "k2"])
+        idx.stored("b", ["k1"])
+        idx.store_stored(["k1", b"z"])
+        idx.store_removed([b"z"])
+        idx.removed("b", ["k1"])
+        idx.store_reset([kx])
+    said = [r for r in caplog.records if "block table was dropped" in r.getMessage()]
+    assert idx._table is None
+    assert len(said) == (1 if compiled else 0)
+    assert sys.getrefcount(kx) == refs - (1 if compiled else 0)
+    look = idx.lookup([kx, b"y"])
+    assert look.per_node == {"a": 2} and (look.store_prefix, look.store_dram_prefix) == (1, 1)
+    assert idx.lookup(["k1", "k2"]).per_node == {"a": 2}
 
 
 def test_least_queued_order_follows_every_change():

@@ -10,7 +10,10 @@
  *
  * The table holds a reference to each key (exact bytes only: any other key marks the
  * table broken, and lookups go back to the dicts) and to each holder (the same str or
- * set object the pool dict holds). Lookups run no Python code while they read it. */
+ * set object the pool dict holds). Lookups run no Python code while they read it.
+ *
+ * A write answers 1 once the table is broken (a key that is not bytes, out of memory):
+ * the index then drops it, which frees its memory and references, and says so. */
 #ifndef KVMESH_BLOCKTABLE_H
 #define KVMESH_BLOCKTABLE_H
 
@@ -214,7 +217,8 @@ static kvmesh_kvt_slot *kvmesh_kvt_slot_of(kvmesh_kvt *t, PyObject *key, int add
     return s;
 }
 
-/* ``key``'s pool holder is now ``holder`` (the pool dict's value; None: no holder). */
+/* ``key``'s pool holder is now ``holder`` (the pool dict's value; None: no holder).
+ * 0, or 1 where the table is broken (the dicts must answer: drop it). */
 static int kvmesh_kvt_set_holder(PyObject *cap, PyObject *key, PyObject *holder) {
     kvmesh_kvt *t = kvmesh_kvt_get(cap);
     kvmesh_kvt_slot *s;
@@ -225,7 +229,7 @@ static int kvmesh_kvt_set_holder(PyObject *cap, PyObject *key, PyObject *holder)
         holder = NULL;
     s = kvmesh_kvt_slot_of(t, key, holder != NULL);
     if (s == NULL)
-        return PyErr_Occurred() ? -1 : 0;
+        return PyErr_Occurred() ? -1 : 1;
     if (s->key == NULL)
         return 0; /* (no holder for a key the table does not have) */
     old = s->holder;
@@ -238,7 +242,7 @@ static int kvmesh_kvt_set_holder(PyObject *cap, PyObject *key, PyObject *holder)
 }
 
 /* ``key`` now has ``store`` replicas in the store and ``ssd`` on an SSD tier (the
- * dicts' values, 0 where absent). */
+ * dicts' values, 0 where absent). 0, or 1 where the table is broken. */
 static int kvmesh_kvt_set_store(PyObject *cap, PyObject *key, long store, long ssd) {
     kvmesh_kvt *t = kvmesh_kvt_get(cap);
     kvmesh_kvt_slot *s;
@@ -246,11 +250,11 @@ static int kvmesh_kvt_set_store(PyObject *cap, PyObject *key, long store, long s
         return -1;
     if (store < 0 || ssd < 0 || store > INT32_MAX || ssd > INT32_MAX) {
         t->broken = 1; /* (never: the dicts hold counts from 1 up) */
-        return 0;
+        return 1;
     }
     s = kvmesh_kvt_slot_of(t, key, store != 0 || ssd != 0);
     if (s == NULL)
-        return PyErr_Occurred() ? -1 : 0;
+        return PyErr_Occurred() ? -1 : 1;
     if (s->key == NULL)
         return 0;
     t->n_ssd += (ssd != 0) - (s->ssd != 0);
@@ -261,15 +265,19 @@ static int kvmesh_kvt_set_store(PyObject *cap, PyObject *key, long store, long s
     return 0;
 }
 
-/* The store forgot everything (``store_reset``): every count to 0. */
+/* The store forgot everything (``store_reset``): every count to 0. 0, or 1 where the
+ * table is broken. */
 static int kvmesh_kvt_clear_store(PyObject *cap) {
     kvmesh_kvt *t = kvmesh_kvt_get(cap);
     if (t == NULL)
         return -1;
+    if (t->broken)
+        return 1;
     if (kvmesh_kvt_rebuild(t, t->mask + 1, 1) < 0) {
         /* out of memory: the dicts (emptied first) answer from now on */
         t->broken = 1;
         PyErr_Clear();
+        return 1;
     }
     return 0;
 }

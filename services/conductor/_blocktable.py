@@ -3,7 +3,10 @@ dicts, a mirror of them in C (``_blocktable.h``): one open-addressing table keye
 block hash whose slot holds a block's pool holder and its store and SSD replica counts,
 so that a lookup costs one cache miss per block instead of two dict probes in each of
 two dicts. Plain Python has no table: ``new_table`` answers None and the index's dicts
-answer every lookup (the same answers)."""
+answer every lookup (the same answers).
+
+Each write answers 1 once the table is broken (a key that is not bytes, out of memory):
+the index then drops the table, which frees it, and logs a warning."""
 
 from __future__ import annotations
 

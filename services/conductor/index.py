@@ -19,6 +19,7 @@ Python has no table and the dicts answer, with the same answers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -61,6 +62,9 @@ def _run(pool: dict, hashes: list[bytes], i: int, node: str) -> int:
     return i
 
 
+_log = logging.getLogger(__name__)
+
+
 class CacheIndex:
     def __init__(self) -> None:
         # hash -> its holder's id (one holder) or a set of two or more ids
@@ -90,8 +94,9 @@ class CacheIndex:
             else:
                 holders.add(node)
             mine[h] = None
-            if table is not None:
-                _blocktable.set_holder(table, h, holders)
+            if table is not None and _blocktable.set_holder(table, h, holders):
+                self._drop_table()
+                table = None
 
     def removed(self, node: str, hashes: Iterable[bytes]) -> None:
         mine = self._by_node.get(node)
@@ -106,8 +111,9 @@ class CacheIndex:
                     holders.discard(node)
                     if len(holders) == 1:
                         pool[h] = next(iter(holders))
-                if table is not None:
-                    _blocktable.set_holder(table, h, pool.get(h))
+                if table is not None and _blocktable.set_holder(table, h, pool.get(h)):
+                    self._drop_table()
+                    table = None
             if mine is not None:
                 mine.pop(h, None)
 
@@ -137,10 +143,14 @@ class CacheIndex:
             self._store[h] = self._store.get(h, 0) + 1
             if tier == "ssd":
                 self._ssd[h] = self._ssd.get(h, 0) + 1
-            if table is not None:
-                _blocktable.set_store(table, h, self._store[h], self._ssd.get(h, 0))
+            if table is not None and _blocktable.set_store(
+                table, h, self._store[h], self._ssd.get(h, 0)
+            ):
+                self._drop_table()
+                table = None
 
     def store_removed(self, hashes: Iterable[bytes], tier: str = "dram") -> None:
+        kvt = self._table
         for h in hashes:
             for table in (self._store, self._ssd) if tier == "ssd" else (self._store,):
                 n = table.get(h, 0) - 1
@@ -148,14 +158,27 @@ class CacheIndex:
                     table[h] = n
                 else:
                     table.pop(h, None)
-            if self._table is not None:
-                _blocktable.set_store(self._table, h, self._store.get(h, 0), self._ssd.get(h, 0))
+            if kvt is not None and _blocktable.set_store(
+                kvt, h, self._store.get(h, 0), self._ssd.get(h, 0)
+            ):
+                self._drop_table()
+                kvt = None
 
     def store_reset(self, hashes: Iterable[bytes]) -> None:
         self._store, self._ssd = {}, {}
-        if self._table is not None:
-            _blocktable.clear_store(self._table)
+        if self._table is not None and _blocktable.clear_store(self._table):
+            self._drop_table()
         self.store_stored(hashes)
+
+    def _drop_table(self) -> None:
+        """The table broke (a key that is not bytes, out of memory): it is dropped, which
+        frees its memory and references, and the dicts answer from now on (said once:
+        lookups are slower, not wrong)."""
+        self._table = None
+        _log.warning(
+            "cache index: the compiled block table was dropped (a block key that is not "
+            "bytes, or out of memory); lookups read the index's dicts from now on"
+        )
 
     # -- queries ---------------------------------------------------------------------------
     def lookup(self, hashes: list[bytes]) -> Lookup:
