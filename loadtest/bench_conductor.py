@@ -86,7 +86,12 @@ def impl_from(baseline: str) -> types.SimpleNamespace:
                 text=True,
             ).stdout
         todo += re.findall(r"kvmesh\.services\.conductor\.(\w+)", text)
-        (tmp / f"{m}.py").write_text(text.replace("kvmesh.services.conductor.", f"{pkg}."))
+        # and those imported whole: from kvmesh.services.conductor import candidates
+        for names in re.findall(r"^from kvmesh\.services\.conductor import ([\w, ]+)$", text, re.M):
+            todo += [name.split()[0] for name in names.split(",") if name.strip()]
+        text = text.replace("kvmesh.services.conductor.", f"{pkg}.")
+        text = text.replace("from kvmesh.services.conductor import ", f"from {pkg} import ")
+        (tmp / f"{m}.py").write_text(text)
     package = types.ModuleType(pkg)
     package.__path__ = [str(tmp)]
     sys.modules[pkg] = package
