@@ -22,7 +22,16 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # the scheduler's hot path (bench_conductor); each has a .pxd beside it
-COMPILED = ("rolling", "normal_fit", "estimator", "index", "queue_order", "policy")
+COMPILED = (
+    "rolling",
+    "normal_fit",
+    "estimator",
+    "index",
+    "queue_order",
+    "nodes",
+    "candidates",
+    "policy",
+)
 
 
 def _extensions() -> list[Extension]:

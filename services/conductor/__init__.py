@@ -17,7 +17,16 @@ import sys
 import warnings
 from pathlib import Path
 
-COMPILED = ("rolling", "normal_fit", "estimator", "index", "queue_order", "policy")
+COMPILED = (
+    "rolling",
+    "normal_fit",
+    "estimator",
+    "index",
+    "queue_order",
+    "nodes",
+    "candidates",
+    "policy",
+)
 _HERE = Path(__file__).parent
 
 

@@ -38,26 +38,28 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from time import monotonic as _monotonic
-from typing import Any
 
-from kvmesh.services.conductor import _sorted
-from kvmesh.services.conductor.estimator import (
-    DecodeModel,
-    ErrorTail,
-    ErrorTracker,
-    MeasuredRate,
-    PrefillModel,
-)
+# (``X as X``: the node states and candidates, in nodes.py and candidates.py, are
+# importable from here as well)
+from kvmesh.services.conductor import candidates
+from kvmesh.services.conductor.candidates import COLOCATED as COLOCATED
+from kvmesh.services.conductor.candidates import DIRECT as DIRECT
+from kvmesh.services.conductor.candidates import DISAGG as DISAGG
+from kvmesh.services.conductor.candidates import Candidate as Candidate
+from kvmesh.services.conductor.candidates import Decision as Decision
+from kvmesh.services.conductor.candidates import Misses
+from kvmesh.services.conductor.candidates import Request as Request
+from kvmesh.services.conductor.estimator import ErrorTail, ErrorTracker
 from kvmesh.services.conductor.index import CacheIndex, Lookup
+from kvmesh.services.conductor.nodes import DecodeNodeState as DecodeNodeState
+from kvmesh.services.conductor.nodes import PrefillNodeState as PrefillNodeState
 from kvmesh.services.conductor.queue_order import NodeMap, QueueOrder
 from kvmesh.services.conductor.rolling import RollingWindow
-from kvmesh.services.conductor.store_fetch import StoreFetchModel
 
 POLICIES = ("random", "load", "cache", "cache-load", "kvmesh")
-DISAGG, COLOCATED, DIRECT = "disaggregated", "colocated", "decode-direct"
 # the rejection reason of a request no node could ever serve (an SLO below the floor, KV
 # beyond the largest node): the conductor answers INVALID_ARGUMENT, not "retry"
 INFEASIBLE = "infeasible"
@@ -69,473 +71,8 @@ _TTFT = attrgetter("ttft_ms")
 _QUEUED = attrgetter("queue_ms")
 
 
-@dataclass
-class Request:
-    """What admission needs to know about a request."""
-
-    request_id: str
-    n_tokens: int
-    hashes: list[bytes]
-    max_tokens: int
-    ttft_slo_ms: float  # what is left of the TTFT SLO when admission starts
-    tbt_slo_ms: float
-    ttft_spent_ms: float = 0.0  # of the SLO, spent in the conductor before admission
-
-
 def _ms(x: float) -> str:
     return f"{x:.1f}" if x >= 0.1 else f"{x:.2g}"
-
-
-@dataclass
-class Candidate:
-    """One estimated way to serve a request."""
-
-    route: str
-    node: str  # the node that computes the prompt
-    ttft_ms: float
-    queue_ms: float = 0.0
-    prefill_ms: float = 0.0
-    fetch_ms: float = 0.0
-    handoff_ms: float = 0.0
-    cached_blocks: int = 0  # from the computing node's own pool
-    fetch_blocks: int = 0  # pulled from the store
-    work_ms: float = 0.0  # the node's time on it by its fitted model (before the rate)
-    speed: float = 1.0  # the node's real ms per model ms the estimate counted on
-
-
-@dataclass(init=False)  # (its own __init__: a default factory costs ~1 us compiled)
-class Decision:
-    accepted: bool
-    route: str
-    prefill_node: str | None
-    decode_node: str | None
-    estimate: Candidate | None
-    tbt_ms: float
-    candidates: list[Candidate]
-    reason: str  # when rejected: ttft, tbt, kv, no-nodes, infeasible
-    message: str
-    retry_after_ms: float
-
-    def __init__(
-        self,
-        accepted: bool,
-        route: str = DISAGG,
-        prefill_node: str | None = None,
-        decode_node: str | None = None,
-        estimate: Candidate | None = None,
-        tbt_ms: float = 0.0,
-        candidates: list[Candidate] | None = None,
-        reason: str = "",
-        message: str = "",
-        retry_after_ms: float = 0.0,
-    ) -> None:
-        self.accepted = accepted
-        self.route = route
-        self.prefill_node = prefill_node
-        self.decode_node = decode_node
-        self.estimate = estimate
-        self.tbt_ms = tbt_ms
-        self.candidates = candidates if candidates is not None else []
-        self.reason = reason
-        self.message = message
-        self.retry_after_ms = retry_after_ms
-
-    def booked(self) -> tuple[Candidate, str]:
-        """The estimate and the decode node of an accepted decision (ValueError if it
-        was rejected)."""
-        if (
-            not self.accepted
-            or self.estimate is None
-            or self.decode_node is None
-            or (self.route == DISAGG and self.prefill_node is None)
-        ):
-            raise ValueError(f"the request was not accepted ({self.reason or 'no route'})")
-        return self.estimate, self.decode_node
-
-
-@dataclass
-class _Misses:
-    """Why the candidates tried so far were turned down, for the rejection."""
-
-    reason: str = ""  # the first of ttft and kv, overridden by tbt
-    least_tbt: float | None = None  # the lowest predicted TBT over the SLO
-
-
-class PrefillNodeState:
-    """A prefill node as the conductor sees it: its time models and its queue.
-
-    - ``queue``: FIFO, as the node serves it: request -> its slot time in model ms
-      (prefill, fetch and handoff, as predicted by ``model``; ``rate.factor`` turns it
-      into real ms);
-    - ``queue_ms``: model ms of everything queued (ours + ``foreign_ms``); setting it
-      tells the least-queued orders holding this node (queue_order.py) that it moved;
-    - ``store_fetch``: the store's remote path as this node's fetches measured it (not
-      the engine's bandwidth); ``bandwidth``: bytes per ms (1 GB/s until measured);
-    - ``head_since``: when the head of the queue started computing; ``rate``: real /
-      model slot time; ``lag_ms``: from booking to the node starting a request of an
-      empty queue;
-    - ``foreign``/``foreign_ms``: other conductors' work on the node, the requests its
-      load report counts beyond ours (see ``report_queue``), at the node's observed time
-      per prefill.
-
-    (A plain class, not a dataclass: compiled (policy.pxd) it is an extension type with
-    typed attributes, and ``queue_ms`` is a property of its own.)"""
-
-    def __init__(
-        self,
-        node_id: str,
-        block_size: int,
-        block_nbytes: int,
-        layer_nbytes: int,
-        model: PrefillModel | None = None,
-        bandwidth: float = 1e6,
-        store_fetch: StoreFetchModel | None = None,
-        queue: dict[str, float] | None = None,
-        queue_ms: float = 0.0,
-        head_since: float = 0.0,
-        rate: MeasuredRate | None = None,
-        lag_ms: float = 0.0,
-        foreign: int = 0,
-        foreign_ms: float = 0.0,
-    ) -> None:
-        self._orders: tuple[Any, ...] = ()  # the least-queued orders holding this node
-        self.node_id = node_id
-        self.block_size = block_size
-        self.block_nbytes = block_nbytes
-        self.layer_nbytes = layer_nbytes
-        self.model = model if model is not None else PrefillModel()
-        self.bandwidth = bandwidth
-        self.store_fetch = store_fetch if store_fetch is not None else StoreFetchModel()
-        self.queue = queue if queue is not None else {}
-        self._queue_ms = 0.0
-        self.queue_ms = queue_ms
-        self.head_since = head_since
-        self.rate = rate if rate is not None else MeasuredRate()
-        self.lag_ms = lag_ms
-        self.foreign = foreign
-        self.foreign_ms = foreign_ms
-
-    def __repr__(self) -> str:
-        return (
-            f"PrefillNodeState(node_id={self.node_id!r}, queued={len(self.queue)}, "
-            f"queue_ms={self._queue_ms!r}, foreign={self.foreign!r})"
-        )
-
-    @property
-    def queue_ms(self) -> float:
-        return self._queue_ms
-
-    @queue_ms.setter
-    def queue_ms(self, ms: float) -> None:
-        self._set_queue_ms(ms)
-
-    def _set_queue_ms(self, ms: float) -> None:
-        self._queue_ms = ms
-        for order in self._orders:  # the schedulers' least-queued orders holding this node
-            order.moved(self)
-
-    def enqueue(self, rid: str, ms: float, now: float = 0.0) -> None:
-        if not self.queue:
-            self.head_since = now + self.lag_ms
-        self.queue[rid] = ms
-        self._set_queue_ms(self._queue_ms + ms)
-
-    def dequeue(self, rid: str, now: float = 0.0) -> None:
-        queue = self.queue
-        if rid not in queue:
-            return
-        head = None
-        for head in queue:  # noqa: B007 (the first key; compiled: no iterator object)
-            break
-        was_head = head == rid
-        left = self._queue_ms - queue.pop(rid)
-        self._set_queue_ms(left if left > 0.0 else 0.0)  # max(0.0, left)
-        if was_head:
-            self.head_since = now
-
-    def speed(self, now: float) -> float:
-        """Real ms per model ms now: the measured rate, or slower while the head of the
-        queue has already run past its prediction at that rate (the node is slower right
-        now than its recent prefills said)."""
-        f = self.rate.factor(self.model)
-        if self.queue:
-            head = next(iter(self.queue.values()))
-            if head > 0:
-                f = max(f, (now - self.head_since) / head)
-        return f
-
-    def remaining(self, now: float) -> float:
-        """Real ms until everything queued has left the slot, the wait of a request booked
-        now (FIFO: it waits for all of it): the queued model ms at the node's speed, less
-        the part of the head's slot time already served (in-flight credit)."""
-        return self.wait(now)[0]
-
-    def wait(self, now: float) -> tuple[float, float]:
-        """``(remaining(now), speed(now))``, computed together (the estimate of every
-        candidate needs both)."""
-        f = self.rate.factor(self.model)
-        queue = self.queue
-        if not queue:
-            return self.foreign_ms, f
-        head = 0.0
-        for head in queue.values():  # noqa: B007 (the first; compiled: no iterator object)
-            break
-        since = now - self.head_since
-        if head > 0:
-            late = since / head
-            if late > f:  # max(f, late), written out (a decision's hot path)
-                f = late
-        done = head * f
-        served = since if since > 0.0 else 0.0  # max(0.0, since)
-        if served < done:  # min(done, served)
-            done = served
-        foreign = self.foreign_ms
-        return (self._queue_ms - foreign) * f + foreign - done, f
-
-    def report_queue(self, reported: int, per_request_ms: float) -> None:
-        """The node's load report: ``reported`` requests queued or computing there, from
-        every conductor. Ours are those in ``queue`` (some of which may not have reached
-        the node yet, or have left it), so the node holds at least ``reported -
-        len(queue)`` of other conductors': counted at ``per_request_ms`` each, never one
-        of ours twice."""
-        self.foreign = max(0, reported - len(self.queue))
-        self.foreign_ms = self.foreign * per_request_ms
-        self.queue_ms = sum(self.queue.values()) + self.foreign_ms
-
-
-@dataclass
-class DecodeNodeState:
-    node_id: str
-    block_size: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    model: DecodeModel = field(default_factory=DecodeModel)
-    prefill_model: PrefillModel = field(default_factory=PrefillModel)
-    bandwidth: float = 1e6
-    ends: list[float] = field(default_factory=list)  # predicted end times, sorted
-    # when each booked request joins the batch (its first token out), sorted, and by id
-    joins: list[float] = field(default_factory=list)
-    join_of: dict[str, float] = field(default_factory=dict)
-    work: dict[str, tuple[float, int, int]] = field(
-        default_factory=dict
-    )  # rid -> (end, kv, blocks)
-    kv_tokens: int = 0
-    reserved_blocks: int = 0  # reserved by us since the last report
-    unreported: set[str] = field(default_factory=set)  # requests counted in reserved_blocks
-    local_queue_ms: float = 0.0  # colocated prefills queued here
-    # other conductors' requests on the node (reserved or decoding) beyond ours, from its
-    # load report (see report_queue), and their KV tokens
-    foreign: int = 0
-    foreign_kv: int = 0
-    prefill_rate: MeasuredRate = field(default_factory=MeasuredRate)  # colocated prefills
-
-    def report_queue(self, reported: int, kv_used_tokens: int) -> None:
-        """The node's load report: ``reported`` requests reserved or decoding there, from
-        every conductor, holding ``kv_used_tokens``. Ours are those in ``work``, so the
-        node holds at least ``reported - len(work)`` of other conductors' requests; they
-        hold the used KV beyond ours (never one of ours counted twice)."""
-        self.foreign = max(0, reported - len(self.work))
-        self.foreign_kv = max(0, kv_used_tokens - self.kv_tokens) if self.foreign else 0
-
-    def batch_at(self, t: float) -> int:
-        """The batch at time ``t``: the booked requests that have joined by then (their
-        prefill done) and not yet ended. Each joins before it ends, so this is the joined
-        count less the ended count."""
-        return _sorted.bisect_right(self.joins, t) - _sorted.bisect_right(self.ends, t)
-
-    def admit(
-        self, rid: str, end: float, kv: int, blocks: int, join: float = float("-inf")
-    ) -> None:
-        """Books ``rid``: it joins the batch at ``join`` (when its first token is due; by
-        default it is in the batch already) and leaves at ``end``."""
-        join = min(join, end)
-        _sorted.insort(self.ends, end)
-        _sorted.insort(self.joins, join)
-        self.join_of[rid] = join
-        self.work[rid] = (end, kv, blocks)
-        self.kv_tokens += kv
-        self.reserved_blocks += blocks
-        self.unreported.add(rid)
-
-    def finish(self, rid: str) -> None:
-        w = self.work.pop(rid, None)
-        if w is None:
-            return
-        end, kv, blocks = w
-        if rid in self.unreported:  # ended before a report counted its blocks as used
-            self.unreported.discard(rid)
-            self.reserved_blocks = max(0, self.reserved_blocks - blocks)
-        _remove(self.ends, end)
-        _remove(self.joins, self.join_of.pop(rid))
-        self.kv_tokens -= kv
-
-    def joined(self, rid: str, t: float) -> None:
-        """``rid``'s first token is out at ``t``: it is in the batch from then on."""
-        join = self.join_of.get(rid)
-        if join is not None and join > t:
-            _remove(self.joins, join)
-            _sorted.insort(self.joins, t)
-            self.join_of[rid] = t
-
-    def free_blocks(self) -> int:
-        return self.kv_blocks_free - self.reserved_blocks
-
-    def report(self, free: int, total: int) -> None:
-        """A load report from the node: its free blocks already count our reservations."""
-        self.kv_blocks_free, self.kv_blocks_total, self.reserved_blocks = free, total, 0
-        self.unreported.clear()
-
-
-def _remove(xs: list[float], x: float) -> None:
-    """Removes one ``x`` from the sorted list ``xs`` (if there)."""
-    i = _sorted.bisect_left(xs, x)
-    if i < len(xs) and xs[i] == x:
-        xs.pop(i)
-
-
-def _disagg_candidate(
-    p: PrefillNodeState,
-    n: int,
-    usable: int,
-    local: int,
-    store_prefix: int,
-    use_store: bool,
-    now: float,
-    dram_prefix: int | None,
-    overhead_ms: float,
-    ssd_bytes_per_ms: float,
-) -> Candidate:
-    """The disaggregated route's estimate on prefill node ``p`` (``Scheduler``'s
-    ``_prefill_candidate``; typed where compiled, policy.pxd)."""
-    # (the hot path of every decision: ``PrefillModel.predict`` is inlined from the
-    # fit's coefficients, term for term, and ``min``/``max`` of ints are written out)
-    bs = p.block_size
-    a, b, k2 = p.model.coef
-    if usable < local:
-        local = usable
-    fetch_blocks, fetch_ms = 0, 0.0
-    if use_store:
-        top = usable if usable < store_prefix else store_prefix
-        k = top - local
-        if k > 0:
-            if dram_prefix is not None:
-                top = usable if usable < dram_prefix else dram_prefix
-            on_ssd = k - (top - local if top > local else 0)
-            fetch_ms = (
-                p.store_fetch.predict_ms(k * p.block_nbytes, p.bandwidth)
-                + on_ssd * p.block_nbytes / ssd_bytes_per_ms
-            )
-            new, cached = n - local * bs, local * bs
-            new2, cached2 = n - (local + k) * bs, (local + k) * bs
-            saved = (a + b * new + k2 * new * (new + cached)) - (
-                a + b * new2 + k2 * new2 * (new2 + cached2)
-            )
-            if fetch_ms < saved:
-                fetch_blocks = k
-            else:
-                fetch_ms = 0.0
-    held = local + fetch_blocks
-    cached = held * bs
-    new = n - cached
-    prefill_ms = a + b * new + k2 * new * (new + cached)
-    new_blocks = -(-n // bs) - held
-    # the prefix blocks go to the decode node while the new tokens compute; only the
-    # part that outlasts the compute, and the last layer of the new blocks, add up
-    bw = p.bandwidth
-    over = held * p.block_nbytes / bw - prefill_ms
-    handoff_ms = (over if over > 0.0 else 0.0) + new_blocks * p.layer_nbytes / bw
-    # the slot time (what the node's measured rate scales) and the wait for the slot
-    work = prefill_ms + fetch_ms + handoff_ms
-    queue, f = p.wait(now)
-    c = Candidate.__new__(Candidate)  # (compiled: no call through __init__'s arguments)
-    c.route = DISAGG
-    c.node = p.node_id
-    c.ttft_ms = queue + work * f + overhead_ms
-    c.queue_ms = queue
-    c.prefill_ms = prefill_ms * f
-    c.fetch_ms = fetch_ms * f
-    c.handoff_ms = handoff_ms * f
-    c.cached_blocks = local
-    c.fetch_blocks = fetch_blocks
-    c.work_ms = work
-    c.speed = f
-    return c
-
-
-def _sort_by_ttft(cands: list[Candidate]) -> None:
-    """``cands.sort(key=attrgetter("ttft_ms"))``, in place: stable, by insertion (a
-    handful of candidates; compiled, no key calls). With a NaN among them, the sort
-    itself, so that the order stays the same."""
-    n = len(cands)
-    for i in range(n):
-        c = cands[i]
-        t = c.ttft_ms
-        if t != t:
-            cands.sort(key=_TTFT)
-            return
-    for i in range(1, n):
-        c = cands[i]
-        t = c.ttft_ms
-        j = i
-        while j > 0:
-            prev = cands[j - 1]
-            if not prev.ttft_ms > t:
-                break
-            cands[j] = prev
-            j -= 1
-        cands[j] = c
-
-
-def _decode_scan(
-    options: Iterable[DecodeNodeState],
-    need_blocks: int,
-    at: float,
-    n: int,
-    tbt_limit: float,
-    predict: bool,
-    misses: _Misses,
-) -> tuple[DecodeNodeState, float] | None:
-    """Of ``options``, the decode node with ``need_blocks`` of KV room and the lowest
-    predicted TBT within ``tbt_limit`` for a request of ``n`` prompt tokens joining at
-    ``at`` (by the batch then with ``predict``, else by every request booked), and that
-    TBT; None if none qualifies (why is added to ``misses``). ``Scheduler``'s
-    ``_decode_choice``; typed where compiled (policy.pxd)."""
-    best_tbt, best_d = float("inf"), None
-    for d in options:
-        if d.kv_blocks_free - d.reserved_blocks < need_blocks:
-            misses.reason = misses.reason or "kv"
-            continue
-        # the batch when this request joins it, at its first token (kvmesh; the
-        # others judge by every request booked): those booked whose first token comes
-        # earlier, less those ended by then; attending over their share of the KV
-        # booked, plus this one's. (Each search is skipped where the answer is at an
-        # end: all joined by then, or none ended.)
-        ends = d.ends
-        now_batch = len(ends)
-        if predict:
-            joins = d.joins
-            batch = len(joins)
-            if batch:
-                last = joins[batch - 1]
-                if last > at:
-                    batch = _sorted.bisect_right(joins, at)
-            if now_batch:
-                first = ends[0]
-                if not first > at:  # (a NaN: as the search)
-                    batch -= _sorted.bisect_right(ends, at)
-        else:
-            batch = now_batch
-        kv = d.kv_tokens * batch / now_batch if now_batch else 0
-        a_, b_, k_ = d.model.coef
-        # with other conductors' requests (``foreign``) and their KV
-        tbt = a_ + b_ * (batch + d.foreign + 1) + k_ * (kv + d.foreign_kv + n)
-        if tbt > tbt_limit:
-            misses.reason = "tbt"
-            if misses.least_tbt is None or tbt < misses.least_tbt:
-                misses.least_tbt = tbt
-        elif tbt < best_tbt:
-            best_tbt, best_d = tbt, d
-    return None if best_d is None else (best_d, best_tbt)
 
 
 @dataclass
@@ -597,7 +134,7 @@ class Scheduler:
     ) -> Candidate:
         if overhead_ms is None:
             overhead_ms = self.overhead_ms[DISAGG]
-        return _disagg_candidate(
+        return candidates.disagg_candidate(
             p,
             n,
             usable,
@@ -661,9 +198,9 @@ class Scheduler:
         # the fast paths skip the transfer tax (a short prompt; a prefix the decode node
         # already holds): they are tried first, the others only if they break an SLO;
         # each kind by TTFT (a stable sort: ties keep their order)
-        _sort_by_ttft(cands)
+        candidates.sort_by_ttft(cands)
         if fast:
-            _sort_by_ttft(fast)
+            candidates.sort_by_ttft(fast)
             cands = fast + cands
         if not cands or not self.decode:
             return Decision(
@@ -721,7 +258,7 @@ class Scheduler:
         get, overhead = per_node.get, self.overhead_ms[DISAGG]
         ssd_rate = self.cfg.ssd_bytes_per_ms
         cands = [
-            _disagg_candidate(
+            candidates.disagg_candidate(
                 p,
                 n,
                 usable,
@@ -767,7 +304,7 @@ class Scheduler:
         within the TBT SLO and with ``need_blocks`` of KV room; else the rejection."""
         ttft_limit = r.ttft_slo_ms * self.cfg.slo_margin
         tail = self.error_tail
-        misses = _Misses()
+        misses = Misses()
         for c in cands:
             # the estimate as late as the estimates on this route have lately turned out
             if c.ttft_ms * tail[c.route].value > ttft_limit:
@@ -783,7 +320,7 @@ class Scheduler:
         return self._rejection(r, cands, misses)
 
     def _decode_choice(
-        self, r: Request, c: Candidate, need_blocks: int, now: float, misses: _Misses
+        self, r: Request, c: Candidate, need_blocks: int, now: float, misses: Misses
     ) -> tuple[DecodeNodeState, float] | None:
         """The decode node for candidate ``c`` and its predicted TBT: of those with KV room
         (``c``'s own node on the fast paths; one at random for ``random``), the lowest TBT
@@ -797,7 +334,7 @@ class Scheduler:
         else:
             options = self.decode.values()
         tbt_limit = r.tbt_slo_ms * self.cfg.slo_margin
-        return _decode_scan(
+        return candidates.decode_scan(
             options,
             need_blocks,
             now + c.ttft_ms,
@@ -846,7 +383,7 @@ class Scheduler:
             )
         return None
 
-    def _rejection(self, r: Request, cands: list[Candidate], misses: _Misses) -> Decision:
+    def _rejection(self, r: Request, cands: list[Candidate], misses: Misses) -> Decision:
         """The early rejection: the reason, a message with the numbers behind it, and
         when to retry; or, when no node could ever serve it (``_floor``), ``infeasible``
         without a retry."""
