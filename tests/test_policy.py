@@ -287,3 +287,25 @@ def test_decode_only_cluster_prefills_long_prompts_on_the_decode_node():
 def test_given_index_is_used():
     idx = CacheIndex()
     assert Scheduler(index=idx).index is idx
+
+
+def test_hashes_of_a_list_subclass_decide_as_a_list():
+    """A request's hashes in a list subclass (a caller's own type) decide as a plain
+    list does, every block usable included (compiled, the index takes a plain list)."""
+
+    class Hashes(list):
+        pass
+
+    for n in (160, 161):  # the last block not usable / every block usable
+        s, t = make(), make()
+        for x in (s, t):
+            x.index.stored("p1", [H(i) for i in range(8)])
+        r = req(n)
+        mine = Request(r.request_id, n, Hashes(r.hashes), r.max_tokens, 1000.0, 100.0)
+        got, want = s.decide(mine), t.decide(r)
+        assert (got.prefill_node, got.estimate.cached_blocks) == ("p1", 8)
+        assert (got.route, got.prefill_node, got.estimate.ttft_ms) == (
+            want.route,
+            want.prefill_node,
+            want.estimate.ttft_ms,
+        )

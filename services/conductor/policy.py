@@ -186,8 +186,8 @@ class Scheduler:
         bs = any_node.block_size
         hashes = r.hashes
         usable = min(len(hashes), (n - 1) // bs)  # the last token is always computed
-        if usable < len(hashes):  # (else the list as it is: no copy)
-            hashes = hashes[:usable]
+        if usable < len(hashes) or type(hashes) is not list:  # (else no copy; a slice
+            hashes = hashes[:usable]  # of a list subclass is the plain list lookup takes)
         look = self._lookup(hashes, store_prefix)
         cands = self._prefill_candidates(n, usable, look, store_prefix is not None, now)
         fast = (
