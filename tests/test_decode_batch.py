@@ -111,3 +111,109 @@ def test_blocks_of_an_abandoned_prefill_are_fenced_before_reuse(cluster):
                 break
             time.sleep(0.2)
         assert stub.Status(pb.NodeStatusRequest(), timeout=5).kv_blocks_free == total
+
+
+def _run_here(stub, fingerprint: str, rid: str, ids: list[int], pin: bool):
+    """Reserve (pinning the cached prefix when ``pin``) + Decode(prefill_here), one token:
+    the Reserve answer and the prefill's report."""
+    hashes = prefix_hashes(bytes.fromhex(fingerprint), ids, BS)
+    reserved = stub.Reserve(
+        pb.ReserveRequest(
+            request_id=rid,
+            prompt_tokens=len(ids),
+            max_tokens=1,
+            prefill_here=pin,
+            block_hashes=hashes if pin else [],
+        ),
+        timeout=10,
+    )
+    msgs = list(
+        stub.Decode(
+            pb.DecodeRequest(
+                request_id=rid,
+                max_tokens=1,
+                prefill_here=True,
+                prompt_token_ids=ids,
+                block_hashes=hashes,
+                sampling=pb.SamplingParams(ignore_eos=True),
+            ),
+            timeout=120,
+        )
+    )
+    return reserved, msgs[0]
+
+
+def test_a_prefill_here_reserve_cannot_evict_the_prefix_it_computes_from(cluster):
+    """A colocated / decode-direct request's Reserve takes blocks for its whole prompt. When
+    the pool is full of cached blocks and its own prefix is the least recently used, a
+    plain Reserve evicts that prefix and the node recomputes it (the conductor's estimate
+    counted it cached); with prefill_here the node pins the prefix first."""
+    model = LlamaModel.from_preset("tiny", seed=0)
+    d = next(n for n in status(cluster.conductor).nodes if n.role == "decode")
+
+    def ids(tag: str, n: int) -> list[int]:
+        return list(TOK.encode((tag + " lorem ipsum dolor sit amet ") * 40))[:n]
+
+    with grpc.insecure_channel(d.grpc_address) as ch:
+        stub = pbg.DecodeNodeStub(ch)
+        for pin in (False, True):
+            tag = f"pin={pin}"
+            # 38 cached blocks push out whatever was there; then the prefix (10 blocks),
+            # then 25 blocks of another prompt: the prefix is now the oldest but for a
+            # few blocks, and its next turn needs 12 blocks, more than those few
+            _run_here(stub, d.fingerprint, f"flush-{tag}", ids("flush" + tag, 38 * BS), False)
+            prefix = ids("prefix" + tag, 10 * BS)
+            _run_here(stub, d.fingerprint, f"first-{tag}", prefix, False)
+            _run_here(stub, d.fingerprint, f"other-{tag}", ids("other" + tag, 25 * BS), False)
+            turn = prefix + ids("turn" + tag, BS)
+            reserved, first = _run_here(stub, d.fingerprint, f"turn-{tag}", turn, pin)
+            assert first.token_ids == model.reference_generate(turn, 1)
+            if not pin:  # the scenario squeezes: a plain Reserve evicted the prefix
+                assert first.prefill.cached_tokens < 10 * BS
+                assert reserved.cached_tokens == 0 and reserved.target.block_ids
+            else:
+                assert reserved.cached_tokens == 10 * BS
+                assert first.prefill.cached_tokens == 10 * BS
+                assert first.prefill.computed_tokens == BS
+                assert not reserved.target.block_ids  # no other node may write them
+        after = stub.Status(pb.NodeStatusRequest(), timeout=5)
+        assert after.kv_blocks_free == after.kv_blocks_total  # pins and blocks all back
+
+
+def test_reserve_refuses_hashes_it_cannot_use(cluster):
+    d = next(n for n in status(cluster.conductor).nodes if n.role == "decode")
+    with grpc.insecure_channel(d.grpc_address) as ch:
+        stub = pbg.DecodeNodeStub(ch)
+        for req, says in (
+            (
+                pb.ReserveRequest(
+                    request_id="x1", prompt_tokens=BS, max_tokens=1, block_hashes=[b"h"]
+                ),
+                "prefill_here reservation only",
+            ),
+            (
+                pb.ReserveRequest(
+                    request_id="x2",
+                    prompt_tokens=BS,
+                    max_tokens=1,
+                    prefill_here=True,
+                    block_hashes=[b"a", b"b"],
+                ),
+                "at most one per full block",
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Reserve(req, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert says in e.value.details()
+        # a prefill_here reservation is computed here: a Decode waiting for KV is refused
+        stub.Reserve(
+            pb.ReserveRequest(request_id="x3", prompt_tokens=BS, max_tokens=2, prefill_here=True),
+            timeout=10,
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Decode(pb.DecodeRequest(request_id="x3", max_tokens=2), timeout=10))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "must set prefill_here" in e.value.details()
+        after = stub.Status(pb.NodeStatusRequest(), timeout=5)
+        assert after.kv_blocks_free == after.kv_blocks_total  # nothing held

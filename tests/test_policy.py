@@ -202,6 +202,54 @@ def test_decode_direct_when_decode_node_holds_most_of_the_prefix():
     assert d.estimate.cached_blocks == 18
 
 
+def test_fewer_blocks_held_than_the_index_said_move_the_estimate_and_the_booking():
+    s = make()
+    s.index.stored("d0", [H(i) for i in range(18)])
+    r = req(320, rid="a")
+    d = s.decide(r)
+    assert d.route == DIRECT and d.estimate.ttft_ms == pytest.approx(18.2)
+    s.commit(r, d)
+    dn = s.decode["d0"]
+    assert dn.local_queue_ms == pytest.approx(13.2)
+    assert s.held_locally(r, d, 18) is None  # all there: nothing moves
+    assert d.estimate.ttft_ms == pytest.approx(18.2)
+    # 10 of the 18 survived: 10 + 0.1 * 160 = 26 ms of compute, not 13.2; still in SLO
+    assert s.held_locally(r, d, 10) is None
+    assert d.estimate.ttft_ms == pytest.approx(31.0) and d.estimate.cached_blocks == 10
+    assert dn.local_queue_ms == pytest.approx(26.0)  # the booking is the new work
+    s.request_done(r, d)  # ended before its prompt was computed: nothing stays booked
+    assert dn.local_queue_ms == 0.0
+
+
+def test_a_local_prefix_gone_past_the_slo_is_refused_with_why():
+    s = make()
+    s.index.stored("d0", [H(i) for i in range(18)])
+    r = req(320, ttft=40.0, rid="a")
+    d = s.decide(r)
+    assert d.route == DIRECT
+    s.commit(r, d)
+    why = s.held_locally(r, d, 0)  # 10 + 0.1 * 320 = 42 ms of compute: past 40
+    assert why is not None and "holds 0 of the 18 prefix blocks" in why
+    s.request_done(r, d)
+    assert s.decode["d0"].local_queue_ms == 0.0
+
+
+def test_a_local_booking_leaves_once_whichever_ends_it_first():
+    s = make(colocate=512)
+    a, b = req(100, rid="a"), req(100, rid="b")
+    da, db = s.decide(a), s.decide(b)
+    assert da.route == db.route == COLOCATED
+    s.commit(a, da)
+    s.commit(b, db)
+    dn = s.decode["d0"]
+    assert dn.local_queue_ms == pytest.approx(40.0)  # 20 each
+    s.prefill_done(a, da, 100, 0)
+    s.request_done(a, da)  # after prefill_done: not taken off twice
+    assert dn.local_queue_ms == pytest.approx(20.0)
+    s.request_done(b, db)  # refused by the node before its prompt was computed
+    assert dn.local_queue_ms == 0.0
+
+
 def test_kv_room_is_required():
     s = make()
     s.decode["d0"].report(free=2, total=100)

@@ -62,14 +62,27 @@ class NodeCalls:
                 return n
         raise Rejected(grpc.StatusCode.UNAVAILABLE, f"{role} node {node_id} left; retry")
 
-    async def reserve(self, d: NodeInfo, rid: str, n: int, max_tokens: int) -> pb.KVTarget:
+    async def reserve(
+        self,
+        d: NodeInfo,
+        rid: str,
+        n: int,
+        max_tokens: int,
+        prefill_here: list[bytes] | None = None,
+    ) -> pb.ReserveResponse:
+        """Reserves KV for ``rid`` on ``d``. ``prefill_here``: ``d`` computes the prompt
+        itself, and these are its full blocks' hashes: the node pins the cached prefix
+        they name before it takes blocks for the rest (``cached_tokens`` says how much)."""
+        req = pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens)
+        if prefill_here is not None:
+            req.prefill_here = True
+            req.block_hashes.extend(prefill_here)
         try:
-            resp = await self.view.decode_stub(d).Reserve(
-                pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens),
+            return await self.view.decode_stub(d).Reserve(
+                req,
                 timeout=5,
                 metadata=self.owner_metadata(),  # freed when it ends
             )
-            return resp.target
         except asyncio.CancelledError:  # the client went away: the node may have reserved
             self.spawn(self.release(d, rid, []))
             raise

@@ -50,6 +50,7 @@ cdef class DecodeNodeState:
     cdef public long reserved_blocks
     cdef public set unreported
     cdef public double local_queue_ms
+    cdef public dict local_booked
     cdef public long foreign
     cdef public long foreign_kv
     cdef public MeasuredRate prefill_rate
@@ -57,6 +58,8 @@ cdef class DecodeNodeState:
     cpdef admit(self, object rid, double end, long kv, long blocks, double join=*)
     @cython.locals(end=double, kv=long, blocks=long)
     cpdef finish(self, object rid)
+    cpdef book_local(self, object rid, double ms)
+    cpdef unbook_local(self, object rid)
     cpdef joined(self, object rid, double t)
 
 

@@ -175,6 +175,7 @@ class DecodeNodeState:
     reserved_blocks: int = 0  # reserved by us since the last report
     unreported: set[str] = field(default_factory=set)  # requests counted in reserved_blocks
     local_queue_ms: float = 0.0  # colocated prefills queued here
+    local_booked: dict[str, float] = field(default_factory=dict)  # rid -> its share of it
     # other conductors' requests on the node (reserved or decoding) beyond ours, from its
     # load report (see report_queue), and their KV tokens
     foreign: int = 0
@@ -220,6 +221,19 @@ class DecodeNodeState:
         _remove(self.ends, end)
         _remove(self.joins, self.join_of.pop(rid))
         self.kv_tokens -= kv
+
+    def book_local(self, rid: str, ms: float) -> None:
+        """``rid``'s prompt is computed here (a colocated or decode-direct route): its
+        predicted ``ms`` wait in this node's local queue until :meth:`unbook_local`."""
+        self.local_queue_ms += ms - self.local_booked.get(rid, 0.0)
+        self.local_booked[rid] = ms
+
+    def unbook_local(self, rid: str) -> None:
+        """``rid``'s prompt is computed, or it ended before (refused by the node, its
+        client gone): its share leaves the local queue, once."""
+        ms = self.local_booked.pop(rid, None)
+        if ms is not None:
+            self.local_queue_ms = max(0.0, self.local_queue_ms - ms)
 
     def joined(self, rid: str, t: float) -> None:
         """``rid``'s first token is out at ``t``: it is in the batch from then on."""

@@ -441,7 +441,7 @@ class Scheduler:
             p = self.prefill[d.prefill_node]
             p.enqueue(r.request_id, c.work_ms, now)
         else:
-            self.decode[decode_node].local_queue_ms += c.prefill_ms
+            self.decode[decode_node].book_local(r.request_id, c.prefill_ms)
         dn = self.decode[decode_node]
         expected = max(1.0, r.max_tokens * self._output_share)
         join = now + c.ttft_ms  # it joins the batch with its first token
@@ -486,7 +486,7 @@ class Scheduler:
                     p.rate.observe(new, cached, transfer, node_ms)
                 p.lag_ms = self.overhead_ms[DISAGG]
         elif dn is not None:
-            dn.local_queue_ms = max(0.0, dn.local_queue_ms - c.prefill_ms)
+            dn.unbook_local(r.request_id)
             if ms is not None:
                 dn.prefill_model.observe(new, cached, ms)
             if node_ms is not None:
@@ -502,10 +502,39 @@ class Scheduler:
                 window.append(ttft_ms - (c.ttft_ms - self.overhead_ms[d.route]))
             self.overhead_ms[d.route] = min(max(window.median(), 0.0), 1000.0)
 
+    def held_locally(self, r: Request, d: Decision, cached_blocks: int) -> str | None:
+        """The decode node of an accepted colocated or decode-direct decision pinned
+        ``cached_blocks`` of the prompt's prefix at ``Reserve``. Fewer than the estimate
+        counted on (evicted since the index last heard) make the prompt's compute
+        longer: the estimate and the booking take the truth, and admission's TTFT rule
+        is asked again. Returns why the request now misses its TTFT SLO, else None."""
+        c, decode_node = d.booked()
+        dn = self.decode.get(decode_node)
+        if d.route == DISAGG or dn is None or cached_blocks >= c.cached_blocks:
+            return None
+        n = r.n_tokens
+        cached = cached_blocks * dn.block_size
+        work = dn.prefill_model.predict(n - cached, cached)
+        prefill_ms = work * c.speed
+        late = prefill_ms - c.prefill_ms
+        was, counted = c.ttft_ms, c.cached_blocks
+        c.ttft_ms += late
+        c.prefill_ms, c.work_ms, c.cached_blocks = prefill_ms, work, cached_blocks
+        dn.book_local(r.request_id, prefill_ms)
+        if c.ttft_ms * self.error_tail[c.route].value <= r.ttft_slo_ms * self.cfg.slo_margin:
+            return None
+        return (
+            f"decode node {decode_node} holds {cached_blocks} of the {counted} prefix blocks "
+            f"its estimate ({was:.0f} ms) counted on (evicted since); computing the rest "
+            f"there puts the first token at {c.ttft_ms:.0f} ms, past the TTFT SLO of "
+            f"{r.ttft_slo_ms:.0f} ms; retry"
+        )
+
     def request_done(self, r: Request, d: Decision, output_tokens: int | None = None) -> None:
         dn = self.decode.get(d.decode_node) if d.decode_node else None
         if dn is not None:
             dn.finish(r.request_id)
+            dn.unbook_local(r.request_id)  # (ended before its prompt was computed)
         if d.route == DISAGG and d.prefill_node in self.prefill:
             self.prefill[d.prefill_node].dequeue(r.request_id, self.clock())
         if output_tokens is not None and r.max_tokens:

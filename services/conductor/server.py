@@ -403,9 +403,23 @@ class Conductor(Service):
         rid = r.request_id
         estimate, decode_node = d.booked()
         dnode = self.calls.node("decode", decode_node)
-        att = Attempt(rid, await self.calls.reserve(dnode, rid, len(tokens), req.max_tokens), [])
+        local = d.route != DISAGG
+        reserved = await self.calls.reserve(
+            dnode, rid, len(tokens), req.max_tokens, r.hashes if local else None
+        )
+        att = Attempt(rid, reserved.target, [])
         decoded: list[bool] = []  # set once the Decode call ended (and freed it)
         try:
+            if local:
+                bs = int(info["block_size"])
+                late = self.sched.held_locally(r, d, reserved.cached_tokens // bs)
+                record["estimated_ttft_ms"] = estimate.ttft_ms  # (the truth, if it moved)
+                if late:  # the index counted on blocks the node no longer holds
+                    raise Rejected(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        late,
+                        (("kvmesh-reject-reason", "ttft"),),
+                    )
             async for resp in self._serve_reserved(
                 r, d, req, tokens, t_arrival, record, info, dnode, att, decoded
             ):

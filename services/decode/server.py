@@ -135,6 +135,17 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 f"prompt_tokens + max_tokens = {total} exceed the model's maximum position "
                 f"of {limit} tokens; shorten the prompt or lower max_tokens",
             )
+        if len(req.block_hashes) > req.prompt_tokens // node.cfg.block_size:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(req.block_hashes)} block hashes for a prompt of {req.prompt_tokens} "
+                f"tokens: at most one per full block of {node.cfg.block_size}",
+            )
+        if req.block_hashes and not req.prefill_here:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "block_hashes are for a prefill_here reservation only",
+            )
         md = _metadata(context)
         try:
             res = node.reserve(
@@ -142,6 +153,7 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 req.prompt_tokens,
                 md.get(CONDUCTOR_MD, ""),
                 md.get(INCARNATION_MD, ""),
+                list(req.block_hashes) if req.prefill_here else None,
             )
         except OutOfBlocks:
             await context.abort(
@@ -154,9 +166,10 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 node_id=node.node_id,
                 data_address=node.te.address,
                 region_id=node.pool_region,
-                block_ids=res.blocks,
+                block_ids=[] if res.prefill_here else res.blocks,
                 block_nbytes=node.pool.block_nbytes,
-            )
+            ),
+            cached_tokens=res.pinned * node.cfg.block_size,
         )
 
     async def Decode(self, req, context):
@@ -194,11 +207,24 @@ class DecodeServicer(pbg.DecodeNodeServicer):
         res.prompt_ids = list(req.prompt_token_ids)
         res.hashes = list(req.block_hashes)
         first, step = req.first_token, 1
+        if res.prefill_here and not req.prefill_here:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request {req.request_id} was reserved with prefill_here: its Decode "
+                f"must set prefill_here too (no other node may write its blocks)",
+            )
         if req.prefill_here:
             res.writers = frozenset()  # this node computes it: no other node writes its KV
             if err := node.check_prompt(req, res):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
-            first, presp = await node.prefill_here(res, sampling)
+            try:
+                first, presp = await node.prefill_here(res, sampling)
+            except OutOfBlocks as e:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"decode node {node.node_id} has no room to compute the prompt of "
+                    f"request {req.request_id} ({e}); retry",
+                )
             record_span(
                 "decode.prefill_here",
                 t_wait,
@@ -366,18 +392,40 @@ class DecodeNode(ModelNode):
                     return
 
     def reserve(
-        self, request_id: str, prompt_tokens: int, conductor: str = "", incarnation: str = ""
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        conductor: str = "",
+        incarnation: str = "",
+        prefill_here: list[bytes] | None = None,
     ) -> Reservation:
         """Blocks for the prompt and the first generated token; later ones come as the
-        request grows (BatchScheduler). ``conductor``/``incarnation``: its owner."""
-        n = prompt_tokens // self.cfg.block_size + 1
+        request grows (BatchScheduler). ``conductor``/``incarnation``: its owner.
+        ``prefill_here``: the prompt is computed on this node, and these are its blocks'
+        hashes; the cached prefix they name is pinned first and only the rest is taken
+        from the pool (which may evict others' blocks, never this prefix)."""
+        bs = self.cfg.block_size
+        n = prompt_tokens // bs + 1
+        pinned: list[int] = []
+        if prefill_here is not None:
+            # the last token is always computed: its block is never a cached one
+            pinned = self.pool.pin_prefix(prefill_here[: (prompt_tokens - 1) // bs])
+        try:
+            blocks = pinned + self.pool.allocate(n - len(pinned))
+        except OutOfBlocks:
+            self.pool.free(pinned)
+            raise
         res = Reservation(
             request_id,
             prompt_tokens,
-            self.pool.allocate(n),
+            blocks,
             conductor=conductor,
             incarnation=incarnation,
+            prefill_here=prefill_here is not None,
+            pinned=len(pinned),
         )
+        if res.prefill_here:
+            res.writers = frozenset()  # no prefill node writes it: nothing to fence
         self.reservations[request_id] = res
         return res
 
@@ -443,11 +491,17 @@ class DecodeNode(ModelNode):
         tokens = res.prompt_ids
         n = len(tokens)
         t0 = time.perf_counter()
-        local = self.batch.match_prefix(tokens, res.hashes)
+        local = self.batch.match_prefix(tokens, res.hashes)  # tokens checked this time
         k = len(local)
-        if k:
-            self.pool.free(res.blocks[:k])
-            res.blocks = local + res.blocks[k:]
+        # the blocks the match covers go back (the pins Reserve took, fresh ones); pinned
+        # blocks past the match hold other tokens (a hash the prompt's tokens do not
+        # bear out): they are cached blocks, never written, so fresh ones replace them
+        covered = max(k, res.pinned)
+        self.pool.free(res.blocks[:covered])
+        res.blocks = local + res.blocks[covered:]
+        res.pinned = 0
+        if covered > k:
+            res.blocks[k:k] = self.pool.allocate(covered - k)
         start = k * bs
         logits = await self.batch.compute_prompt(tokens, start, res.blocks)
         res.kv_ready.set()

@@ -199,6 +199,14 @@ class KVPool:
 
     match = match_prefix
 
+    def pin_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """Longest cached prefix named by ``block_hashes`` (block ids), each taking one
+        reference so that no allocation evicts it; tokens unchecked (see
+        :meth:`PrefixCache.lookup`)."""
+        hits = self.prefix_cache.lookup(block_hashes)
+        self.ref(hits)
+        return hits
+
     def insert(
         self,
         block_hash: bytes,

@@ -136,6 +136,19 @@ class PrefixCache:
                     self.acquire(b)
         return hits
 
+    def lookup(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """Block ids of the longest cached prefix named by ``block_hashes`` alone (no
+        token check, no reference taken; the hits count as used for LRU). The caller
+        checks the tokens before it reads the blocks (:meth:`match`)."""
+        hits: list[int] = []
+        for h in block_hashes:
+            e = self._by_hash.get(h)
+            if e is None:
+                break
+            e.tick = self._next_tick()
+            hits.append(e.block_id)
+        return hits
+
     def acquire(self, block_id: int) -> None:
         """Owner notification: ``block_id`` went from 0 to 1 reference."""
         e = self._by_block.get(block_id)
