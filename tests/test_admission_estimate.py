@@ -159,6 +159,42 @@ def test_admission_allows_for_how_late_recent_estimates_came():
     assert s.decide(req("y", ttft=60.0)).accepted
 
 
+def test_an_estimate_near_the_slo_is_scaled_by_the_tail_of_its_own_kind():
+    tail = ErrorTail(least=3)
+    for _ in range(5):  # short ones: a few ms of jitter doubles them
+        tail.add(20, 40, slo_ms=1000)
+    assert tail.value == pytest.approx(2.0)
+    assert tail.near_value == pytest.approx(2.0)  # none near yet: the tail of all
+    for _ in range(3):  # estimates of at least a quarter of the SLO came 10% late
+        tail.add(500, 550, slo_ms=1000)
+    assert tail.value == pytest.approx(2.0) and tail.near_value == pytest.approx(1.1)
+    assert tail.factor(600, 950) == pytest.approx(1.1)
+    assert tail.factor(100, 950) == pytest.approx(2.0)
+    for _ in range(20):  # short ones without an SLO join the first window only
+        tail.add(20, 20)
+    assert tail.near_value == pytest.approx(1.1)
+    # and where the long ones are the late ones, they are scaled by more, not less
+    slow = ErrorTail(least=3)
+    for _ in range(5):
+        slow.add(20, 20, slo_ms=1000)
+        slow.add(800, 2400, slo_ms=1000)
+    assert slow.factor(900, 950) == pytest.approx(3.0)
+
+
+def test_admission_scales_a_near_slo_estimate_by_the_near_tail():
+    s = make()
+    et = ErrorTail(least=1)
+    s.error_tail[DISAGG] = et
+    et.add(10, 20, slo_ms=1000)  # a short estimate came twice late: every estimate x2
+    assert not s.decide(req("x", ttft=40.0)).accepted  # 26 ms x 2 > 40
+    et.add(26, 27, slo_ms=40)  # one of this size came 4% late
+    d = s.decide(req("y", ttft=40.0))  # 26 >= 40 / 4: scaled by 27/26, not by 2
+    assert d.accepted, d.message
+    et.add(26, 52, slo_ms=40)  # and one came twice late: refused, and the message says x2
+    d = s.decide(req("z", ttft=40.0))
+    assert not d.accepted and "x2.00" in d.message
+
+
 def test_error_tail_is_a_high_quantile_of_recent_ratios():
     tail = ErrorTail(window=10, quantile=0.9, least=3)
     tail.add(100, 300)

@@ -433,7 +433,14 @@ class ErrorTail:
     margin it keeps is the error this cluster has shown lately (a CPU shared with other
     work, a node slowing down) rather than a fixed guess. By default the worst of the last
     50: the promise is 99% inside the SLO, and of 50 ratios any lower quantile is below
-    their p99 (with p98, a 2-core machine under foreign load missed it)."""
+    their p99 (with p98, a 2-core machine under foreign load missed it).
+
+    Two windows: every request's ratio (``value``), and the ratios of estimates near the
+    SLO, at least ``near_share`` of it (``near_value``; ``value`` until ``least`` of them
+    are seen). The ratio of a short estimate swings with a few ms of jitter (a 40 ms
+    estimate that took 60 is 1.5x), that of a long one with the node's speed; an estimate
+    near the SLO, the only kind a tail can push past it, is scaled by the tail of its own
+    kind (``factor``)."""
 
     def __init__(
         self,
@@ -442,19 +449,41 @@ class ErrorTail:
         least: int = 5,
         lo: float = 0.5,
         hi: float = 4.0,
+        near_share: float = 0.25,
     ) -> None:
         self.quantile, self.least, self.lo, self.hi = quantile, least, lo, hi
+        self.near_share = near_share
         self._ratios = RollingWindow(window)
+        self._near = RollingWindow(window)
         self.value = 1.0
+        self.near_value = 1.0
 
-    def add(self, estimated: float, actual: float) -> None:
+    def _tail(self, ratios: RollingWindow) -> float:
+        r = ratios.sorted()
+        last, i = len(r) - 1, int(self.quantile * len(r))
+        q = r[i if i < last else last]  # r[min(last, i)]
+        q = q if q > self.lo else self.lo  # max(lo, q), written out: every booking
+        return q if q < self.hi else self.hi  # min(hi, q)
+
+    def add(self, estimated: float, actual: float, slo_ms: float = 0.0) -> None:
+        """One accepted request's estimated and actual TTFT; ``slo_ms``: its TTFT SLO
+        (0: none known, the ratio joins the first window only)."""
         if not (estimated > 0 and actual > 0):
             return
         ratios = self._ratios
-        ratios.append(actual / estimated)
+        ratio = actual / estimated
+        ratios.append(ratio)
         if len(ratios) >= self.least:
-            r = ratios.sorted()
-            last, i = len(r) - 1, int(self.quantile * len(r))
-            q = r[i if i < last else last]  # r[min(last, i)]
-            q = q if q > self.lo else self.lo  # max(lo, q), written out: every booking
-            self.value = q if q < self.hi else self.hi  # min(hi, q)
+            self.value = self._tail(ratios)
+        near = self._near
+        if slo_ms > 0 and estimated >= self.near_share * slo_ms:
+            near.append(ratio)
+            if len(near) >= self.least:
+                self.near_value = self._tail(near)
+                return
+        if len(near) < self.least:
+            self.near_value = self.value
+
+    def factor(self, estimate: float, limit: float) -> float:
+        """What admission scales ``estimate`` by before comparing it with ``limit``."""
+        return self.near_value if estimate >= self.near_share * limit else self.value

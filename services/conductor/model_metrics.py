@@ -54,11 +54,13 @@ class ModelErrorCollector:
             overhead.add_metric([route], ms / 1000)
         tail = GaugeMetricFamily(
             "kvmesh_conductor_ttft_error_tail_ratio",
-            "slow tail of actual / estimated TTFT that admission scales estimates by",
-            labels=["route"],
+            "slow tail of actual / estimated TTFT that admission scales estimates by "
+            "(estimates: all, or near the SLO)",
+            labels=["route", "estimates"],
         )
         for route, t in self.sched.error_tail.items():
-            tail.add_metric([route], t.value)
+            tail.add_metric([route, "all"], t.value)
+            tail.add_metric([route, "near_slo"], t.near_value)
         speed = GaugeMetricFamily(
             "kvmesh_conductor_prefill_speed_ratio",
             "a prefill node's measured slot time per fitted-model ms",

@@ -43,7 +43,7 @@ cdef class Scheduler:
     @cython.locals(out=list, colocate=bint, d=nodes.DecodeNodeState)
     cpdef list _decode_node_candidates(self, long n, long usable, dict per_node)
     @cython.locals(ttft_limit=double, tail=dict, misses=candidates.Misses,
-                   c=candidates.Candidate, et=ErrorTail, d=nodes.DecodeNodeState,
+                   c=candidates.Candidate, et=ErrorTail, f=double, d=nodes.DecodeNodeState,
                    tbt=double)
     cpdef candidates.Decision _admit(self, candidates.Request r, list cands,
                                      long need_blocks, double now)

@@ -20,7 +20,8 @@ Decode choice predicts each decode node's batch at the moment the request joins 
 requests booked there whose first token comes earlier, less those ended by then) and
 its TBT at that batch; a node whose TBT would break the SLO, or whose KV cannot hold the
 request, is out. Admission scales each TTFT estimate by the slow tail of actual /
-estimated on its route (``estimator.ErrorTail``). If no pair meets both SLOs the request
+estimated on its route (``estimator.ErrorTail``; an estimate near the SLO by the tail of
+the estimates near it). If no pair meets both SLOs the request
 is rejected before any work starts.
 
 Routes: ``colocated`` (a short prompt prefilled by the decode node itself: no transfer
@@ -307,7 +308,9 @@ class Scheduler:
         misses = Misses()
         for c in cands:
             # the estimate as late as the estimates on this route have lately turned out
-            if c.ttft_ms * tail[c.route].value > ttft_limit:
+            et = tail[c.route]  # (ErrorTail.factor, inline: near the SLO, its own tail)
+            f = et.near_value if c.ttft_ms >= et.near_share * ttft_limit else et.value
+            if c.ttft_ms * f > ttft_limit:
                 misses.reason = misses.reason or "ttft"
                 if c.route != DISAGG:
                     continue
@@ -403,7 +406,9 @@ class Scheduler:
             )
             if r.ttft_spent_ms >= 0.05:
                 msg += f" ({r.ttft_spent_ms:.1f} ms of it spent in the conductor before routing)"
-            tail = self.error_tail[best.route].value
+            tail = self.error_tail[best.route].factor(
+                best.ttft_ms, r.ttft_slo_ms * self.cfg.slo_margin
+            )
             if tail != 1.0:
                 msg += (
                     f", counted x{tail:.2f} (how late recent TTFTs came against their "
@@ -495,7 +500,7 @@ class Scheduler:
             self.ttft_error.add(c.ttft_ms, ttft_ms)
             window = self._residuals[d.route]
             et = self.error_tail[d.route]
-            et.add(c.ttft_ms + r.ttft_spent_ms, ttft_ms)
+            et.add(c.ttft_ms + r.ttft_spent_ms, ttft_ms, r.ttft_slo_ms + r.ttft_spent_ms)
             if node_ms is not None:  # what neither the queue nor the slot explains
                 window.append(ttft_ms - (node_queue_ms or 0.0) - node_ms)
             else:
@@ -521,7 +526,8 @@ class Scheduler:
         c.ttft_ms += late
         c.prefill_ms, c.work_ms, c.cached_blocks = prefill_ms, work, cached_blocks
         dn.book_local(r.request_id, prefill_ms)
-        if c.ttft_ms * self.error_tail[c.route].value <= r.ttft_slo_ms * self.cfg.slo_margin:
+        limit = r.ttft_slo_ms * self.cfg.slo_margin
+        if c.ttft_ms * self.error_tail[c.route].factor(c.ttft_ms, limit) <= limit:
             return None
         return (
             f"decode node {decode_node} holds {cached_blocks} of the {counted} prefix blocks "
