@@ -159,20 +159,27 @@ def test_admission_allows_for_how_late_recent_estimates_came():
     assert s.decide(req("y", ttft=60.0)).accepted
 
 
-def test_an_estimate_near_the_slo_is_scaled_by_the_tail_of_its_own_kind():
+def test_an_estimate_is_scaled_by_the_tail_of_estimates_of_its_size():
     tail = ErrorTail(least=3)
-    for _ in range(5):  # short ones: a few ms of jitter doubles them
+    for _ in range(5):  # short ones (< 1/16 of the SLO): a few ms of jitter doubles them
         tail.add(20, 40, slo_ms=1000)
     assert tail.value == pytest.approx(2.0)
-    assert tail.near_value == pytest.approx(2.0)  # none near yet: the tail of all
-    for _ in range(3):  # estimates of at least a quarter of the SLO came 10% late
+    # none of the other sizes yet: each follows the one below it
+    assert tail.mid_value == pytest.approx(2.0) and tail.near_value == pytest.approx(2.0)
+    for _ in range(3):  # 1/16 to 1/4 of the SLO: 30% late
+        tail.add(100, 130, slo_ms=1000)
+    assert tail.mid_value == pytest.approx(1.3)
+    assert tail.near_value == pytest.approx(1.3)  # (no near one yet: the mid tail)
+    for _ in range(3):  # a quarter of the SLO or more: 10% late
         tail.add(500, 550, slo_ms=1000)
     assert tail.value == pytest.approx(2.0) and tail.near_value == pytest.approx(1.1)
+    assert tail.mid_value == pytest.approx(1.3)  # (the near ones are mid ones too)
     assert tail.factor(600, 950) == pytest.approx(1.1)
-    assert tail.factor(100, 950) == pytest.approx(2.0)
+    assert tail.factor(100, 950) == pytest.approx(1.3)
+    assert tail.factor(50, 950) == pytest.approx(2.0)
     for _ in range(20):  # short ones without an SLO join the first window only
         tail.add(20, 20)
-    assert tail.near_value == pytest.approx(1.1)
+    assert tail.near_value == pytest.approx(1.1) and tail.mid_value == pytest.approx(1.3)
     # and where the long ones are the late ones, they are scaled by more, not less
     slow = ErrorTail(least=3)
     for _ in range(5):

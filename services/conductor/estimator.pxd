@@ -95,14 +95,18 @@ cdef class ErrorTail:
     cdef public long least
     cdef public double lo
     cdef public double hi
+    cdef public double mid_share
     cdef public double near_share
     cdef public RollingWindow _ratios
+    cdef public RollingWindow _mid
     cdef public RollingWindow _near
     cdef public double value
+    cdef public double mid_value
     cdef public double near_value
 
     @cython.locals(r=list, last=Py_ssize_t, i=Py_ssize_t, q=double)
     cdef double _tail(self, RollingWindow ratios) except? -1.0
-    @cython.locals(ratios=RollingWindow, near=RollingWindow, ratio=double)
+    @cython.locals(ratios=RollingWindow, mid=RollingWindow, near=RollingWindow, ratio=double,
+                   to_mid=bint, to_near=bint)
     cpdef add(self, object estimated, object actual, double slo_ms=*)
     cpdef double factor(self, double estimate, double limit)

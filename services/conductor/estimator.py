@@ -435,12 +435,14 @@ class ErrorTail:
     50: the promise is 99% inside the SLO, and of 50 ratios any lower quantile is below
     their p99 (with p98, a 2-core machine under foreign load missed it).
 
-    Two windows: every request's ratio (``value``), and the ratios of estimates near the
-    SLO, at least ``near_share`` of it (``near_value``; ``value`` until ``least`` of them
-    are seen). The ratio of a short estimate swings with a few ms of jitter (a 40 ms
+    By the estimate's size, three windows: every request's ratio (``value``); those of
+    estimates of at least ``mid_share`` of the TTFT SLO (``mid_value``, ``value`` until
+    ``least`` of them are seen); of at least ``near_share`` (``near_value``, else
+    ``mid_value``). The ratio of a short estimate swings with a few ms of jitter (a 40 ms
     estimate that took 60 is 1.5x), that of a long one with the node's speed; an estimate
     near the SLO, the only kind a tail can push past it, is scaled by the tail of its own
-    kind (``factor``)."""
+    kind (``factor``). In the evaluation, estimates under 100 ms came up to 2.5-3x late,
+    those over 800 ms at most 1.2x."""
 
     def __init__(
         self,
@@ -449,13 +451,16 @@ class ErrorTail:
         least: int = 5,
         lo: float = 0.5,
         hi: float = 4.0,
+        mid_share: float = 0.0625,
         near_share: float = 0.25,
     ) -> None:
         self.quantile, self.least, self.lo, self.hi = quantile, least, lo, hi
-        self.near_share = near_share
+        self.mid_share, self.near_share = mid_share, near_share
         self._ratios = RollingWindow(window)
+        self._mid = RollingWindow(window)
         self._near = RollingWindow(window)
         self.value = 1.0
+        self.mid_value = 1.0
         self.near_value = 1.0
 
     def _tail(self, ratios: RollingWindow) -> float:
@@ -475,15 +480,26 @@ class ErrorTail:
         ratios.append(ratio)
         if len(ratios) >= self.least:
             self.value = self._tail(ratios)
-        near = self._near
-        if slo_ms > 0 and estimated >= self.near_share * slo_ms:
+        mid, near = self._mid, self._near
+        to_mid = slo_ms > 0 and estimated >= self.mid_share * slo_ms
+        to_near = to_mid and estimated >= self.near_share * slo_ms
+        if to_mid:
+            mid.append(ratio)
+        if to_near:
             near.append(ratio)
-            if len(near) >= self.least:
-                self.near_value = self._tail(near)
-                return
+        # (a window's tail moves only when a ratio joins it; one with too few follows
+        # the window below it)
+        if len(mid) < self.least:
+            self.mid_value = self.value
+        elif to_mid:
+            self.mid_value = self._tail(mid)
         if len(near) < self.least:
-            self.near_value = self.value
+            self.near_value = self.mid_value
+        elif to_near:
+            self.near_value = self._tail(near)
 
     def factor(self, estimate: float, limit: float) -> float:
         """What admission scales ``estimate`` by before comparing it with ``limit``."""
-        return self.near_value if estimate >= self.near_share * limit else self.value
+        if estimate >= self.near_share * limit:
+            return self.near_value
+        return self.mid_value if estimate >= self.mid_share * limit else self.value

@@ -55,11 +55,12 @@ class ModelErrorCollector:
         tail = GaugeMetricFamily(
             "kvmesh_conductor_ttft_error_tail_ratio",
             "slow tail of actual / estimated TTFT that admission scales estimates by "
-            "(estimates: all, or near the SLO)",
+            "(estimates: all; of 1/16 of the TTFT SLO or more; of 1/4 or more)",
             labels=["route", "estimates"],
         )
         for route, t in self.sched.error_tail.items():
             tail.add_metric([route, "all"], t.value)
+            tail.add_metric([route, "mid"], t.mid_value)
             tail.add_metric([route, "near_slo"], t.near_value)
         speed = GaugeMetricFamily(
             "kvmesh_conductor_prefill_speed_ratio",

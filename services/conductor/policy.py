@@ -21,7 +21,7 @@ requests booked there whose first token comes earlier, less those ended by then)
 its TBT at that batch; a node whose TBT would break the SLO, or whose KV cannot hold the
 request, is out. Admission scales each TTFT estimate by the slow tail of actual /
 estimated on its route (``estimator.ErrorTail``; an estimate near the SLO by the tail of
-the estimates near it). If no pair meets both SLOs the request
+the estimates of its size). If no pair meets both SLOs the request
 is rejected before any work starts.
 
 Routes: ``colocated`` (a short prompt prefilled by the decode node itself: no transfer
@@ -308,8 +308,10 @@ class Scheduler:
         misses = Misses()
         for c in cands:
             # the estimate as late as the estimates on this route have lately turned out
-            et = tail[c.route]  # (ErrorTail.factor, inline: near the SLO, its own tail)
-            f = et.near_value if c.ttft_ms >= et.near_share * ttft_limit else et.value
+            et = tail[c.route]  # (ErrorTail.factor, inline: the tail of its size)
+            f = et.value
+            if c.ttft_ms >= et.mid_share * ttft_limit:
+                f = et.near_value if c.ttft_ms >= et.near_share * ttft_limit else et.mid_value
             if c.ttft_ms * f > ttft_limit:
                 misses.reason = misses.reason or "ttft"
                 if c.route != DISAGG:
