@@ -530,18 +530,20 @@ class NodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("node_id", "data_address", "region_id", "block_ids", "block_nbytes")
+    __slots__ = ("node_id", "data_address", "region_id", "block_ids", "block_nbytes", "held_blocks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     data_address: str
     region_id: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_nbytes: int
-    def __init__(self, node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., region_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
+    held_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., region_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_nbytes: _Optional[int] = ..., held_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "block_hashes", "target", "sampling", "deadline_ms", "expected_ms", "expected_computed_tokens")
@@ -582,26 +584,28 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., fetched_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., first_logprob: _Optional[float] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "prefill_here", "block_hashes")
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "block_hashes", "prefill_here")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     max_tokens: int
-    prefill_here: bool
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefill_here: _Optional[bool] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    prefill_here: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("target", "cached_tokens")
+    __slots__ = ("target", "cached_tokens", "prefix_pinned")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PINNED_FIELD_NUMBER: _ClassVar[int]
     target: KVTarget
     cached_tokens: int
-    def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    prefix_pinned: bool
+    def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., prefix_pinned: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token", "max_tokens", "sampling", "stop_token_ids", "prefill_here", "prompt_token_ids", "block_hashes")

@@ -184,28 +184,15 @@ def test_reserve_refuses_hashes_it_cannot_use(cluster):
     d = next(n for n in status(cluster.conductor).nodes if n.role == "decode")
     with grpc.insecure_channel(d.grpc_address) as ch:
         stub = pbg.DecodeNodeStub(ch)
-        for req, says in (
-            (
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Reserve(
                 pb.ReserveRequest(
-                    request_id="x1", prompt_tokens=BS, max_tokens=1, block_hashes=[b"h"]
+                    request_id="x2", prompt_tokens=BS, max_tokens=1, block_hashes=[b"a", b"b"]
                 ),
-                "prefill_here reservation only",
-            ),
-            (
-                pb.ReserveRequest(
-                    request_id="x2",
-                    prompt_tokens=BS,
-                    max_tokens=1,
-                    prefill_here=True,
-                    block_hashes=[b"a", b"b"],
-                ),
-                "at most one per full block",
-            ),
-        ):
-            with pytest.raises(grpc.RpcError) as e:
-                stub.Reserve(req, timeout=10)
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert says in e.value.details()
+                timeout=10,
+            )
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at most one per full block" in e.value.details()
         # a prefill_here reservation is computed here: a Decode waiting for KV is refused
         stub.Reserve(
             pb.ReserveRequest(request_id="x3", prompt_tokens=BS, max_tokens=2, prefill_here=True),
@@ -217,3 +204,85 @@ def test_reserve_refuses_hashes_it_cannot_use(cluster):
         assert "must set prefill_here" in e.value.details()
         after = stub.Status(pb.NodeStatusRequest(), timeout=5)
         assert after.kv_blocks_free == after.kv_blocks_total  # nothing held
+
+
+def test_a_disaggregated_reserve_shares_the_prefix_the_decode_node_holds(cluster):
+    """Disaggregated, a Reserve that names the prompt's block hashes pins the cached prefix
+    the decode node holds: two requests sharing it hold one copy, the prefill node writes
+    only the blocks after it, and the output is the single-process reference's."""
+    model = LlamaModel.from_preset("tiny", seed=0)
+    nodes = {n.role: n for n in status(cluster.conductor).nodes}
+    d, p = nodes["decode"], nodes["prefill"]
+    text = (" the shared system prompt of many users" * 10).encode()
+    prefix = list(TOK.encode(text.decode()))[: 10 * BS]
+    turns = [
+        prefix + list(TOK.encode(f" and question {i} of mine" * 3))[: 2 * BS + 5] for i in (1, 2)
+    ]
+    assert all(len(ids) == 12 * BS + 5 for ids in turns)
+    with grpc.insecure_channel(d.grpc_address) as dch, grpc.insecure_channel(p.grpc_address) as pch:
+        dstub, pstub = pbg.DecodeNodeStub(dch), pbg.PrefillNodeStub(pch)
+        _run_here(dstub, d.fingerprint, "shared-first", prefix, False)  # now cached there
+        free0 = dstub.Status(pb.NodeStatusRequest(), timeout=5).kv_blocks_free
+        targets, frees = [], []
+        for i, ids in enumerate(turns):
+            reserved = dstub.Reserve(
+                pb.ReserveRequest(
+                    request_id=f"shared-{i}",
+                    prompt_tokens=len(ids),
+                    max_tokens=4,
+                    block_hashes=prefix_hashes(bytes.fromhex(d.fingerprint), ids, BS),
+                ),
+                timeout=10,
+            )
+            assert reserved.prefix_pinned and reserved.cached_tokens == 10 * BS
+            assert reserved.target.held_blocks == 10
+            assert len(reserved.target.block_ids) == len(ids) // BS + 1 - 10
+            targets.append(reserved.target)
+            frees.append(dstub.Status(pb.NodeStatusRequest(), timeout=5).kv_blocks_free)
+        # the first pinned the cached prefix (10 blocks no longer evictable) and took 3;
+        # the second shares those 10 and takes only its own 3
+        assert free0 - frees[0] == 13 and frees[0] - frees[1] == 3
+        for i, ids in enumerate(turns):
+            hashes = prefix_hashes(bytes.fromhex(d.fingerprint), ids, BS)
+            presp = pstub.Prefill(
+                pb.PrefillRequest(
+                    request_id=f"shared-{i}",
+                    token_ids=ids,
+                    block_hashes=hashes,
+                    target=targets[i],
+                    sampling=pb.SamplingParams(ignore_eos=True),
+                ),
+                timeout=60,
+            )
+            out = [presp.first_token]
+            for m in dstub.Decode(
+                pb.DecodeRequest(
+                    request_id=f"shared-{i}",
+                    first_token=presp.first_token,
+                    max_tokens=4,
+                    prompt_token_ids=ids,
+                    block_hashes=hashes,
+                    sampling=pb.SamplingParams(ignore_eos=True),
+                ),
+                timeout=60,
+            ):
+                out.extend(m.token_ids)
+            assert out == model.reference_generate(ids, 4), i
+        after = dstub.Status(pb.NodeStatusRequest(), timeout=5)
+        assert after.kv_blocks_free == after.kv_blocks_total  # pins and blocks all back
+
+
+def test_a_prefill_node_refuses_a_target_holding_more_than_the_cached_prefix(cluster):
+    p = next(n for n in status(cluster.conductor).nodes if n.role == "prefill")
+    with grpc.insecure_channel(p.grpc_address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pbg.PrefillNodeStub(ch).Prefill(
+                pb.PrefillRequest(
+                    request_id="held-too-many",
+                    token_ids=[1] * (2 * BS),
+                    target=pb.KVTarget(held_blocks=2, block_ids=[0], block_nbytes=1),
+                ),
+                timeout=10,
+            )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more blocks than the prompt's cached prefix" in e.value.details()

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -68,15 +68,20 @@ class NodeCalls:
         rid: str,
         n: int,
         max_tokens: int,
-        prefill_here: list[bytes] | None = None,
+        hashes: Sequence[bytes] = (),
+        prefill_here: bool = False,
     ) -> pb.ReserveResponse:
-        """Reserves KV for ``rid`` on ``d``. ``prefill_here``: ``d`` computes the prompt
-        itself, and these are its full blocks' hashes: the node pins the cached prefix
-        they name before it takes blocks for the rest (``cached_tokens`` says how much)."""
-        req = pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens)
-        if prefill_here is not None:
-            req.prefill_here = True
-            req.block_hashes.extend(prefill_here)
+        """Reserves KV for ``rid`` on ``d``. ``hashes``: the prompt's full blocks'; the
+        node pins the cached prefix they name before it takes blocks for the rest
+        (``cached_tokens`` says how much; a prefill node writes only the rest).
+        ``prefill_here``: ``d`` computes the prompt itself."""
+        req = pb.ReserveRequest(
+            request_id=rid,
+            prompt_tokens=n,
+            max_tokens=max_tokens,
+            block_hashes=hashes,
+            prefill_here=prefill_here,
+        )
         try:
             return await self.view.decode_stub(d).Reserve(
                 req,
@@ -185,7 +190,10 @@ class NodeCalls:
                 await asyncio.shield(release)
                 att.rid, att.writers = f"{r.request_id}.retry{k}", []
                 try:
-                    att.target = await self.reserve(dnode, att.rid, len(tokens), req.max_tokens)
+                    reserved = await self.reserve(
+                        dnode, att.rid, len(tokens), req.max_tokens, r.hashes
+                    )
+                    att.target = reserved.target
                 except Rejected as e:  # no room for the retry ends the request
                     raise Rejected(
                         e.code,

@@ -405,12 +405,12 @@ class Conductor(Service):
         dnode = self.calls.node("decode", decode_node)
         local = d.route != DISAGG
         reserved = await self.calls.reserve(
-            dnode, rid, len(tokens), req.max_tokens, r.hashes if local else None
+            dnode, rid, len(tokens), req.max_tokens, r.hashes, prefill_here=local
         )
         att = Attempt(rid, reserved.target, [])
         decoded: list[bool] = []  # set once the Decode call ended (and freed it)
         try:
-            if local:
+            if local and reserved.prefix_pinned:  # (a node that did not pin says nothing)
                 bs = int(info["block_size"])
                 late = self.sched.held_locally(r, d, reserved.cached_tokens // bs)
                 record["estimated_ttft_ms"] = estimate.ttft_ms  # (the truth, if it moved)

@@ -3,11 +3,14 @@
 A request's life here:
   1. ``Reserve``: KV blocks for the prompt (and the first generated token) are taken
      from the pool at once, so a finished prefill never waits for decode memory ->
-     RESERVED; a reservation is owned by the conductor process that made it (its
+     RESERVED; the cached prefix the request's block hashes name is pinned first (one
+     copy of a shared prefix serves every request holding it; taking the rest cannot
+     evict it) and the target names only the blocks after it; a reservation is owned by the conductor process that made it (its
      incarnation, services.common.ownership) and freed when that process ends; one never
      used is reclaimed after ``reservation_timeout_s`` (``reservation_owned_timeout_s``
      while its owner lives);
-  2. the prefill node writes the prompt KV into those blocks over the transfer engine,
+  2. the prefill node writes the prompt KV into the blocks after the pinned prefix
+     over the transfer engine,
      layer by layer, then sends ``kv:<request id>`` as an ordered notify -> KV_READY;
      (on the colocated and decode-direct routes this node computes the prompt itself,
      reusing its own cached prefix, in chunks between decode steps);
@@ -141,11 +144,6 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 f"{len(req.block_hashes)} block hashes for a prompt of {req.prompt_tokens} "
                 f"tokens: at most one per full block of {node.cfg.block_size}",
             )
-        if req.block_hashes and not req.prefill_here:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "block_hashes are for a prefill_here reservation only",
-            )
         md = _metadata(context)
         try:
             res = node.reserve(
@@ -153,7 +151,8 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 req.prompt_tokens,
                 md.get(CONDUCTOR_MD, ""),
                 md.get(INCARNATION_MD, ""),
-                list(req.block_hashes) if req.prefill_here else None,
+                list(req.block_hashes),
+                req.prefill_here,
             )
         except OutOfBlocks:
             await context.abort(
@@ -166,10 +165,12 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 node_id=node.node_id,
                 data_address=node.te.address,
                 region_id=node.pool_region,
-                block_ids=[] if res.prefill_here else res.blocks,
+                block_ids=[] if res.prefill_here else res.blocks[res.pinned :],
                 block_nbytes=node.pool.block_nbytes,
+                held_blocks=0 if res.prefill_here else res.pinned,
             ),
             cached_tokens=res.pinned * node.cfg.block_size,
+            prefix_pinned=True,
         )
 
     async def Decode(self, req, context):
@@ -241,6 +242,8 @@ class DecodeServicer(pbg.DecodeNodeServicer):
             if req.max_tokens <= 1:
                 return
         else:
+            if res.pinned and (err := node.check_pinned(res)):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, err)
             try:
                 async with asyncio.timeout(node.cfg.kv_wait_s):
                     await res.kv_ready.wait()
@@ -397,19 +400,21 @@ class DecodeNode(ModelNode):
         prompt_tokens: int,
         conductor: str = "",
         incarnation: str = "",
-        prefill_here: list[bytes] | None = None,
+        hashes: list[bytes] | None = None,
+        prefill_here: bool = False,
     ) -> Reservation:
         """Blocks for the prompt and the first generated token; later ones come as the
         request grows (BatchScheduler). ``conductor``/``incarnation``: its owner.
-        ``prefill_here``: the prompt is computed on this node, and these are its blocks'
-        hashes; the cached prefix they name is pinned first and only the rest is taken
-        from the pool (which may evict others' blocks, never this prefix)."""
+        ``hashes``: the prompt's full blocks'; the cached prefix they name is pinned
+        first and only the rest is taken from the pool (which may evict others' blocks,
+        never this prefix); a prefill node writes only the rest. ``prefill_here``: this
+        node computes the prompt (no other node writes its blocks)."""
         bs = self.cfg.block_size
         n = prompt_tokens // bs + 1
         pinned: list[int] = []
-        if prefill_here is not None:
+        if hashes:
             # the last token is always computed: its block is never a cached one
-            pinned = self.pool.pin_prefix(prefill_here[: (prompt_tokens - 1) // bs])
+            pinned = self.pool.pin_prefix(hashes[: (prompt_tokens - 1) // bs])
         try:
             blocks = pinned + self.pool.allocate(n - len(pinned))
         except OutOfBlocks:
@@ -421,7 +426,7 @@ class DecodeNode(ModelNode):
             blocks,
             conductor=conductor,
             incarnation=incarnation,
-            prefill_here=prefill_here is not None,
+            prefill_here=prefill_here,
             pinned=len(pinned),
         )
         if res.prefill_here:
@@ -482,6 +487,24 @@ class DecodeNode(ModelNode):
             return f"token ids must be in [0, {self.model_config.vocab_size})"
         if len(req.block_hashes) > n // bs:
             return "more block hashes than full blocks"
+        return None
+
+    def check_pinned(self, res: Reservation) -> str | None:
+        """Why the prefix blocks ``res`` pinned by hash at Reserve do not hold its prompt
+        (its Decode's hashes and tokens), or None: a prefill node wrote only the blocks
+        after them, so they must."""
+        bs, cache = self.cfg.block_size, self.pool.prefix_cache
+        for i in range(res.pinned):
+            want = (
+                res.hashes[i] if i < len(res.hashes) else None,
+                tuple(res.prompt_ids[i * bs : (i + 1) * bs]),
+            )
+            if cache.cached_as(res.blocks[i]) != want:
+                return (
+                    f"request {res.request_id}: the prefix block {i} pinned at Reserve by its "
+                    f"hash holds other tokens than the prompt's, or the Decode call's "
+                    f"block_hashes differ from the Reserve's; retry the request"
+                )
         return None
 
     async def prefill_here(self, res: Reservation, sampling: Sampling):

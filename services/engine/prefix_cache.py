@@ -74,6 +74,11 @@ class PrefixCache:
         """Whether ``block_id`` currently holds a cached prefix block."""
         return block_id in self._by_block
 
+    def cached_as(self, block_id: int) -> tuple[bytes, tuple[int, ...]] | None:
+        """The hash and token ids ``block_id`` is cached under (None if it is not)."""
+        e = self._by_block.get(block_id)
+        return None if e is None else (e.block_hash, e.token_ids)
+
     def block_for(self, block_hash: bytes) -> int | None:
         """Block id cached under ``block_hash`` (no reference taken, no LRU touch)."""
         e = self._by_hash.get(block_hash)

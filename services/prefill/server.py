@@ -82,7 +82,9 @@ class _Timing:
 @dataclass
 class _Handoff:
     """The writes of one request's KV into the decode node's reserved blocks: the prefix
-    blocks whole, at once; then each layer of every new block as soon as it is computed."""
+    blocks whole, at once; then each layer of every new block as soon as it is computed.
+    The first ``target.held_blocks`` blocks the decode node holds already: none of them
+    is written (prompt block ``i`` goes to ``target.block_ids[i - held_blocks]``)."""
 
     te: object  # the node's TransferEngine
     pool: KVPool
@@ -95,9 +97,10 @@ class _Handoff:
     clean: bool = True  # no write failed (set when a failed request has settled)
 
     def send_prefix(self) -> None:
-        if not self.first_new:
-            return
         t, pool = self.target, self.pool
+        held = t.held_blocks
+        if self.first_new <= held:
+            return
         self.transfers.append(
             self.te.write(
                 t.data_address,
@@ -106,10 +109,10 @@ class _Handoff:
                         self.region,
                         pool.block_offset(self.table[i]),
                         t.region_id,
-                        t.block_ids[i] * t.block_nbytes,
+                        t.block_ids[i - held] * t.block_nbytes,
                         pool.block_nbytes,
                     )
-                    for i in range(self.first_new)
+                    for i in range(held, self.first_new)
                 ],
             )
         )
@@ -118,8 +121,11 @@ class _Handoff:
         """Layer ``layer`` of the blocks holding positions ``lo..hi-1`` (one chunk of the
         prefill: ``lo`` on a block boundary, ``hi`` too unless it ends the prompt)."""
         t, pool = self.target, self.pool
-        bs = pool.block_size
-        first, end = max(self.first_new, lo // bs), min(len(self.table), -(-hi // bs))
+        bs, held = pool.block_size, t.held_blocks
+        first = max(self.first_new, lo // bs, held)
+        end = min(len(self.table), -(-hi // bs))
+        if first >= end:  # a chunk of the prefix the decode node holds: nothing to send
+            return
         self.layer_events.append(
             (f"layer {layer} sent", time.time_ns(), {"layer": layer, "from": lo, "to": hi})
         )
@@ -131,7 +137,7 @@ class _Handoff:
                         self.region,
                         pool.layer_offset(self.table[i], layer),
                         t.region_id,
-                        t.block_ids[i] * t.block_nbytes + layer * pool.layer_nbytes,
+                        t.block_ids[i - held] * t.block_nbytes + layer * pool.layer_nbytes,
                         pool.layer_nbytes,
                     )
                     for i in range(first, end)
@@ -233,7 +239,12 @@ class PrefillNode(ModelNode):
         if len(req.block_hashes) > n // bs:
             return "Prefill: more block hashes than full blocks"
         t = req.target
-        if len(t.block_ids) < -(-n // bs) or t.block_nbytes != self.pool.block_nbytes:
+        if t.held_blocks > (n - 1) // bs:
+            return "Prefill: target holds more blocks than the prompt's cached prefix can be"
+        if (
+            t.held_blocks + len(t.block_ids) < -(-n // bs)
+            or t.block_nbytes != self.pool.block_nbytes
+        ):
             return "Prefill: target has too few blocks or another KV layout"
         return Sampling.from_proto(req.sampling).validate(self.model_config.vocab_size)
 
