@@ -182,6 +182,9 @@ class ModelNode(Service):
             "layer_nbytes": self.pool.layer_nbytes,
             "num_layers": mc.num_layers,
             "profile": self.profile,
+            # writes only the blocks after a KVTarget's held_blocks (a decode node pins a
+            # cached prefix for a disaggregated request only where every prefill node does)
+            "kv_target_held_blocks": True,
         }
 
     async def after_start(self) -> None:

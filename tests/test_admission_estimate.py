@@ -162,16 +162,16 @@ def test_admission_allows_for_how_late_recent_estimates_came():
 def test_an_estimate_is_scaled_by_the_tail_of_estimates_of_its_size():
     tail = ErrorTail(least=3)
     for _ in range(5):  # short ones (< 1/16 of the SLO): a few ms of jitter doubles them
-        tail.add(20, 40, slo_ms=1000)
+        tail.add(20, 40, limit=1000)
     assert tail.value == pytest.approx(2.0)
     # none of the other sizes yet: each follows the one below it
     assert tail.mid_value == pytest.approx(2.0) and tail.near_value == pytest.approx(2.0)
     for _ in range(3):  # 1/16 to 1/4 of the SLO: 30% late
-        tail.add(100, 130, slo_ms=1000)
+        tail.add(100, 130, limit=1000)
     assert tail.mid_value == pytest.approx(1.3)
     assert tail.near_value == pytest.approx(1.3)  # (no near one yet: the mid tail)
     for _ in range(3):  # a quarter of the SLO or more: 10% late
-        tail.add(500, 550, slo_ms=1000)
+        tail.add(500, 550, limit=1000)
     assert tail.value == pytest.approx(2.0) and tail.near_value == pytest.approx(1.1)
     assert tail.mid_value == pytest.approx(1.3)  # (the near ones are mid ones too)
     assert tail.factor(600, 950) == pytest.approx(1.1)
@@ -183,8 +183,8 @@ def test_an_estimate_is_scaled_by_the_tail_of_estimates_of_its_size():
     # and where the long ones are the late ones, they are scaled by more, not less
     slow = ErrorTail(least=3)
     for _ in range(5):
-        slow.add(20, 20, slo_ms=1000)
-        slow.add(800, 2400, slo_ms=1000)
+        slow.add(20, 20, limit=1000)
+        slow.add(800, 2400, limit=1000)
     assert slow.factor(900, 950) == pytest.approx(3.0)
 
 
@@ -192,12 +192,14 @@ def test_admission_scales_a_near_slo_estimate_by_the_near_tail():
     s = make()
     et = ErrorTail(least=1)
     s.error_tail[DISAGG] = et
-    et.add(10, 20, slo_ms=1000)  # a short estimate came twice late: every estimate x2
+    et.add(10, 20, limit=1000)  # a short estimate came twice late: every estimate x2
     assert not s.decide(req("x", ttft=40.0)).accepted  # 26 ms x 2 > 40
-    et.add(26, 27, slo_ms=40)  # one of this size came 4% late
-    d = s.decide(req("y", ttft=40.0))  # 26 >= 40 / 4: scaled by 27/26, not by 2
+    et.add(5, 15, limit=40)  # one of 1/16 to 1/4 of the SLO came 3x late
+    assert et.mid_value == pytest.approx(3.0)
+    et.add(26, 27, limit=40)  # one of a quarter or more came 4% late
+    d = s.decide(req("y", ttft=40.0))  # 26 >= 40 / 4: scaled by 27/26, not by 3 or 2
     assert d.accepted, d.message
-    et.add(26, 52, slo_ms=40)  # and one came twice late: refused, and the message says x2
+    et.add(26, 52, limit=40)  # and one came twice late: refused, and the message says x2
     d = s.decide(req("z", ttft=40.0))
     assert not d.accepted and "x2.00" in d.message
 

@@ -242,6 +242,21 @@ def test_a_disaggregated_reserve_shares_the_prefix_the_decode_node_holds(cluster
         # the first pinned the cached prefix (10 blocks no longer evictable) and took 3;
         # the second shares those 10 and takes only its own 3
         assert free0 - frees[0] == 13 and frees[0] - frees[1] == 3
+        # a third, the first's prompt again, reserved now: the decode node holds the
+        # prefix only, the prefill node will hold the first's question blocks too, and
+        # sends those two from its cache (prompt blocks 10 and 11 to the target's 0, 1)
+        reserved = dstub.Reserve(
+            pb.ReserveRequest(
+                request_id="shared-2",
+                prompt_tokens=len(turns[0]),
+                max_tokens=4,
+                block_hashes=prefix_hashes(bytes.fromhex(d.fingerprint), turns[0], BS),
+            ),
+            timeout=10,
+        )
+        assert reserved.target.held_blocks == 10
+        targets.append(reserved.target)
+        turns.append(turns[0])
         for i, ids in enumerate(turns):
             hashes = prefix_hashes(bytes.fromhex(d.fingerprint), ids, BS)
             presp = pstub.Prefill(
@@ -268,8 +283,93 @@ def test_a_disaggregated_reserve_shares_the_prefix_the_decode_node_holds(cluster
             ):
                 out.extend(m.token_ids)
             assert out == model.reference_generate(ids, 4), i
+            if i == 2:
+                assert presp.cached_tokens == 12 * BS  # (it did send from its cache)
         after = dstub.Status(pb.NodeStatusRequest(), timeout=5)
         assert after.kv_blocks_free == after.kv_blocks_total  # pins and blocks all back
+
+
+def test_pinned_blocks_that_are_not_the_prompts_are_never_used_or_leaked(cluster):
+    """Blocks pinned by the Reserve's hashes that the Decode's prompt does not bear out:
+    computed here, they are replaced by fresh ones (the output is the prompt's own);
+    written by a prefill node, the Decode is refused and every block comes back."""
+    model = LlamaModel.from_preset("tiny", seed=0)
+    nodes = {n.role: n for n in status(cluster.conductor).nodes}
+    d, p = nodes["decode"], nodes["prefill"]
+    fp = bytes.fromhex(d.fingerprint)
+    cached = list(TOK.encode(" a prompt this node holds" * 20))[: 6 * BS]
+    other = list(TOK.encode(" another prompt it does not" * 20))[: 6 * BS + 3]
+    with grpc.insecure_channel(d.grpc_address) as dch, grpc.insecure_channel(p.grpc_address) as pch:
+        dstub, pstub = pbg.DecodeNodeStub(dch), pbg.PrefillNodeStub(pch)
+        _run_here(dstub, d.fingerprint, "held", cached, False)
+        wrong = prefix_hashes(fp, cached + [1] * 3, BS)  # names the cached blocks
+        reserved = dstub.Reserve(
+            pb.ReserveRequest(
+                request_id="mixed-here",
+                prompt_tokens=len(other),
+                max_tokens=3,
+                block_hashes=wrong,
+                prefill_here=True,
+            ),
+            timeout=10,
+        )
+        assert reserved.cached_tokens == 6 * BS
+        msgs = list(
+            dstub.Decode(
+                pb.DecodeRequest(
+                    request_id="mixed-here",
+                    max_tokens=3,
+                    prefill_here=True,
+                    prompt_token_ids=other,
+                    block_hashes=prefix_hashes(fp, other, BS),
+                    sampling=pb.SamplingParams(ignore_eos=True),
+                ),
+                timeout=60,
+            )
+        )
+        assert msgs[0].prefill.cached_tokens == 0  # none of the pinned blocks was used
+        assert [t for m in msgs for t in m.token_ids] == model.reference_generate(other, 3)
+        # disaggregated: the prefill node writes the blocks after the pinned ones, and
+        # the Decode names the prompt's own hashes: refused, nothing kept or cached
+        reserved = dstub.Reserve(
+            pb.ReserveRequest(
+                request_id="mixed-disagg",
+                prompt_tokens=len(other),
+                max_tokens=3,
+                block_hashes=wrong,
+            ),
+            timeout=10,
+        )
+        assert reserved.target.held_blocks == 6
+        pstub.Prefill(
+            pb.PrefillRequest(
+                request_id="mixed-disagg",
+                token_ids=other,
+                block_hashes=prefix_hashes(fp, other, BS),
+                target=reserved.target,
+            ),
+            timeout=60,
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            list(
+                dstub.Decode(
+                    pb.DecodeRequest(
+                        request_id="mixed-disagg",
+                        max_tokens=3,
+                        prompt_token_ids=other,
+                        block_hashes=prefix_hashes(fp, other, BS),
+                    ),
+                    timeout=60,
+                )
+            )
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "holds other tokens than the prompt's" in e.value.details()
+        after = dstub.Status(pb.NodeStatusRequest(), timeout=5)
+        assert after.kv_blocks_free == after.kv_blocks_total  # every block came back
+        # and the prefix it holds is still the right one
+        _, first = _run_here(dstub, d.fingerprint, "held-again", cached + [7] * 3, True)
+        assert first.prefill.cached_tokens == 6 * BS
+        assert list(first.token_ids) == model.reference_generate(cached + [7] * 3, 1)
 
 
 def test_a_prefill_node_refuses_a_target_holding_more_than_the_cached_prefix(cluster):

@@ -228,8 +228,11 @@ def test_a_local_prefix_gone_past_the_slo_is_refused_with_why():
     d = s.decide(r)
     assert d.route == DIRECT
     s.commit(r, d)
-    why = s.held_locally(r, d, 0)  # 10 + 0.1 * 320 = 42 ms of compute: past 40
-    assert why is not None and "holds 0 of the 18 prefix blocks" in why
+    late = s.held_locally(r, d, 0)  # 10 + 0.1 * 320 = 42 ms of compute: past 40 x 0.95
+    assert late is not None
+    why, retry = late
+    assert "holds 0 of the 18 prefix blocks" in why and "first token at 47 ms" in why
+    assert retry == pytest.approx(50.0)  # (47 - 38 = 9: at least 50)
     s.request_done(r, d)
     assert s.decode["d0"].local_queue_ms == 0.0
 

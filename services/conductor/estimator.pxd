@@ -107,6 +107,6 @@ cdef class ErrorTail:
     @cython.locals(r=list, last=Py_ssize_t, i=Py_ssize_t, q=double)
     cdef double _tail(self, RollingWindow ratios) except? -1.0
     @cython.locals(ratios=RollingWindow, mid=RollingWindow, near=RollingWindow, ratio=double,
-                   to_mid=bint, to_near=bint)
-    cpdef add(self, object estimated, object actual, double slo_ms=*)
+                   sz=double, to_mid=bint, to_near=bint)
+    cpdef add(self, object estimated, object actual, double limit=*, object size=*)
     cpdef double factor(self, double estimate, double limit)

@@ -470,9 +470,12 @@ class ErrorTail:
         q = q if q > self.lo else self.lo  # max(lo, q), written out: every booking
         return q if q < self.hi else self.hi  # min(hi, q)
 
-    def add(self, estimated: float, actual: float, slo_ms: float = 0.0) -> None:
-        """One accepted request's estimated and actual TTFT; ``slo_ms``: its TTFT SLO
-        (0: none known, the ratio joins the first window only)."""
+    def add(
+        self, estimated: float, actual: float, limit: float = 0.0, size: float | None = None
+    ) -> None:
+        """One accepted request's estimated and actual TTFT. Its size is ``size`` (by
+        default ``estimated``) against ``limit`` (0: none known, the ratio joins the first
+        window only), as admission sized it (``factor``)."""
         if not (estimated > 0 and actual > 0):
             return
         ratios = self._ratios
@@ -481,8 +484,9 @@ class ErrorTail:
         if len(ratios) >= self.least:
             self.value = self._tail(ratios)
         mid, near = self._mid, self._near
-        to_mid = slo_ms > 0 and estimated >= self.mid_share * slo_ms
-        to_near = to_mid and estimated >= self.near_share * slo_ms
+        sz = estimated if size is None else size
+        to_mid = limit > 0 and sz >= self.mid_share * limit
+        to_near = to_mid and sz >= self.near_share * limit
         if to_mid:
             mid.append(ratio)
         if to_near:

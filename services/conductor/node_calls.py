@@ -38,6 +38,7 @@ class Attempt:
     rid: str
     target: pb.KVTarget
     writers: list[str]
+    hashes: Sequence[bytes] = ()  # named at Reserve: the decode node pins their prefix
 
 
 class NodeCalls:
@@ -191,7 +192,7 @@ class NodeCalls:
                 att.rid, att.writers = f"{r.request_id}.retry{k}", []
                 try:
                     reserved = await self.reserve(
-                        dnode, att.rid, len(tokens), req.max_tokens, r.hashes
+                        dnode, att.rid, len(tokens), req.max_tokens, att.hashes
                     )
                     att.target = reserved.target
                 except Rejected as e:  # no room for the retry ends the request

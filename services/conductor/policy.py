@@ -502,19 +502,23 @@ class Scheduler:
             self.ttft_error.add(c.ttft_ms, ttft_ms)
             window = self._residuals[d.route]
             et = self.error_tail[d.route]
-            et.add(c.ttft_ms + r.ttft_spent_ms, ttft_ms, r.ttft_slo_ms + r.ttft_spent_ms)
+            # (its window by its size as admission judged it: ``_admit``)
+            et.add(
+                c.ttft_ms + r.ttft_spent_ms, ttft_ms, r.ttft_slo_ms * self.cfg.slo_margin, c.ttft_ms
+            )
             if node_ms is not None:  # what neither the queue nor the slot explains
                 window.append(ttft_ms - (node_queue_ms or 0.0) - node_ms)
             else:
                 window.append(ttft_ms - (c.ttft_ms - self.overhead_ms[d.route]))
             self.overhead_ms[d.route] = min(max(window.median(), 0.0), 1000.0)
 
-    def held_locally(self, r: Request, d: Decision, cached_blocks: int) -> str | None:
+    def held_locally(self, r: Request, d: Decision, cached_blocks: int) -> tuple[str, float] | None:
         """The decode node of an accepted colocated or decode-direct decision pinned
         ``cached_blocks`` of the prompt's prefix at ``Reserve``. Fewer than the estimate
         counted on (evicted since the index last heard) make the prompt's compute
         longer: the estimate and the booking take the truth, and admission's TTFT rule
-        is asked again. Returns why the request now misses its TTFT SLO, else None."""
+        is asked again. Returns why the request now misses its TTFT SLO and the ms after
+        which a retry may not, else None."""
         c, decode_node = d.booked()
         dn = self.decode.get(decode_node)
         if d.route == DISAGG or dn is None or cached_blocks >= c.cached_blocks:
@@ -529,13 +533,17 @@ class Scheduler:
         c.prefill_ms, c.work_ms, c.cached_blocks = prefill_ms, work, cached_blocks
         dn.book_local(r.request_id, prefill_ms)
         limit = r.ttft_slo_ms * self.cfg.slo_margin
-        if c.ttft_ms * self.error_tail[c.route].factor(c.ttft_ms, limit) <= limit:
+        f = self.error_tail[c.route].factor(c.ttft_ms, limit)
+        if c.ttft_ms * f <= limit:
             return None
         return (
             f"decode node {decode_node} holds {cached_blocks} of the {counted} prefix blocks "
-            f"its estimate ({was:.0f} ms) counted on (evicted since); computing the rest "
-            f"there puts the first token at {c.ttft_ms:.0f} ms, past the TTFT SLO of "
-            f"{r.ttft_slo_ms:.0f} ms; retry"
+            f"its estimate ({was:.0f} ms) counted on (evicted since): computing the rest "
+            f"there puts the first token at {c.ttft_ms:.0f} ms, counted x{f:.2f} (how late "
+            f"recent TTFTs came against their estimates), past the TTFT SLO of "
+            f"{_ms(r.ttft_slo_ms + r.ttft_spent_ms)} ms within a margin of "
+            f"{self.cfg.slo_margin:g}",
+            max(c.ttft_ms * f - limit, 50.0),
         )
 
     def request_done(self, r: Request, d: Decision, output_tokens: int | None = None) -> None:

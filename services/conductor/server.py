@@ -404,10 +404,14 @@ class Conductor(Service):
         estimate, decode_node = d.booked()
         dnode = self.calls.node("decode", decode_node)
         local = d.route != DISAGG
+        # disaggregated, the decode node may keep its cached prefix and have only the rest
+        # written, if every prefill node that may write it (a retry's too) knows how
+        share = local or all(n.raw.get("kv_target_held_blocks") for n in self.view.nodes("prefill"))
+        hashes = r.hashes if share else ()
         reserved = await self.calls.reserve(
-            dnode, rid, len(tokens), req.max_tokens, r.hashes, prefill_here=local
+            dnode, rid, len(tokens), req.max_tokens, hashes, prefill_here=local
         )
-        att = Attempt(rid, reserved.target, [])
+        att = Attempt(rid, reserved.target, [], hashes)
         decoded: list[bool] = []  # set once the Decode call ended (and freed it)
         try:
             if local and reserved.prefix_pinned:  # (a node that did not pin says nothing)
@@ -415,10 +419,11 @@ class Conductor(Service):
                 late = self.sched.held_locally(r, d, reserved.cached_tokens // bs)
                 record["estimated_ttft_ms"] = estimate.ttft_ms  # (the truth, if it moved)
                 if late:  # the index counted on blocks the node no longer holds
+                    why, retry = late
                     raise Rejected(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        late,
-                        (("kvmesh-reject-reason", "ttft"),),
+                        f"{why}; retry after {retry:.0f} ms",
+                        (("retry-after-ms", f"{retry:.0f}"), ("kvmesh-reject-reason", "ttft")),
                     )
             async for resp in self._serve_reserved(
                 r, d, req, tokens, t_arrival, record, info, dnode, att, decoded

@@ -175,7 +175,11 @@ class BatchScheduler:
             return
         tokens, hashes = got
         bs = self.bs
+        cache = self.pool.prefix_cache
         for i, h in enumerate(hashes[: len(res.blocks)]):
+            was = cache.cached_as(res.blocks[i])
+            if was is not None and was[0] != h:
+                break  # a pinned block under another hash: the chain is not this one's
             self.pool.insert(
                 h,
                 res.blocks[i],
@@ -191,9 +195,11 @@ class BatchScheduler:
             return
         if self.mirror is not None:  # at once when no step runs (nothing reads the mirror)
             self.mirror.drop(res, at_once=not self._in_step)
-        self.cache_blocks(res)
-        self.pool.free(res.blocks)
-        res.blocks = []
+        try:
+            self.cache_blocks(res)
+        finally:  # (whatever caching makes of it, the blocks go back)
+            self.pool.free(res.blocks)
+            res.blocks = []
         self._wake.set()  # a preempted request may fit now
 
     def _free_deferred(self) -> None:

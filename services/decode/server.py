@@ -243,6 +243,7 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 return
         else:
             if res.pinned and (err := node.check_pinned(res)):
+                res.prompt_ids, res.hashes = [], []  # (nothing of it may enter the cache)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, err)
             try:
                 async with asyncio.timeout(node.cfg.kv_wait_s):

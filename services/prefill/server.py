@@ -451,7 +451,7 @@ class PrefillNode(ModelNode):
         self, n: int, start: int, handoff: _Handoff, timing: _Timing, prefill_ms: float
     ) -> None:
         """Metrics, spans and the node event of one finished prefill."""
-        handoff_bytes = len(handoff.table) * self.pool.block_nbytes
+        handoff_bytes = (len(handoff.table) - handoff.target.held_blocks) * self.pool.block_nbytes
         kvm.PREFILL_SECONDS.observe(prefill_ms / 1000)
         kvm.observe_transfer("handoff", handoff_bytes, time.perf_counter() - timing.started)
         record_span(
