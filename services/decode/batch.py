@@ -57,9 +57,10 @@ class Reservation:
     # those that may have been asked to (named at Release; None = unknown, fence them)
     dropped: set[str] = field(default_factory=set)
     writers: frozenset[str] | None = None
-    # computed here (Reserve said prefill_here): no other node may write its blocks, and
-    # its first ``pinned`` blocks are cached prefix blocks pinned by hash at Reserve
+    # computed here (Reserve said prefill_here): no other node may write its blocks
     prefill_here: bool = False
+    # its first ``pinned`` blocks are cached prefix blocks pinned by hash at Reserve
+    # (shared with other requests: never written, by a prefill node or by this one)
     pinned: int = 0
 
     def writes_ended(self) -> bool:

@@ -5,10 +5,11 @@ A request's life here:
      from the pool at once, so a finished prefill never waits for decode memory ->
      RESERVED; the cached prefix the request's block hashes name is pinned first (one
      copy of a shared prefix serves every request holding it; taking the rest cannot
-     evict it) and the target names only the blocks after it; a reservation is owned by the conductor process that made it (its
-     incarnation, services.common.ownership) and freed when that process ends; one never
-     used is reclaimed after ``reservation_timeout_s`` (``reservation_owned_timeout_s``
-     while its owner lives);
+     evict it) and the target names only the blocks after it; a reservation is owned
+     by the conductor process that made it (its incarnation,
+     services.common.ownership) and freed when that process ends; one never used is
+     reclaimed after ``reservation_timeout_s`` (``reservation_owned_timeout_s`` while
+     its owner lives);
   2. the prefill node writes the prompt KV into the blocks after the pinned prefix
      over the transfer engine,
      layer by layer, then sends ``kv:<request id>`` as an ordered notify -> KV_READY;
