@@ -160,7 +160,7 @@ def test_admission_allows_for_how_late_recent_estimates_came():
 
 
 def test_an_estimate_is_scaled_by_the_tail_of_estimates_of_its_size():
-    tail = ErrorTail(least=3)
+    tail = ErrorTail(least=3, least_sized=3)
     for _ in range(5):  # short ones (< 1/16 of the SLO): a few ms of jitter doubles them
         tail.add(20, 40, limit=1000)
     assert tail.value == pytest.approx(2.0)
@@ -181,16 +181,27 @@ def test_an_estimate_is_scaled_by_the_tail_of_estimates_of_its_size():
         tail.add(20, 20)
     assert tail.near_value == pytest.approx(1.1) and tail.mid_value == pytest.approx(1.3)
     # and where the long ones are the late ones, they are scaled by more, not less
-    slow = ErrorTail(least=3)
+    slow = ErrorTail(least=3, least_sized=3)
     for _ in range(5):
         slow.add(20, 20, limit=1000)
         slow.add(800, 2400, limit=1000)
     assert slow.factor(900, 950) == pytest.approx(3.0)
 
 
+def test_a_window_of_a_size_counts_only_once_it_holds_enough_ratios():
+    tail = ErrorTail(least=3, least_sized=4)
+    for _ in range(5):
+        tail.add(20, 40, limit=1000)
+    for _ in range(3):  # the worst of three near ones is no tail yet: the tail of all
+        tail.add(500, 510, limit=1000)
+    assert tail.near_value == pytest.approx(2.0) and tail.factor(600, 950) == 2.0
+    tail.add(500, 510, limit=1000)
+    assert tail.near_value == pytest.approx(1.02)
+
+
 def test_admission_scales_a_near_slo_estimate_by_the_near_tail():
     s = make()
-    et = ErrorTail(least=1)
+    et = ErrorTail(least=1, least_sized=1)
     s.error_tail[DISAGG] = et
     et.add(10, 20, limit=1000)  # a short estimate came twice late: every estimate x2
     assert not s.decide(req("x", ttft=40.0)).accepted  # 26 ms x 2 > 40

@@ -93,6 +93,7 @@ cdef double _median_of(double[::1] ring, Py_ssize_t count, double[::1] out)
 cdef class ErrorTail:
     cdef public double quantile
     cdef public long least
+    cdef public long least_sized
     cdef public double lo
     cdef public double hi
     cdef public double mid_share

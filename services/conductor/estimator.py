@@ -437,8 +437,8 @@ class ErrorTail:
 
     By the estimate's size, three windows: every request's ratio (``value``); those of
     estimates of at least ``mid_share`` of the TTFT SLO (``mid_value``, ``value`` until
-    ``least`` of them are seen); of at least ``near_share`` (``near_value``, else
-    ``mid_value``). The ratio of a short estimate swings with a few ms of jitter (a 40 ms
+    ``least_sized`` of them are seen: the worst of a few is no tail); of at least
+    ``near_share`` (``near_value``, else ``mid_value``). The ratio of a short estimate swings with a few ms of jitter (a 40 ms
     estimate that took 60 is 1.5x), that of a long one with the node's speed; an estimate
     near the SLO, the only kind a tail can push past it, is scaled by the tail of its own
     kind (``factor``). In the evaluation, estimates under 100 ms came up to 2.5-3x late,
@@ -453,8 +453,10 @@ class ErrorTail:
         hi: float = 4.0,
         mid_share: float = 0.0625,
         near_share: float = 0.25,
+        least_sized: int = 20,
     ) -> None:
         self.quantile, self.least, self.lo, self.hi = quantile, least, lo, hi
+        self.least_sized = least_sized
         self.mid_share, self.near_share = mid_share, near_share
         self._ratios = RollingWindow(window)
         self._mid = RollingWindow(window)
@@ -493,11 +495,11 @@ class ErrorTail:
             near.append(ratio)
         # (a window's tail moves only when a ratio joins it; one with too few follows
         # the window below it)
-        if len(mid) < self.least:
+        if len(mid) < self.least_sized:
             self.mid_value = self.value
         elif to_mid:
             self.mid_value = self._tail(mid)
-        if len(near) < self.least:
+        if len(near) < self.least_sized:
             self.near_value = self.mid_value
         elif to_near:
             self.near_value = self._tail(near)
