@@ -179,7 +179,9 @@ class Etcd:
                 raise RuntimeError(f"etcd exited with {code} (log: {self.log_path})")
             if self._healthy(client):
                 ports = listening_ports(self.proc.pid)
-                if ports is None or self.client_port in ports:
+                # None: /proc cannot tell, trusted only while etcd still runs (it reads
+                # None too once etcd has exited, failing to bind the port /health hit)
+                if self.proc.poll() is None and (ports is None or self.client_port in ports):
                     return
                 # /health was answered by whoever else holds the port; ours will exit
             time.sleep(0.1)
