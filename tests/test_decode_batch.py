@@ -386,3 +386,79 @@ def test_a_prefill_node_refuses_a_target_holding_more_than_the_cached_prefix(clu
             )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "more blocks than the prompt's cached prefix" in e.value.details()
+
+
+def test_a_request_shares_the_prompt_blocks_of_one_still_decoding(cluster):
+    """The prompt's full blocks enter the decode node's prefix cache once its KV is in
+    place, not when the request ends: a request sharing the prefix that reserves while
+    the first still decodes pins those blocks (one copy, no write of them) and gets the
+    single-process reference's tokens; every block comes back after both."""
+    model = LlamaModel.from_preset("tiny", seed=0)
+    nodes = {n.role: n for n in status(cluster.conductor).nodes}
+    d, p = nodes["decode"], nodes["prefill"]
+    fp = bytes.fromhex(d.fingerprint)
+    prefix = list(TOK.encode(" a system prompt held while it decodes" * 8))[: 10 * BS]
+    first = prefix + list(TOK.encode(" the first user's question"))[:5]
+    second = prefix + list(TOK.encode(" another user's longer question" * 2))[: BS + 3]
+    with grpc.insecure_channel(d.grpc_address) as dch, grpc.insecure_channel(p.grpc_address) as pch:
+        dstub, pstub = pbg.DecodeNodeStub(dch), pbg.PrefillNodeStub(pch)
+
+        def reserve(rid: str, ids: list[int], max_tokens: int) -> pb.ReserveResponse:
+            return dstub.Reserve(
+                pb.ReserveRequest(
+                    request_id=rid,
+                    prompt_tokens=len(ids),
+                    max_tokens=max_tokens,
+                    block_hashes=prefix_hashes(fp, ids, BS),
+                ),
+                timeout=10,
+            )
+
+        def prefill(rid: str, ids: list[int], target: pb.KVTarget) -> pb.PrefillResponse:
+            return pstub.Prefill(
+                pb.PrefillRequest(
+                    request_id=rid,
+                    token_ids=ids,
+                    block_hashes=prefix_hashes(fp, ids, BS),
+                    target=target,
+                    sampling=pb.SamplingParams(ignore_eos=True),
+                ),
+                timeout=60,
+            )
+
+        def decode(rid: str, ids: list[int], presp: pb.PrefillResponse, max_tokens: int):
+            return dstub.Decode(
+                pb.DecodeRequest(
+                    request_id=rid,
+                    first_token=presp.first_token,
+                    max_tokens=max_tokens,
+                    prompt_token_ids=ids,
+                    block_hashes=prefix_hashes(fp, ids, BS),
+                    sampling=pb.SamplingParams(ignore_eos=True),
+                ),
+                timeout=120,
+            )
+
+        long_run = 120  # decodes long after the second's Reserve
+        a = reserve("held-a", first, long_run)
+        assert a.cached_tokens == 0  # (a prefix no request on the node computed yet)
+        a_first = prefill("held-a", first, a.target)
+        a_stream = decode("held-a", first, a_first, long_run)
+        a_out = [a_first.first_token, *next(a_stream).token_ids]  # it is in the batch now
+        free0 = dstub.Status(pb.NodeStatusRequest(), timeout=5).kv_blocks_free
+        b = reserve("held-b", second, 4)
+        during = dstub.Status(pb.NodeStatusRequest(), timeout=5)
+        assert during.running >= 1  # the first still decodes
+        assert b.prefix_pinned and b.cached_tokens == 10 * BS
+        assert b.target.held_blocks == 10 and len(b.target.block_ids) == 2
+        assert free0 - during.kv_blocks_free <= 2  # its own blocks only, not a copy
+        b_first = prefill("held-b", second, b.target)
+        b_out = [b_first.first_token]
+        for m in decode("held-b", second, b_first, 4):
+            b_out.extend(m.token_ids)
+        for m in a_stream:
+            a_out.extend(m.token_ids)
+        assert b_out == model.reference_generate(second, 4)
+        assert a_out == model.reference_generate(first, long_run)
+        after = dstub.Status(pb.NodeStatusRequest(), timeout=5)
+        assert after.kv_blocks_free == after.kv_blocks_total  # pins and blocks all back

@@ -260,6 +260,35 @@ def test_kv_room_is_required():
     assert not d.accepted and d.reason == "kv"
 
 
+def test_kv_room_counts_the_prefix_a_request_decoding_there_holds():
+    """The decode node caches a prompt's blocks once its KV is in place, and a request
+    sharing the prefix pins them there: it needs room only for the rest. Before the
+    first's prompt is in place, and after it ended, the whole is needed."""
+    s = make()
+    dn = s.decode["d0"]
+    a, b, c = (req(320, rid=rid) for rid in "abc")  # 20 prompt blocks, 21 in all
+    other = Request("o", 320, [H(100 + i) for i in range(20)], 16, 1000.0, 100.0)
+    da = s.decide(a)
+    s.commit(a, da)
+    dn.report(free=10, total=100)  # (a's blocks counted by the node now)
+    assert s.decide(b).reason == "kv"  # a's prompt is still being computed
+    s.prefill_done(a, da, 320, 0)
+    s.prompt_held(a, da)
+    assert s.decide(other).reason == "kv"  # another prefix: nothing to pin
+    db = s.decide(b)
+    assert db.accepted  # pins 19 blocks of a's ((320 - 1) // 16), takes 2
+    s.commit(b, db)
+    assert dn.free_blocks() == 8  # booked: the 2 it takes
+    s.request_done(a, da)
+    dn.report(free=5, total=100)
+    assert s.decide(c).reason == "kv"  # a ended; b's prompt is not in place yet
+    s.prefill_done(b, db, 320, 0)
+    s.prompt_held(b, db)
+    assert s.decide(c).accepted
+    s.request_done(b, db)
+    assert not dn.prompts
+
+
 def test_booking_and_release():
     s = make()
     r = req(160, rid="a")

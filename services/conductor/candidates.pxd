@@ -68,6 +68,6 @@ cdef sort_by_ttft(list cands)
 
 @cython.locals(best_tbt=double, d=DecodeNodeState, ends=list, joins=list,
                now_batch=Py_ssize_t, batch=Py_ssize_t, kv=double, a_=double, b_=double,
-               k_=double, tbt=double, last=double, first=double)
+               k_=double, tbt=double, last=double, first=double, room=long)
 cdef object decode_scan(object options, long need_blocks, double at, long n,
-                        double tbt_limit, bint predict, Misses misses)
+                        double tbt_limit, bint predict, Misses misses, object hashes)

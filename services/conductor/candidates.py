@@ -6,7 +6,7 @@ where compiled, candidates.pxd)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -206,15 +206,21 @@ def decode_scan(
     tbt_limit: float,
     predict: bool,
     misses: Misses,
+    hashes: Sequence[bytes],
 ) -> tuple[DecodeNodeState, float] | None:
     """Of ``options``, the decode node with ``need_blocks`` of KV room and the lowest
     predicted TBT within ``tbt_limit`` for a request of ``n`` prompt tokens joining at
     ``at`` (by the batch then with ``predict``, else by every request booked), and that
-    TBT; None if none qualifies (why is added to ``misses``). ``Scheduler``'s
-    ``_decode_choice``; typed where compiled (candidates.pxd)."""
+    TBT; None if none qualifies (why is added to ``misses``). A node short of room
+    counts the blocks of the prompt's prefix (``hashes``) that a request decoding there
+    holds: they are pinned, not taken. ``Scheduler``'s ``_decode_choice``; typed where
+    compiled (candidates.pxd)."""
     best_tbt, best_d = float("inf"), None
     for d in options:
-        if d.kv_blocks_free - d.reserved_blocks < need_blocks:
+        room = d.kv_blocks_free - d.reserved_blocks
+        if room < need_blocks and (
+            not d.prompts or room < need_blocks - d.held_prefix(hashes, (n - 1) // d.block_size)
+        ):
             misses.reason = misses.reason or "kv"
             continue
         # the batch when this request joins it, at its first token (kvmesh; the

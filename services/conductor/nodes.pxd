@@ -54,6 +54,7 @@ cdef class DecodeNodeState:
     cdef public long foreign
     cdef public long foreign_kv
     cdef public MeasuredRate prefill_rate
+    cdef public dict prompts
 
     cpdef admit(self, object rid, double end, long kv, long blocks, double join=*)
     @cython.locals(end=double, kv=long, blocks=long)
@@ -61,6 +62,9 @@ cdef class DecodeNodeState:
     cpdef book_local(self, object rid, double ms)
     cpdef unbook_local(self, object rid)
     cpdef joined(self, object rid, double t)
+    cpdef prompt_held(self, object rid, object hashes)
+    @cython.locals(best=Py_ssize_t, k=Py_ssize_t, i=Py_ssize_t)
+    cpdef Py_ssize_t held_prefix(self, object hashes, Py_ssize_t most)
 
 
 @cython.locals(i=Py_ssize_t)

@@ -5,6 +5,7 @@ bookings and the node's load reports. Typed where compiled (nodes.pxd)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,6 +182,9 @@ class DecodeNodeState:
     foreign: int = 0
     foreign_kv: int = 0
     prefill_rate: MeasuredRate = field(default_factory=MeasuredRate)  # colocated prefills
+    # rid -> the prompt's block hashes, of booked requests whose prompt KV is in place
+    # here (cached and pinned by them: a request sharing the prefix pins it, no copy)
+    prompts: dict[str, Sequence[bytes]] = field(default_factory=dict)
 
     def report_queue(self, reported: int, kv_used_tokens: int) -> None:
         """The node's load report: ``reported`` requests reserved or decoding there, from
@@ -211,6 +215,7 @@ class DecodeNodeState:
         self.unreported.add(rid)
 
     def finish(self, rid: str) -> None:
+        self.prompts.pop(rid, None)
         w = self.work.pop(rid, None)
         if w is None:
             return
@@ -242,6 +247,29 @@ class DecodeNodeState:
             _remove(self.joins, join)
             _sorted.insort(self.joins, t)
             self.join_of[rid] = t
+
+    def prompt_held(self, rid: str, hashes: Sequence[bytes]) -> None:
+        """``rid``'s prompt KV is in place here under ``hashes`` (its full blocks'),
+        until :meth:`finish`."""
+        if hashes and rid in self.work:
+            self.prompts[rid] = hashes
+
+    def held_prefix(self, hashes: Sequence[bytes], most: int) -> int:
+        """How many of the first ``most`` of ``hashes`` the prompt of a request decoding
+        here holds (the longest such prefix): blocks a request with ``hashes`` pins
+        rather than takes from the pool."""
+        best = 0
+        most = min(most, len(hashes))
+        for held in self.prompts.values():
+            k = min(most, len(held))
+            i = 0
+            while i < k and held[i] == hashes[i]:
+                i += 1
+            if i > best:
+                best = i
+                if best == most:
+                    break
+        return best
 
     def free_blocks(self) -> int:
         return self.kv_blocks_free - self.reserved_blocks

@@ -347,6 +347,7 @@ class Scheduler:
             tbt_limit,
             self.cfg.policy == "kvmesh",
             misses,
+            r.hashes,
         )
 
     def _floor(self, r: Request, cands: list[Candidate]) -> str | None:
@@ -452,11 +453,14 @@ class Scheduler:
         dn = self.decode[decode_node]
         expected = max(1.0, r.max_tokens * self._output_share)
         join = now + c.ttft_ms  # it joins the batch with its first token
+        blocks = -(-(r.n_tokens + r.max_tokens) // dn.block_size)
+        if dn.prompts:  # the prefix a request decoding there holds is pinned, not taken
+            blocks -= dn.held_prefix(r.hashes, (r.n_tokens - 1) // dn.block_size)
         dn.admit(
             r.request_id,
             join + expected * max(d.tbt_ms, 1e-3),
             r.n_tokens + r.max_tokens,
-            -(-(r.n_tokens + r.max_tokens) // dn.block_size),
+            blocks,
             join,
         )
 
@@ -511,6 +515,14 @@ class Scheduler:
             else:
                 window.append(ttft_ms - (c.ttft_ms - self.overhead_ms[d.route]))
             self.overhead_ms[d.route] = min(max(window.median(), 0.0), 1000.0)
+
+    def prompt_held(self, r: Request, d: Decision) -> None:
+        """``r``'s prompt KV is in place on its decode node, cached there under its
+        hashes (the node was given them at ``Reserve``): until ``r`` ends, a request
+        sharing the prefix needs KV room there only for the rest."""
+        dn = self.decode.get(d.booked()[1])
+        if dn is not None:
+            dn.prompt_held(r.request_id, r.hashes)
 
     def held_locally(self, r: Request, d: Decision, cached_blocks: int) -> tuple[str, float] | None:
         """The decode node of an accepted colocated or decode-direct decision pinned

@@ -483,6 +483,8 @@ class Conductor(Service):
             dreq.first_token = presp.first_token
             retried = pnode.node_id != d.prefill_node
             self._first_token_seen(r, d, presp, t_arrival, record, learn=not retried)
+            if att.hashes:  # the decode node caches the prompt's blocks as it joins them
+                self.sched.prompt_held(r, d)
             first = self._response(
                 out_rid, [presp.first_token], decoder, usage, presp, route, req, eos_ids
             )
@@ -496,6 +498,7 @@ class Conductor(Service):
             async for msg in stream:
                 if msg.HasField("prefill"):
                     self._first_token_seen(r, d, msg.prefill, t_arrival, record)
+                    self.sched.prompt_held(r, d)  # (cached as it was computed)
                     resp = self._response(
                         out_rid,
                         list(msg.token_ids),

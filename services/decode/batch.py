@@ -169,8 +169,10 @@ class BatchScheduler:
         return tokens, hashes
 
     def cache_blocks(self, res: Reservation) -> None:
-        """Full blocks whose KV this node holds stay findable in its prefix cache: the next
-        turn of a conversation (decode-direct) or a resumed request starts from them."""
+        """Full blocks whose KV this node holds become findable in its prefix cache: a
+        request sharing the prompt's prefix pins them while this one decodes (called once
+        the prompt's KV is in place), and the next turn of a conversation (decode-direct)
+        or a resumed request starts from them (called again when the blocks go back)."""
         got = self.chain(res) if res.kv_ready.is_set() else None
         if got is None:
             return

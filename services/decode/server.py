@@ -15,7 +15,9 @@ A request's life here:
      layer by layer, then sends ``kv:<request id>`` as an ordered notify -> KV_READY;
      (on the colocated and decode-direct routes this node computes the prompt itself,
      reusing its own cached prefix, in chunks between decode steps);
-  3. ``Decode`` (server stream): once KV_READY the request joins the running batch of
+  3. ``Decode`` (server stream): once KV_READY the prompt's full blocks enter the
+     prefix cache (a request sharing the prefix pins them from then on, while this one
+     still decodes) and the request joins the running batch of
      the :class:`~services.decode.batch.BatchScheduler` between two steps -> RUNNING;
      every step decodes one token for each running request; blocks are added as a
      request grows, and when the pool runs out the youngest request is preempted and
@@ -257,6 +259,9 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 )
             record_span("decode.kv_wait", t_wait)
         res.generated = [first]
+        # the prompt's KV is in place and stays as it is: its full blocks are findable
+        # from now on, so a request sharing the prefix pins them instead of a copy
+        node.batch.cache_blocks(res)
         t_decode, n_out = time.time_ns(), 0
         r = Running(
             res,
