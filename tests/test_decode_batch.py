@@ -462,3 +462,39 @@ def test_a_request_shares_the_prompt_blocks_of_one_still_decoding(cluster):
         assert a_out == model.reference_generate(first, long_run)
         after = dstub.Status(pb.NodeStatusRequest(), timeout=5)
         assert after.kv_blocks_free == after.kv_blocks_total  # pins and blocks all back
+
+
+def test_a_reserve_the_decode_node_has_no_room_for_is_a_refusal_for_kv_room(cluster):
+    """The conductor's Reserve on a decode node whose pool filled before its load report
+    said so: RESOURCE_EXHAUSTED with the reason ``kv`` and a retry hint, as admission's
+    own refusal for KV room (the evaluation counted these as of no known reason)."""
+    import asyncio
+
+    from kvmesh.services.conductor.frontend import Rejected
+    from kvmesh.services.conductor.node_calls import NodeCalls
+
+    d = next(n for n in status(cluster.conductor).nodes if n.role == "decode")
+
+    async def go() -> Rejected:
+        async with grpc.aio.insecure_channel(d.grpc_address) as ch:
+
+            class View:  # the one call NodeCalls.reserve makes of the cluster view
+                def decode_stub(self, n):
+                    return pbg.DecodeNodeStub(ch)
+
+            calls = NodeCalls(View(), lambda: (), 30.0)
+            held = await calls.reserve(d, "room-hog", 30 * BS, 1)
+            assert len(held.target.block_ids) == 31
+            try:
+                await calls.reserve(d, "room-late", 20 * BS, 1)
+            except Rejected as e:
+                return e
+            finally:
+                for rid in ("room-hog", "room-late"):
+                    await pbg.DecodeNodeStub(ch).Release(pb.ReleaseRequest(request_id=rid))
+            raise AssertionError("reserved beyond the pool")
+
+    e = asyncio.run(go())
+    assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(e.metadata) == {"kvmesh-reject-reason": "kv", "retry-after-ms": "500"}
+    assert "could not reserve KV" in e.message and "retry after 500 ms" in e.message

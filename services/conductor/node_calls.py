@@ -23,7 +23,7 @@ from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.common.ownership import WRITERS_MD
 from kvmesh.services.conductor.cluster import ClusterView, NodeInfo
 from kvmesh.services.conductor.frontend import Rejected
-from kvmesh.services.conductor.policy import DISAGG, Decision, Request
+from kvmesh.services.conductor.policy import DISAGG, KV_RETRY_MS, Decision, Request
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +100,17 @@ class NodeCalls:
                 grpc.StatusCode.ALREADY_EXISTS,
             ):
                 code = grpc.StatusCode.UNAVAILABLE
+            # out of blocks: the node's pool filled before its load report said so; a
+            # refusal for KV room, as admission's own (same reason, same retry hint)
+            full = code == grpc.StatusCode.RESOURCE_EXHAUSTED
             raise Rejected(
                 code,
                 f"decode node {d.node_id} could not reserve KV for "
-                f"{n + max_tokens} tokens ({e.details()}); retry",
+                f"{n + max_tokens} tokens ({e.details()}); retry"
+                + (f" after {KV_RETRY_MS:.0f} ms" if full else ""),
+                (("retry-after-ms", f"{KV_RETRY_MS:.0f}"), ("kvmesh-reject-reason", "kv"))
+                if full
+                else (),
             ) from None
 
     async def release(self, d: NodeInfo, rid: str, writers: list[str]) -> None:

@@ -64,6 +64,7 @@ POLICIES = ("random", "load", "cache", "cache-load", "kvmesh")
 # the rejection reason of a request no node could ever serve (an SLO below the floor, KV
 # beyond the largest node): the conductor answers INVALID_ARGUMENT, not "retry"
 INFEASIBLE = "infeasible"
+KV_RETRY_MS = 500.0  # the retry hint of a refusal for KV room (blocks free as requests end)
 # admit only when the estimate is within this share of the SLO; the one default of both
 # PolicyConfig.slo_margin and the conductor's --slo-margin. Near 1: the estimate's own
 # recent error is allowed for separately (Scheduler.error_tail), not by a wide margin
@@ -429,7 +430,7 @@ class Scheduler:
             retry = 500.0
         else:
             msg = f"no decode node has KV room for {r.n_tokens + r.max_tokens} tokens"
-            retry = 500.0
+            retry = KV_RETRY_MS
         return Decision(
             False,
             candidates=cands,
