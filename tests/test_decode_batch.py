@@ -498,3 +498,51 @@ def test_a_reserve_the_decode_node_has_no_room_for_is_a_refusal_for_kv_room(clus
     assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert dict(e.metadata) == {"kvmesh-reject-reason": "kv", "retry-after-ms": "500"}
     assert "could not reserve KV" in e.message and "retry after 500 ms" in e.message
+
+
+def test_a_request_the_decode_node_has_no_room_for_yet_waits_for_it(cluster):
+    """Through the conductor: while one request holds most of the decode node's 40 blocks,
+    a second that needs more than the rest is not refused (its TTFT SLO leaves time) but
+    waits until the first ends and frees them, then runs; both outputs are the
+    single-process reference's."""
+    import threading
+    import time
+
+    model = LlamaModel.from_preset("tiny", seed=0)
+    first = list(TOK.encode(" the request that holds the pool" * 20))[: 25 * BS]
+    second = list(TOK.encode(" the request that waits for room" * 20))[: 24 * BS]
+    got: dict[str, list[int]] = {"first": [], "second": []}
+    at: dict[str, float] = {}
+    errors: list[BaseException] = []
+    first_out = threading.Event()
+
+    def run(name: str, ids: list[int], max_tokens: int) -> None:
+        try:
+            with grpc.insecure_channel(cluster.conductor) as ch:
+                req = pb.GenerateRequest(
+                    token_ids=ids,
+                    max_tokens=max_tokens,
+                    sampling=pb.SamplingParams(ignore_eos=True),
+                )
+                for r in pbg.ConductorStub(ch).Generate(req, timeout=120):
+                    if not got[name]:
+                        at[name + " first"] = time.monotonic()
+                        first_out.set()
+                    got[name].extend(r.token_ids)
+                at[name + " last"] = time.monotonic()
+        except BaseException as e:  # (re-raised below)
+            errors.append(e)
+            first_out.set()
+
+    # the first: 25 prompt blocks + 40 tokens = 28 blocks; the second: 24 + 1 = 25 blocks
+    a = threading.Thread(target=run, args=("first", first, 40))
+    a.start()
+    assert first_out.wait(60)
+    b = threading.Thread(target=run, args=("second", second, 8))
+    b.start()
+    a.join(120)
+    b.join(120)
+    assert not errors, errors
+    assert got["first"] == model.reference_generate(first, 40)
+    assert got["second"] == model.reference_generate(second, 8)
+    assert at["second first"] > at["first last"] - 0.05  # it waited for the room

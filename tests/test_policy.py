@@ -265,6 +265,7 @@ def test_kv_room_counts_the_prefix_a_request_decoding_there_holds():
     sharing the prefix pins them there: it needs room only for the rest. Before the
     first's prompt is in place, and after it ended, the whole is needed."""
     s = make()
+    s.cfg.wait_for_kv = False  # (the rule for room now; waiting for it: below)
     dn = s.decode["d0"]
     a, b, c = (req(320, rid=rid) for rid in "abc")  # 20 prompt blocks, 21 in all
     other = Request("o", 320, [H(100 + i) for i in range(20)], 16, 1000.0, 100.0)
@@ -287,6 +288,66 @@ def test_kv_room_counts_the_prefix_a_request_decoding_there_holds():
     assert s.decide(c).accepted
     s.request_done(b, db)
     assert not dn.prompts
+
+
+def test_a_request_waits_for_the_kv_room_that_requests_booked_there_free():
+    """No decode node has room now: kvmesh admits a request to wait for the room the
+    requests booked there free at their predicted ends, where its TTFT (the wait, then
+    its prefill) still meets the SLO; its blocks are held for it across load reports
+    until the node reserves them. Where waiting would miss the SLO, or waiting is off,
+    or the policy does not predict, it is refused for KV room."""
+    s = make()
+    dn = s.decode["d0"]
+    a = req(320, rid="a")  # 21 blocks with its 16 tokens
+    da = s.decide(a)
+    s.commit(a, da)
+    dn.report(free=10, total=100)  # (a's blocks counted by the node now)
+
+    def other(rid: str, ttft: float = 1000.0) -> Request:
+        return Request(rid, 320, [H(1000 * ord(rid) + i) for i in range(20)], 16, ttft, 100.0)
+
+    b = other("b")
+    db = s.decide(b)
+    assert db.accepted and db.route == DISAGG and db.prefill_node != da.prefill_node
+    a_ends = dn.work["a"][0]
+    rest = 10 + 0.1 * 320 + 20 * 100 / 1000  # b's prefill and hand-off, no queue
+    assert db.estimate.ttft_ms == pytest.approx(a_ends + rest)
+    assert db.estimate.queue_ms == pytest.approx(a_ends)  # the wait is its queue
+    assert db.kv_wait_ms == pytest.approx(1000 * 0.95 - rest)  # the most the SLO allows
+    s.commit(b, db)
+    assert dn.waiting == {"b": 21} and dn.free_blocks() == 10 - 21
+    dn.report(free=10, total=100)  # the node does not hold b's blocks yet: still counted
+    assert dn.free_blocks() == -11
+    assert s.decide(other("c", ttft=100.0)).reason == "kv"  # waiting would miss its SLO
+    s.request_done(a, da)
+    s.room_taken(b, db)
+    assert not dn.waiting and dn.waiting_blocks == 0 and dn.reserved_blocks == 21
+    s.request_done(b, db)
+    assert dn.reserved_blocks == 0 and not dn.work
+
+    for policy, wait in (("kvmesh", False), ("cache-load", True)):
+        s = make(policy)
+        s.cfg.wait_for_kv = wait
+        a = req(320, rid="a")
+        da = s.decide(a)
+        s.commit(a, da)
+        s.decode["d0"].report(free=10, total=100)
+        assert s.decide(other("b")).reason == "kv", policy
+
+
+def test_a_request_that_ends_while_it_waits_for_kv_room_gives_its_blocks_back():
+    s = make()
+    dn = s.decode["d0"]
+    a = req(320, rid="a")
+    da = s.decide(a)
+    s.commit(a, da)
+    dn.report(free=10, total=100)
+    b = Request("b", 320, [H(500 + i) for i in range(20)], 16, 1000.0, 100.0)
+    db = s.decide(b)
+    s.commit(b, db)
+    assert dn.waiting_blocks == 21
+    s.request_done(b, db)  # refused at the end of its wait, or its client went away
+    assert dn.waiting_blocks == 0 and not dn.waiting and dn.free_blocks() == 10
 
 
 def test_booking_and_release():

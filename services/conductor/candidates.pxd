@@ -41,6 +41,7 @@ cdef class Decision:
     cdef public object reason
     cdef public object message
     cdef public double retry_after_ms
+    cdef public double kv_wait_ms
 
     cpdef tuple booked(self)
 

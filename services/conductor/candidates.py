@@ -59,6 +59,9 @@ class Decision:
     reason: str  # when rejected: ttft, tbt, kv, no-nodes, infeasible
     message: str
     retry_after_ms: float
+    # accepted to wait for KV room on its decode node: for at most this long (0: it
+    # reserves at once); the estimate counts the predicted wait
+    kv_wait_ms: float
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class Decision:
         reason: str = "",
         message: str = "",
         retry_after_ms: float = 0.0,
+        kv_wait_ms: float = 0.0,
     ) -> None:
         self.accepted = accepted
         self.route = route
@@ -83,6 +87,7 @@ class Decision:
         self.reason = reason
         self.message = message
         self.retry_after_ms = retry_after_ms
+        self.kv_wait_ms = kv_wait_ms
 
     def booked(self) -> tuple[Candidate, str]:
         """The estimate and the decode node of an accepted decision (ValueError if it
@@ -217,7 +222,7 @@ def decode_scan(
     compiled (candidates.pxd)."""
     best_tbt, best_d = float("inf"), None
     for d in options:
-        room = d.kv_blocks_free - d.reserved_blocks
+        room = d.kv_blocks_free - d.reserved_blocks - d.waiting_blocks
         if room < need_blocks and (
             not d.prompts or room < need_blocks - d.held_prefix(hashes, (n - 1) // d.block_size)
         ):

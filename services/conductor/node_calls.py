@@ -56,6 +56,7 @@ class NodeCalls:
         self.owner_metadata = owner_metadata
         self.request_timeout_s = request_timeout_s
         self.background: set[asyncio.Task] = set()  # releases outliving their request
+        self._room: dict[str, asyncio.Event] = {}  # per decode node: a request there ended
 
     def node(self, role: str, node_id: str) -> NodeInfo:
         for n in self.view.nodes(role):
@@ -112,6 +113,50 @@ class NodeCalls:
                 if full
                 else (),
             ) from None
+
+    async def reserve_when_room(
+        self,
+        d: NodeInfo,
+        rid: str,
+        n: int,
+        max_tokens: int,
+        hashes: Sequence[bytes],
+        prefill_here: bool,
+        wait_s: float,
+    ) -> pb.ReserveResponse:
+        """As :meth:`reserve`, for a request admitted to wait for KV room on ``d``: while
+        the node has none, asks again each time a request there ends (and every 100 ms,
+        for requests of other conductors), for up to ``wait_s``; then the refusal for KV
+        room."""
+        until = time.monotonic() + wait_s
+        while True:
+            try:
+                return await self.reserve(d, rid, n, max_tokens, hashes, prefill_here)
+            except Rejected as e:
+                left = until - time.monotonic()
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                if left <= 0:
+                    raise Rejected(
+                        e.code,
+                        f"decode node {d.node_id} had no KV room for {n + max_tokens} "
+                        f"tokens within the {wait_s * 1000:.0f} ms its TTFT SLO left to "
+                        f"wait; retry after {KV_RETRY_MS:.0f} ms",
+                        e.metadata,
+                    ) from None
+            ended = self._room.setdefault(d.node_id, asyncio.Event())
+            try:
+                async with asyncio.timeout(min(left, 0.1)):
+                    await ended.wait()
+            except TimeoutError:
+                pass
+
+    def room_freed(self, node_id: str | None) -> None:
+        """A request on decode node ``node_id`` ended: requests waiting for KV room
+        there ask again."""
+        ended = self._room.pop(node_id, None) if node_id else None
+        if ended is not None:
+            ended.set()
 
     async def release(self, d: NodeInfo, rid: str, writers: list[str]) -> None:
         """Frees ``rid``'s reservation on ``d`` (a no-op once its Decode call owns it),

@@ -55,6 +55,8 @@ cdef class DecodeNodeState:
     cdef public long foreign_kv
     cdef public MeasuredRate prefill_rate
     cdef public dict prompts
+    cdef public dict waiting
+    cdef public long waiting_blocks
 
     cpdef admit(self, object rid, double end, long kv, long blocks, double join=*)
     @cython.locals(end=double, kv=long, blocks=long)

@@ -185,6 +185,10 @@ class DecodeNodeState:
     # rid -> the prompt's block hashes, of booked requests whose prompt KV is in place
     # here (cached and pinned by them: a request sharing the prefix pins it, no copy)
     prompts: dict[str, Sequence[bytes]] = field(default_factory=dict)
+    # admitted to wait for KV room here (not reserved on the node yet): rid -> blocks,
+    # and their sum, which load reports do not reset (the node does not hold them)
+    waiting: dict[str, int] = field(default_factory=dict)
+    waiting_blocks: int = 0
 
     def report_queue(self, reported: int, kv_used_tokens: int) -> None:
         """The node's load report: ``reported`` requests reserved or decoding there, from
@@ -216,6 +220,7 @@ class DecodeNodeState:
 
     def finish(self, rid: str) -> None:
         self.prompts.pop(rid, None)
+        self.waiting_blocks -= self.waiting.pop(rid, 0)  # (ended before it reserved)
         w = self.work.pop(rid, None)
         if w is None:
             return
@@ -271,8 +276,46 @@ class DecodeNodeState:
                     break
         return best
 
+    def wait_for_room(self, rid: str) -> None:
+        """``rid``, just admitted, reserves on the node only once room frees there: its
+        blocks count as waiting (held for it against later requests, kept across load
+        reports) until :meth:`room_taken` or :meth:`finish`."""
+        w = self.work.get(rid)
+        if w is None or rid in self.waiting:
+            return
+        blocks = w[2]
+        self.unreported.discard(rid)
+        self.reserved_blocks = max(0, self.reserved_blocks - blocks)
+        self.waiting[rid] = blocks
+        self.waiting_blocks += blocks
+
+    def room_taken(self, rid: str) -> None:
+        """The node reserved ``rid``'s blocks: they count as reserved (until a report
+        counts them as used), no longer as waiting."""
+        blocks = self.waiting.pop(rid, None)
+        if blocks is None:
+            return
+        self.waiting_blocks -= blocks
+        self.reserved_blocks += blocks
+        self.unreported.add(rid)
+
+    def room_in(self, need: int, now: float) -> float:
+        """In how many ms this node will have ``need`` blocks of room, as the requests
+        booked here end at their predicted ends (0 now; infinity if not even once all
+        of them have ended)."""
+        short = need - self.free_blocks()
+        if short <= 0:
+            return 0.0
+        waiting = self.waiting
+        freed = sorted([(w[0], w[2]) for rid, w in self.work.items() if rid not in waiting])
+        for end, blocks in freed:
+            short -= blocks
+            if short <= 0:
+                return max(0.0, end - now)
+        return float("inf")
+
     def free_blocks(self) -> int:
-        return self.kv_blocks_free - self.reserved_blocks
+        return self.kv_blocks_free - self.reserved_blocks - self.waiting_blocks
 
     def report(self, free: int, total: int) -> None:
         """A load report from the node: its free blocks already count our reservations."""

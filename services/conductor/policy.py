@@ -87,6 +87,9 @@ class PolicyConfig:
     disagg_overhead_ms: float = 2.0  # extra RPC hops of the disaggregated route
     slo_margin: float = SLO_MARGIN  # admit only if the estimate <= margin x SLO
     ssd_bytes_per_ms: float = 5e5  # promoting a spilled block (0.5 GB/s) before the fetch
+    # kvmesh: a request no decode node has KV room for now waits for the room that the
+    # requests booked there free as they end, where it still meets its SLOs
+    wait_for_kv: bool = True
 
 
 def _monotonic_ms() -> float:
@@ -323,7 +326,62 @@ class Scheduler:
                 d, tbt = chosen
                 prefill_node = c.node if c.route == DISAGG else None
                 return Decision(True, c.route, prefill_node, d.node_id, c, tbt, cands)
+        if misses.reason == "kv" and self.cfg.wait_for_kv and self.cfg.policy == "kvmesh":
+            waited = self._admit_waiting(r, cands, need_blocks, now)
+            if waited is not None:
+                return waited
         return self._rejection(r, cands, misses)
+
+    def _admit_waiting(
+        self, r: Request, cands: list[Candidate], need_blocks: int, now: float
+    ) -> Decision | None:
+        """No decode node has KV room for ``r`` now (``_admit``): the first of ``cands``
+        whose decode node will have it, as the requests booked there end, soon enough
+        for the TTFT SLO (the prefill starts once the room is there, or once the node's
+        queue has drained, whichever is later) and within the TBT SLO when it joins; the
+        decision waits up to the latest moment that still meets the SLO. None if none."""
+        ttft_limit = r.ttft_slo_ms * self.cfg.slo_margin
+        tbt_limit = r.tbt_slo_ms * self.cfg.slo_margin
+        misses = Misses()
+        for c in cands:
+            if c.route != DISAGG:
+                options = [self.decode[c.node]]
+            else:
+                options = list(self.decode.values())
+            rest = c.ttft_ms - c.queue_ms  # the prefill, its transfers and the hops
+            best = None  # (ttft, decode node, tbt)
+            for d in options:
+                need = need_blocks
+                if d.prompts:
+                    need -= d.held_prefix(r.hashes, (r.n_tokens - 1) // d.block_size)
+                wait = d.room_in(need, now)
+                if wait != wait or wait == float("inf"):
+                    continue
+                ttft = max(wait, c.queue_ms) + rest
+                f = self.error_tail[c.route].factor(ttft, ttft_limit)
+                if ttft * f > ttft_limit or (best is not None and ttft >= best[0]):
+                    continue
+                room = d.free_blocks()  # (now short: the scan below judges the TBT only)
+                chosen = candidates.decode_scan(
+                    (d,), room, now + ttft, r.n_tokens, tbt_limit, True, misses, r.hashes
+                )
+                if chosen is not None:
+                    best = (ttft, d, chosen[1])
+            if best is not None:
+                ttft, d, tbt = best
+                f = self.error_tail[c.route].factor(ttft, ttft_limit)
+                c.queue_ms, c.ttft_ms = ttft - rest, ttft  # the wait is its queue now
+                return Decision(
+                    True,
+                    c.route,
+                    c.node if c.route == DISAGG else None,
+                    d.node_id,
+                    c,
+                    tbt,
+                    cands,
+                    kv_wait_ms=ttft_limit / f - rest,
+                )
+        return None
 
     def _decode_choice(
         self, r: Request, c: Candidate, need_blocks: int, now: float, misses: Misses
@@ -464,6 +522,8 @@ class Scheduler:
             blocks,
             join,
         )
+        if d.kv_wait_ms > 0:
+            dn.wait_for_room(r.request_id)
 
     def prefill_done(
         self,
@@ -516,6 +576,12 @@ class Scheduler:
             else:
                 window.append(ttft_ms - (c.ttft_ms - self.overhead_ms[d.route]))
             self.overhead_ms[d.route] = min(max(window.median(), 0.0), 1000.0)
+
+    def room_taken(self, r: Request, d: Decision) -> None:
+        """The decode node reserved the KV of ``r``, admitted to wait for it."""
+        dn = self.decode.get(d.booked()[1])
+        if dn is not None:
+            dn.room_taken(r.request_id)
 
     def prompt_held(self, r: Request, d: Decision) -> None:
         """``r``'s prompt KV is in place on its decode node, cached there under its

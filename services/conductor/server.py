@@ -97,6 +97,12 @@ class ConductorConfig(ServiceConfig):
         "(its node runs slower than estimated), rather than compute it late; the client "
         "gets RESOURCE_EXHAUSTED with reason deadline (--no-refuse-late: late instead)",
     )
+    wait_for_kv: bool = option(
+        True,
+        "kvmesh policy: a request no decode node has KV room for now waits for the room "
+        "that the requests booked there free as they end, where it still meets its SLOs "
+        "(--no-wait-for-kv: refused at once with reason kv)",
+    )
     report_interval_ms: float = option(200.0, "period of the nodes' load reports")
     request_timeout_s: float = option(300.0, "longest a request may run end to end")
     max_prompt_tokens: int = option(
@@ -144,6 +150,7 @@ class ConductorConfig(ServiceConfig):
             colocate_below_tokens=self.colocate_below_tokens,
             direct_share=self.direct_share,
             slo_margin=self.slo_margin,
+            wait_for_kv=self.wait_for_kv,
         )
 
 
@@ -389,6 +396,7 @@ class Conductor(Service):
             # a request refused or failed before its first token says nothing about
             # how much of max_tokens requests use
             self.sched.request_done(r, d, produced or None)
+            self.calls.room_freed(d.decode_node)
 
     async def _serve(
         self,
@@ -408,9 +416,17 @@ class Conductor(Service):
         # written, if every prefill node that may write it (a retry's too) knows how
         share = local or all(n.raw.get("kv_target_held_blocks") for n in self.view.nodes("prefill"))
         hashes = r.hashes if share else ()
-        reserved = await self.calls.reserve(
-            dnode, rid, len(tokens), req.max_tokens, hashes, prefill_here=local
-        )
+        if d.kv_wait_ms > 0:  # admitted to wait for the room requests there free
+            t_wait = time.perf_counter()
+            reserved = await self.calls.reserve_when_room(
+                dnode, rid, len(tokens), req.max_tokens, hashes, local, d.kv_wait_ms / 1000
+            )
+            record["kv_wait_ms"] = (time.perf_counter() - t_wait) * 1000
+            self.sched.room_taken(r, d)
+        else:
+            reserved = await self.calls.reserve(
+                dnode, rid, len(tokens), req.max_tokens, hashes, prefill_here=local
+            )
         att = Attempt(rid, reserved.target, [], hashes)
         decoded: list[bool] = []  # set once the Decode call ended (and freed it)
         try:
@@ -601,7 +617,8 @@ class Conductor(Service):
             presp.cached_tokens + presp.fetched_tokens,
             ttft_ms=ttft if learn else None,
             node_ms=presp.prefill_ms if learn and presp.prefill_ms > 0 else None,
-            node_queue_ms=presp.queue_ms if learn else None,
+            # (a wait for KV room is queueing too, in the conductor: not an overhead)
+            node_queue_ms=presp.queue_ms + record.get("kv_wait_ms", 0.0) if learn else None,
         )
 
     async def cluster_status(self) -> pb.ClusterStatusResponse:
