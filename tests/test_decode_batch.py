@@ -439,7 +439,7 @@ def test_a_request_shares_the_prompt_blocks_of_one_still_decoding(cluster):
                 timeout=120,
             )
 
-        long_run = 120  # decodes long after the second's Reserve
+        long_run = 300  # decodes long after the second's Reserve
         a = reserve("held-a", first, long_run)
         assert a.cached_tokens == 0  # (a prefix no request on the node computed yet)
         a_first = prefill("held-a", first, a.target)
@@ -534,8 +534,8 @@ def test_a_request_the_decode_node_has_no_room_for_yet_waits_for_it(cluster):
             errors.append(e)
             first_out.set()
 
-    # the first: 25 prompt blocks + 40 tokens = 28 blocks; the second: 24 + 1 = 25 blocks
-    a = threading.Thread(target=run, args=("first", first, 40))
+    # the first: 25 prompt blocks + 80 tokens = 30 blocks; the second: 24 + 1 = 25 blocks
+    a = threading.Thread(target=run, args=("first", first, 80))
     a.start()
     assert first_out.wait(60)
     b = threading.Thread(target=run, args=("second", second, 8))
@@ -543,6 +543,6 @@ def test_a_request_the_decode_node_has_no_room_for_yet_waits_for_it(cluster):
     a.join(120)
     b.join(120)
     assert not errors, errors
-    assert got["first"] == model.reference_generate(first, 40)
+    assert got["first"] == model.reference_generate(first, 80)
     assert got["second"] == model.reference_generate(second, 8)
     assert at["second first"] > at["first last"] - 0.05  # it waited for the room

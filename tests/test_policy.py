@@ -316,12 +316,15 @@ def test_a_request_waits_for_the_kv_room_that_requests_booked_there_free():
     assert db.kv_wait_ms == pytest.approx(1000 * 0.95 - rest)  # the most the SLO allows
     s.commit(b, db)
     assert dn.waiting == {"b": 21} and dn.free_blocks() == 10 - 21
+    pb_ = s.prefill[db.prefill_node]
+    assert "b" not in pb_.queue  # waiting in the conductor: no work at the node's head
     dn.report(free=10, total=100)  # the node does not hold b's blocks yet: still counted
     assert dn.free_blocks() == -11
     assert s.decide(other("c", ttft=100.0)).reason == "kv"  # waiting would miss its SLO
     s.request_done(a, da)
     s.room_taken(b, db)
     assert not dn.waiting and dn.waiting_blocks == 0 and dn.reserved_blocks == 21
+    assert "b" in pb_.queue  # its prefill is queued from now on
     s.request_done(b, db)
     assert dn.reserved_blocks == 0 and not dn.work
 
@@ -450,3 +453,42 @@ def test_hashes_of_a_list_subclass_decide_as_a_list():
             want.prefill_node,
             want.estimate.ttft_ms,
         )
+
+
+def test_the_prefix_held_is_found_by_chained_hashes():
+    """``held_prefix``: the longest prefix of a request's hashes that a holder's prompt
+    shares (hashes are chained: equal i-th hashes mean equal first i blocks), at most
+    ``most``; holders that start otherwise are skipped."""
+    dn = DecodeNodeState("d", BS, 100, 100)
+    for rid in ("a", "b", "c"):
+        dn.admit(rid, 1.0, 10, 1)
+    dn.prompt_held("a", [H(i) for i in range(10)])
+    dn.prompt_held("b", [H(i) for i in range(6)] + [H(100 + i) for i in range(20)])
+    dn.prompt_held("c", [H(500 + i) for i in range(30)])
+    mine = [H(i) for i in range(8)] + [H(900 + i) for i in range(8)]
+    assert dn.held_prefix(mine, 15) == 8  # a's first 8
+    assert dn.held_prefix(mine, 5) == 5
+    assert dn.held_prefix([H(i) for i in range(6)] + [H(100 + i) for i in range(30)], 99) == 26
+    assert dn.held_prefix([H(777)], 5) == 0 and dn.held_prefix([], 5) == 0
+    dn.finish("a")
+    assert dn.held_prefix(mine, 15) == 6  # b's
+
+
+def test_a_request_the_node_refuses_room_for_waits_if_its_slo_leaves_time():
+    """Admission counted room that the node no longer had (its pool filled before its
+    report said so): the request may wait for as long as its TTFT SLO leaves beyond its
+    estimate; meanwhile its blocks count as waiting and it is off its node's queue."""
+    s = make()
+    dn = s.decode["d0"]
+    r = req(320, rid="r")
+    d = s.decide(r)
+    s.commit(r, d)
+    p = s.prefill[d.prefill_node]
+    assert d.kv_wait_ms == 0 and "r" in p.queue and dn.reserved_blocks == 21
+    assert s.kv_slack_ms(r, d) == pytest.approx(1000 * 0.95 - d.estimate.ttft_ms)
+    s.await_room(r, d)
+    assert "r" not in p.queue and dn.reserved_blocks == 0 and dn.waiting == {"r": 21}
+    s.room_taken(r, d)
+    assert "r" in p.queue and dn.reserved_blocks == 21 and not dn.waiting
+    s.cfg.wait_for_kv = False
+    assert s.kv_slack_ms(r, d) == 0.0

@@ -163,7 +163,10 @@ class Simulation:
         self._seq = 0
         self.sched = Scheduler(
             PolicyConfig(
-                policy=cfg.policy, colocate_below_tokens=cfg.colocate_below_tokens, slo_margin=1.0
+                policy=cfg.policy,
+                colocate_below_tokens=cfg.colocate_below_tokens,
+                slo_margin=1.0,
+                wait_for_kv=False,  # (the simulation reserves at admission: no waiting)
             ),
             index=CacheIndex(),
             clock=lambda: self.now,

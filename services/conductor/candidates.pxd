@@ -49,6 +49,7 @@ cdef class Decision:
 cdef class Misses:
     cdef public str reason
     cdef public object least_tbt
+    cdef public bint kv_short
 
 
 @cython.locals(bs=long, a=double, b=double, k2=double, fetch_blocks=long, fetch_ms=double,

@@ -108,6 +108,7 @@ class Misses:
 
     reason: str = ""  # the first of ttft and kv, overridden by tbt
     least_tbt: float | None = None  # the lowest predicted TBT over the SLO
+    kv_short: bool = False  # a decode node lacked KV room for a candidate within its TTFT
 
 
 def disagg_candidate(
@@ -227,6 +228,7 @@ def decode_scan(
             not d.prompts or room < need_blocks - d.held_prefix(hashes, (n - 1) // d.block_size)
         ):
             misses.reason = misses.reason or "kv"
+            misses.kv_short = True
             continue
         # the batch when this request joins it, at its first token (kvmesh; the
         # others judge by every request booked): those booked whose first token comes

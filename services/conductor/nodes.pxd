@@ -65,7 +65,7 @@ cdef class DecodeNodeState:
     cpdef unbook_local(self, object rid)
     cpdef joined(self, object rid, double t)
     cpdef prompt_held(self, object rid, object hashes)
-    @cython.locals(best=Py_ssize_t, k=Py_ssize_t, i=Py_ssize_t)
+    @cython.locals(best=Py_ssize_t, lo=Py_ssize_t, hi=Py_ssize_t, mid=Py_ssize_t)
     cpdef Py_ssize_t held_prefix(self, object hashes, Py_ssize_t most)
 
 

@@ -195,8 +195,14 @@ class DecodeNodeState:
         every conductor, holding ``kv_used_tokens``. Ours are those in ``work``, so the
         node holds at least ``reported - len(work)`` of other conductors' requests; they
         hold the used KV beyond ours (never one of ours counted twice)."""
-        self.foreign = max(0, reported - len(self.work))
-        self.foreign_kv = max(0, kv_used_tokens - self.kv_tokens) if self.foreign else 0
+        waiting = self.waiting  # (admitted here, not on the node yet)
+        ours = len(self.work) - len(waiting)
+        self.foreign = max(0, reported - ours)
+        if self.foreign and waiting:
+            ours_kv = self.kv_tokens - sum([self.work[rid][1] for rid in waiting])
+        else:
+            ours_kv = self.kv_tokens
+        self.foreign_kv = max(0, kv_used_tokens - ours_kv) if self.foreign else 0
 
     def batch_at(self, t: float) -> int:
         """The batch at time ``t``: the booked requests that have joined by then (their
@@ -262,16 +268,28 @@ class DecodeNodeState:
     def held_prefix(self, hashes: Sequence[bytes], most: int) -> int:
         """How many of the first ``most`` of ``hashes`` the prompt of a request decoding
         here holds (the longest such prefix): blocks a request with ``hashes`` pins
-        rather than takes from the pool."""
+        rather than takes from the pool. The hashes are chained (each names its block
+        and every block before it), so two prompts share the first i blocks exactly when
+        their i-th hashes are equal: a binary search per holder that starts alike."""
         best = 0
         most = min(most, len(hashes))
+        if most <= 0:
+            return 0
+        first = hashes[0]
         for held in self.prompts.values():
-            k = min(most, len(held))
-            i = 0
-            while i < k and held[i] == hashes[i]:
-                i += 1
-            if i > best:
-                best = i
+            if not held or held[0] != first:
+                continue
+            lo, hi = 1, min(most, len(held))  # held[:lo] shared; find the last shared
+            if hi <= best:
+                continue
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if held[mid - 1] == hashes[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo > best:
+                best = lo
                 if best == most:
                     break
         return best
@@ -284,8 +302,9 @@ class DecodeNodeState:
         if w is None or rid in self.waiting:
             return
         blocks = w[2]
-        self.unreported.discard(rid)
-        self.reserved_blocks = max(0, self.reserved_blocks - blocks)
+        if rid in self.unreported:  # (else a report has counted it already: it was not)
+            self.unreported.discard(rid)
+            self.reserved_blocks = max(0, self.reserved_blocks - blocks)
         self.waiting[rid] = blocks
         self.waiting_blocks += blocks
 

@@ -51,7 +51,7 @@ cdef class Scheduler:
     cpdef _decode_choice(self, candidates.Request r, candidates.Candidate c,
                          long need_blocks, double now, candidates.Misses misses)
     @cython.locals(now=double, c=candidates.Candidate, dn=nodes.DecodeNodeState,
-                   p=nodes.PrefillNodeState, expected=double, join=double, blocks=long)
+                   expected=double, join=double, blocks=long)
     cpdef commit(self, candidates.Request r, candidates.Decision d)
     @cython.locals(now=double, c=candidates.Candidate, dn=nodes.DecodeNodeState,
                    p=nodes.PrefillNodeState, transfer=double, window=RollingWindow,

@@ -326,7 +326,7 @@ class Scheduler:
                 d, tbt = chosen
                 prefill_node = c.node if c.route == DISAGG else None
                 return Decision(True, c.route, prefill_node, d.node_id, c, tbt, cands)
-        if misses.reason == "kv" and self.cfg.wait_for_kv and self.cfg.policy == "kvmesh":
+        if misses.kv_short and self.cfg.wait_for_kv and self.cfg.policy == "kvmesh":
             waited = self._admit_waiting(r, cands, need_blocks, now)
             if waited is not None:
                 return waited
@@ -370,6 +370,9 @@ class Scheduler:
             if best is not None:
                 ttft, d, tbt = best
                 f = self.error_tail[c.route].factor(ttft, ttft_limit)
+                # it may wait as long as the SLO leaves, the queue it has now still ahead
+                # of it then (the node's prefill refuses it if that runs late)
+                most = max(ttft - rest, ttft_limit / f - rest - c.queue_ms)
                 c.queue_ms, c.ttft_ms = ttft - rest, ttft  # the wait is its queue now
                 return Decision(
                     True,
@@ -379,7 +382,7 @@ class Scheduler:
                     c,
                     tbt,
                     cands,
-                    kv_wait_ms=ttft_limit / f - rest,
+                    kv_wait_ms=most,
                 )
         return None
 
@@ -504,11 +507,8 @@ class Scheduler:
         predicted decode interval and KV on the decode node."""
         now = self.clock()
         c, decode_node = d.booked()
-        if d.route == DISAGG and d.prefill_node is not None:
-            p = self.prefill[d.prefill_node]
-            p.enqueue(r.request_id, c.work_ms, now)
-        else:
-            self.decode[decode_node].book_local(r.request_id, c.prefill_ms)
+        if d.kv_wait_ms <= 0:  # (one waiting for KV room queues once it has it)
+            self._enqueue(r, d, c, now)
         dn = self.decode[decode_node]
         expected = max(1.0, r.max_tokens * self._output_share)
         join = now + c.ttft_ms  # it joins the batch with its first token
@@ -577,11 +577,48 @@ class Scheduler:
                 window.append(ttft_ms - (c.ttft_ms - self.overhead_ms[d.route]))
             self.overhead_ms[d.route] = min(max(window.median(), 0.0), 1000.0)
 
+    def _enqueue(self, r: Request, d: Decision, c: Candidate, now: float) -> None:
+        """``r``'s prefill joins its node's queue: the prefill node's, or the decode
+        node's own on the local routes."""
+        if d.route == DISAGG and d.prefill_node is not None:
+            p = self.prefill.get(d.prefill_node)
+            if p is not None:
+                p.enqueue(r.request_id, c.work_ms, now)
+        elif d.decode_node in self.decode:
+            self.decode[d.decode_node].book_local(r.request_id, c.prefill_ms)
+
+    def kv_slack_ms(self, r: Request, d: Decision) -> float:
+        """How long accepted ``r`` may still wait for KV room and meet its TTFT SLO by
+        its estimate (0 where the policy does not wait): for a decode node that refuses
+        the reservation admission counted room for (its pool filled before its report
+        said so)."""
+        if not (self.cfg.wait_for_kv and self.cfg.policy == "kvmesh"):
+            return 0.0
+        c = d.booked()[0]
+        limit = r.ttft_slo_ms * self.cfg.slo_margin
+        return max(0.0, limit / self.error_tail[c.route].factor(c.ttft_ms, limit) - c.ttft_ms)
+
+    def await_room(self, r: Request, d: Decision) -> None:
+        """Accepted ``r`` waits for KV room after all (:meth:`kv_slack_ms`): its blocks
+        count as waiting, and its prefill leaves its node's queue until
+        :meth:`room_taken`."""
+        c, decode_node = d.booked()
+        dn = self.decode.get(decode_node)
+        if dn is not None:
+            dn.wait_for_room(r.request_id)
+            dn.unbook_local(r.request_id)
+        if d.route == DISAGG and d.prefill_node in self.prefill:
+            self.prefill[d.prefill_node].dequeue(r.request_id, self.clock())
+
     def room_taken(self, r: Request, d: Decision) -> None:
-        """The decode node reserved the KV of ``r``, admitted to wait for it."""
-        dn = self.decode.get(d.booked()[1])
+        """The decode node reserved the KV of ``r``, admitted to wait for it: its
+        blocks count as reserved there, and its prefill joins its node's queue now (a
+        request waiting in the conductor is no work at the head of a node's queue)."""
+        c, decode_node = d.booked()
+        dn = self.decode.get(decode_node)
         if dn is not None:
             dn.room_taken(r.request_id)
+        self._enqueue(r, d, c, self.clock())
 
     def prompt_held(self, r: Request, d: Decision) -> None:
         """``r``'s prompt KV is in place on its decode node, cached there under its

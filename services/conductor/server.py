@@ -416,17 +416,7 @@ class Conductor(Service):
         # written, if every prefill node that may write it (a retry's too) knows how
         share = local or all(n.raw.get("kv_target_held_blocks") for n in self.view.nodes("prefill"))
         hashes = r.hashes if share else ()
-        if d.kv_wait_ms > 0:  # admitted to wait for the room requests there free
-            t_wait = time.perf_counter()
-            reserved = await self.calls.reserve_when_room(
-                dnode, rid, len(tokens), req.max_tokens, hashes, local, d.kv_wait_ms / 1000
-            )
-            record["kv_wait_ms"] = (time.perf_counter() - t_wait) * 1000
-            self.sched.room_taken(r, d)
-        else:
-            reserved = await self.calls.reserve(
-                dnode, rid, len(tokens), req.max_tokens, hashes, prefill_here=local
-            )
+        reserved = await self._reserve(r, d, dnode, len(tokens), req.max_tokens, hashes, record)
         att = Attempt(rid, reserved.target, [], hashes)
         decoded: list[bool] = []  # set once the Decode call ended (and freed it)
         try:
@@ -452,6 +442,28 @@ class Conductor(Service):
                 # in a task of its own that a second cancellation cannot stop; the decode
                 # node frees it now if every writer has said it is done, else after a fence
                 self.calls.spawn(self.calls.release(dnode, att.rid, att.writers))
+
+    async def _reserve(self, r, d, dnode, n, max_tokens, hashes, record) -> pb.ReserveResponse:
+        """The decode reservation: at once, or once the node has room where admission
+        said to wait for it, or where the node refuses for want of blocks (its pool
+        filled before its report said so) and the TTFT SLO leaves time to wait."""
+        local = d.route != DISAGG
+        wait_ms = d.kv_wait_ms
+        if wait_ms <= 0:
+            try:
+                return await self.calls.reserve(dnode, r.request_id, n, max_tokens, hashes, local)
+            except Rejected as e:
+                wait_ms = self.sched.kv_slack_ms(r, d)
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or wait_ms <= 0:
+                    raise
+                self.sched.await_room(r, d)
+        t_wait = time.perf_counter()
+        reserved = await self.calls.reserve_when_room(
+            dnode, r.request_id, n, max_tokens, hashes, local, wait_ms / 1000
+        )
+        record["kv_wait_ms"] = (time.perf_counter() - t_wait) * 1000
+        self.sched.room_taken(r, d)
+        return reserved
 
     async def _serve_reserved(
         self,
@@ -499,8 +511,6 @@ class Conductor(Service):
             dreq.first_token = presp.first_token
             retried = pnode.node_id != d.prefill_node
             self._first_token_seen(r, d, presp, t_arrival, record, learn=not retried)
-            if att.hashes:  # the decode node caches the prompt's blocks as it joins them
-                self.sched.prompt_held(r, d)
             first = self._response(
                 out_rid, [presp.first_token], decoder, usage, presp, route, req, eos_ids
             )
@@ -510,11 +520,14 @@ class Conductor(Service):
         else:
             dreq.prefill_here = True
         stream = self.view.decode_stub(dnode).Decode(dreq, timeout=self.cfg.request_timeout_s)
+        held = not att.hashes
         try:
             async for msg in stream:
+                if not held:  # the node cached the prompt's blocks before its first message
+                    held = True
+                    self.sched.prompt_held(r, d)
                 if msg.HasField("prefill"):
                     self._first_token_seen(r, d, msg.prefill, t_arrival, record)
-                    self.sched.prompt_held(r, d)  # (cached as it was computed)
                     resp = self._response(
                         out_rid,
                         list(msg.token_ids),
@@ -615,10 +628,11 @@ class Conductor(Service):
             d,
             presp.computed_tokens,
             presp.cached_tokens + presp.fetched_tokens,
-            ttft_ms=ttft if learn else None,
+            # (a request that waited for KV room: its TTFT holds how long the room took
+            # to free, which says nothing of the estimates of routes and nodes)
+            ttft_ms=ttft if learn and "kv_wait_ms" not in record else None,
             node_ms=presp.prefill_ms if learn and presp.prefill_ms > 0 else None,
-            # (a wait for KV room is queueing too, in the conductor: not an overhead)
-            node_queue_ms=presp.queue_ms + record.get("kv_wait_ms", 0.0) if learn else None,
+            node_queue_ms=presp.queue_ms if learn else None,
         )
 
     async def cluster_status(self) -> pb.ClusterStatusResponse:

@@ -223,6 +223,7 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
             try:
                 first, presp = await node.prefill_here(res, sampling)
+                node.batch.cache_blocks(res)  # (see below: before the first token is out)
             except OutOfBlocks as e:
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -258,10 +259,11 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                     f"{node.cfg.kv_wait_s}s; retry the request",
                 )
             record_span("decode.kv_wait", t_wait)
+            # the prompt's KV is in place and stays as it is: its full blocks are
+            # findable from now on, so a request sharing the prefix pins them instead of
+            # holding a copy (the conductor counts on it from the first message it gets)
+            node.batch.cache_blocks(res)
         res.generated = [first]
-        # the prompt's KV is in place and stays as it is: its full blocks are findable
-        # from now on, so a request sharing the prefix pins them instead of a copy
-        node.batch.cache_blocks(res)
         t_decode, n_out = time.time_ns(), 0
         r = Running(
             res,
