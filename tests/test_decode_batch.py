@@ -546,3 +546,25 @@ def test_a_request_the_decode_node_has_no_room_for_yet_waits_for_it(cluster):
     assert got["first"] == model.reference_generate(first, 80)
     assert got["second"] == model.reference_generate(second, 8)
     assert at["second first"] > at["first last"] - 0.05  # it waited for the room
+
+
+def test_the_decode_nodes_load_report_counts_the_blocks_its_requests_will_grow_into(cluster):
+    """The conductor books a request's KV to prompt + max_tokens, but the node takes blocks
+    for the prompt at Reserve and the rest as it decodes: its load report (what admission
+    reads) leaves those out of the free blocks, its status (the pool) does not."""
+    d = next(n for n in status(cluster.conductor).nodes if n.role == "decode")
+    with grpc.insecure_channel(d.grpc_address) as ch:
+        stub = pbg.DecodeNodeStub(ch)
+        stub.Reserve(
+            pb.ReserveRequest(request_id="grows", prompt_tokens=5 * BS + 3, max_tokens=64),
+            timeout=10,
+        )
+        try:
+            pool_free = stub.Status(pb.NodeStatusRequest(), timeout=5).kv_blocks_free
+            stream = stub.WatchEvents(pb.WatchEventsRequest(interval_ms=50), timeout=10)
+            load = next(iter(stream)).load
+            stream.cancel()
+            # 6 blocks taken at Reserve; prompt + max_tokens = 147 tokens = 10 blocks
+            assert load.kv_blocks_free == pool_free - 4
+        finally:
+            stub.Release(pb.ReleaseRequest(request_id="grows"), timeout=5)

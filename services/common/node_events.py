@@ -69,7 +69,7 @@ class EventHub:
         load = pb.NodeLoad(
             queue_depth=info.get("queue_depth", 0),
             running=info.get("running", 0),
-            kv_blocks_free=self.pool.num_free,
+            kv_blocks_free=info.get("kv_blocks_free", self.pool.num_free),
             kv_blocks_total=self.pool.num_blocks,
         )
         load.prefill_samples.extend(

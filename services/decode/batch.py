@@ -62,6 +62,14 @@ class Reservation:
     # its first ``pinned`` blocks are cached prefix blocks pinned by hash at Reserve
     # (shared with other requests: never written, by a prefill node or by this one)
     pinned: int = 0
+    max_tokens: int = 0  # its KV grows to prompt_tokens + max_tokens tokens at most
+
+    def growth(self, bs: int) -> int:
+        """Blocks it may still take from the pool as it decodes (all of them again
+        while preempted)."""
+        if not self.max_tokens:
+            return 0
+        return max(0, -(-(self.prompt_tokens + self.max_tokens) // bs) - len(self.blocks))
 
     def writes_ended(self) -> bool:
         """Whether no prefill node can write this reservation's blocks any more."""

@@ -156,6 +156,7 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                 md.get(INCARNATION_MD, ""),
                 list(req.block_hashes),
                 req.prefill_here,
+                req.max_tokens,
             )
         except OutOfBlocks:
             await context.abort(
@@ -411,6 +412,7 @@ class DecodeNode(ModelNode):
         incarnation: str = "",
         hashes: list[bytes] | None = None,
         prefill_here: bool = False,
+        max_tokens: int = 0,
     ) -> Reservation:
         """Blocks for the prompt and the first generated token; later ones come as the
         request grows (BatchScheduler). ``conductor``/``incarnation``: its owner.
@@ -437,6 +439,7 @@ class DecodeNode(ModelNode):
             incarnation=incarnation,
             prefill_here=prefill_here,
             pinned=len(pinned),
+            max_tokens=max_tokens,
         )
         if res.prefill_here:
             res.writers = frozenset()  # no prefill node writes it: nothing to fence
@@ -482,10 +485,15 @@ class DecodeNode(ModelNode):
         return age > self.cfg.reservation_timeout_s
 
     def load_info(self) -> dict:
+        bs = self.cfg.block_size
+        growth = sum([res.growth(bs) for res in self.reservations.values()])
         return {
             **super().load_info(),
             "queue_depth": len(self.reservations) - len(self.running),
             "running": len(self.running),
+            # free for new requests: the blocks the requests here may still take as they
+            # decode (to prompt + max_tokens, as the conductor books them) are spoken for
+            "kv_blocks_free": max(0, self.pool.num_free - growth),
         }
 
     def check_prompt(self, req: pb.DecodeRequest, res: Reservation) -> str | None:
