@@ -492,3 +492,21 @@ def test_a_request_the_node_refuses_room_for_waits_if_its_slo_leaves_time():
     assert "r" in p.queue and dn.reserved_blocks == 21 and not dn.waiting
     s.cfg.wait_for_kv = False
     assert s.kv_slack_ms(r, d) == 0.0
+
+
+def test_waiters_take_room_in_the_order_they_began_waiting_and_an_end_frees_room():
+    """A waiter asks the node only once the conductor sees its room (the report's free
+    blocks, which leave out what running requests grow into, less what is booked since
+    and what the waiters ahead of it hold); a request that ends frees its booking until
+    the next report says so."""
+    dn = DecodeNodeState("d", BS, 100, 100)
+    for rid, blocks in (("run", 30), ("w1", 20), ("w2", 10)):
+        dn.admit(rid, 5.0, 10, blocks)
+    dn.report(free=25, total=100)  # "run" is on the node now
+    dn.wait_for_room("w1")
+    dn.wait_for_room("w2")
+    assert dn.room_for("w1") and not dn.room_for("w2")  # 25 - 20 ahead < 10
+    dn.room_taken("w1")
+    assert dn.reserved_blocks == 20 and not dn.room_for("w2")  # 25 - 20 booked < 10
+    dn.finish("run")  # ended: its 30 blocks free on the node
+    assert dn.kv_blocks_free == 55 and dn.room_for("w2")

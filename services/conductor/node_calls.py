@@ -123,27 +123,30 @@ class NodeCalls:
         hashes: Sequence[bytes],
         prefill_here: bool,
         wait_s: float,
+        ready: Callable[[], bool] = lambda: True,
     ) -> pb.ReserveResponse:
-        """As :meth:`reserve`, for a request admitted to wait for KV room on ``d``: while
-        the node has none, asks again each time a request there ends (and every 100 ms,
-        for requests of other conductors), for up to ``wait_s``; then the refusal for KV
-        room."""
+        """As :meth:`reserve`, for a request admitted to wait for KV room on ``d``: asks
+        when ``ready`` says the room is there (the conductor's view: the node's free
+        blocks less what its requests may still grow into, and the waiters ahead), each
+        time a request there ends and every 100 ms, for up to ``wait_s``; then the
+        refusal for KV room."""
         until = time.monotonic() + wait_s
         while True:
-            try:
-                return await self.reserve(d, rid, n, max_tokens, hashes, prefill_here)
-            except Rejected as e:
-                left = until - time.monotonic()
-                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise
-                if left <= 0:
-                    raise Rejected(
-                        e.code,
-                        f"decode node {d.node_id} had no KV room for {n + max_tokens} "
-                        f"tokens within the {wait_s * 1000:.0f} ms its TTFT SLO left to "
-                        f"wait; retry after {KV_RETRY_MS:.0f} ms",
-                        e.metadata,
-                    ) from None
+            if ready():
+                try:
+                    return await self.reserve(d, rid, n, max_tokens, hashes, prefill_here)
+                except Rejected as e:
+                    if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+            left = until - time.monotonic()
+            if left <= 0:
+                raise Rejected(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"decode node {d.node_id} had no KV room for {n + max_tokens} tokens "
+                    f"within the {wait_s * 1000:.0f} ms its TTFT SLO left to wait; retry "
+                    f"after {KV_RETRY_MS:.0f} ms",
+                    (("retry-after-ms", f"{KV_RETRY_MS:.0f}"), ("kvmesh-reject-reason", "kv")),
+                )
             ended = self._room.setdefault(d.node_id, asyncio.Event())
             try:
                 async with asyncio.timeout(min(left, 0.1)):

@@ -226,7 +226,8 @@ class DecodeNodeState:
 
     def finish(self, rid: str) -> None:
         self.prompts.pop(rid, None)
-        self.waiting_blocks -= self.waiting.pop(rid, 0)  # (ended before it reserved)
+        waited = self.waiting.pop(rid, 0)  # (ended before it reserved: nothing to free)
+        self.waiting_blocks -= waited
         w = self.work.pop(rid, None)
         if w is None:
             return
@@ -234,6 +235,8 @@ class DecodeNodeState:
         if rid in self.unreported:  # ended before a report counted its blocks as used
             self.unreported.discard(rid)
             self.reserved_blocks = max(0, self.reserved_blocks - blocks)
+        elif not waited:  # the node frees them as it ends (the next report says so)
+            self.kv_blocks_free += blocks
         _remove(self.ends, end)
         _remove(self.joins, self.join_of.pop(rid))
         self.kv_tokens -= kv
@@ -307,6 +310,16 @@ class DecodeNodeState:
             self.reserved_blocks = max(0, self.reserved_blocks - blocks)
         self.waiting[rid] = blocks
         self.waiting_blocks += blocks
+
+    def room_for(self, rid: str) -> bool:
+        """Whether waiting ``rid`` has its room here now, by the last report and the
+        bookings since, the requests that began waiting before it served first."""
+        ahead = 0
+        for other, blocks in self.waiting.items():
+            if other == rid:
+                return self.kv_blocks_free - self.reserved_blocks - ahead >= blocks
+            ahead += blocks
+        return True
 
     def room_taken(self, rid: str) -> None:
         """The node reserved ``rid``'s blocks: they count as reserved (until a report

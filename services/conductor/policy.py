@@ -610,6 +610,13 @@ class Scheduler:
         if d.route == DISAGG and d.prefill_node in self.prefill:
             self.prefill[d.prefill_node].dequeue(r.request_id, self.clock())
 
+    def room_now(self, r: Request, d: Decision) -> bool:
+        """Whether ``r``, waiting for KV room, has it on its decode node now by what the
+        conductor knows (the node's own check comes at ``Reserve``): the node's pool
+        has room for every request's growth only so."""
+        dn = self.decode.get(d.booked()[1])
+        return True if dn is None else dn.room_for(r.request_id)
+
     def room_taken(self, r: Request, d: Decision) -> None:
         """The decode node reserved the KV of ``r``, admitted to wait for it: its
         blocks count as reserved there, and its prefill joins its node's queue now (a

@@ -459,7 +459,14 @@ class Conductor(Service):
                 self.sched.await_room(r, d)
         t_wait = time.perf_counter()
         reserved = await self.calls.reserve_when_room(
-            dnode, r.request_id, n, max_tokens, hashes, local, wait_ms / 1000
+            dnode,
+            r.request_id,
+            n,
+            max_tokens,
+            hashes,
+            local,
+            wait_ms / 1000,
+            lambda: self.sched.room_now(r, d),
         )
         record["kv_wait_ms"] = (time.perf_counter() - t_wait) * 1000
         self.sched.room_taken(r, d)
