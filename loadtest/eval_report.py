@@ -15,6 +15,12 @@ CONFIG_ORDER = ("colocated", "disagg-nostore", "kvmesh")
 GOALS = {"goodput_x": 1.4, "tbt_p99_x": 0.5, "accepted_ok": 0.99}
 
 
+# refusals that come after admission, by design: a prefill node's deadline, a request
+# admitted to wait for KV room whose room did not free in time, a decode node that no
+# longer held the prefix the estimate counted on
+_LATE = ("deadline", "wait", "evicted")
+
+
 def _plt():
     import matplotlib
 
@@ -188,9 +194,13 @@ def _verdicts(ev: dict) -> list[str]:
         if x.get("status") == "RESOURCE_EXHAUSTED" and x.get("error_ms")
     ]
     # refused by admission, at once; a prefill node's refusal of a queued request that
-    # could no longer make its deadline (reason "deadline") comes later by design
-    refused = [x["error_ms"] for x in refusals if x.get("reject_reason") != "deadline"]
+    # could no longer make its deadline (reason "deadline") comes later by design, as do
+    # those of requests admitted to wait for KV room whose room did not free in time
+    # ("wait") and those whose decode node, at Reserve, no longer held the prefix their
+    # estimate counted on ("evicted"; after a wait for room, as late as that)
+    refused = [x["error_ms"] for x in refusals if x.get("reject_reason") not in _LATE]
     late = [x["error_ms"] for x in refusals if x.get("reject_reason") == "deadline"]
+    after = [x for x in refusals if x.get("reject_reason") in ("wait", "evicted")]
     if refused:
         p99 = quantile(refused, 0.99)
         lines.append(
@@ -204,6 +214,16 @@ def _verdicts(ev: dict) -> list[str]:
             f"estimated and the request could no longer meet its TTFT SLO; nothing computed): "
             f"{len(late)}, answered in {_f(quantile(late, 0.5), 0)} ms at p50 and "
             f"{_f(quantile(late, 0.99), 0)} ms at p99."
+        )
+    if after:
+        ms = [x["error_ms"] for x in after]
+        waits = sum(1 for x in after if x.get("reject_reason") == "wait")
+        lines.append(
+            f"- Refused after admission, at the decode node: {len(after)} ({waits} admitted to "
+            f"wait for KV room that did not free within the wait their TTFT SLO left, reason "
+            f"wait; {len(after) - waits} whose decode node no longer held the prefix their "
+            f"estimate counted on, reason evicted), answered in {_f(quantile(ms, 0.5), 0)} ms "
+            f"at p50 and {_f(quantile(ms, 0.99), 0)} ms at p99."
         )
     return lines
 

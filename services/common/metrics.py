@@ -185,7 +185,18 @@ STORE_FAST_OVER_LIMIT = Counter(
 )
 for _path in ("handoff", "store_get", "store_put"):
     TRANSFER_BYTES.labels(_path)
-for _r in ("ttft", "tbt", "kv", "no_nodes", "infeasible", "invalid_argument", "unavailable"):
+for _r in (
+    "ttft",
+    "tbt",
+    "kv",
+    "wait",
+    "evicted",
+    "deadline",
+    "no_nodes",
+    "infeasible",
+    "invalid_argument",
+    "unavailable",
+):
     REQUESTS_REJECTED.labels(_r)
 
 

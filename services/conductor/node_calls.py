@@ -140,12 +140,13 @@ class NodeCalls:
                         raise
             left = until - time.monotonic()
             if left <= 0:
+                # (reason "wait": refused after a wait, not at admission like "kv")
                 raise Rejected(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"decode node {d.node_id} had no KV room for {n + max_tokens} tokens "
                     f"within the {wait_s * 1000:.0f} ms its TTFT SLO left to wait; retry "
                     f"after {KV_RETRY_MS:.0f} ms",
-                    (("retry-after-ms", f"{KV_RETRY_MS:.0f}"), ("kvmesh-reject-reason", "kv")),
+                    (("retry-after-ms", f"{KV_RETRY_MS:.0f}"), ("kvmesh-reject-reason", "wait")),
                 )
             ended = self._room.setdefault(d.node_id, asyncio.Event())
             try:

@@ -426,10 +426,10 @@ class Conductor(Service):
                 record["estimated_ttft_ms"] = estimate.ttft_ms  # (the truth, if it moved)
                 if late:  # the index counted on blocks the node no longer holds
                     why, retry = late
-                    raise Rejected(
+                    raise Rejected(  # (reason "evicted": refused after its Reserve)
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"{why}; retry after {retry:.0f} ms",
-                        (("retry-after-ms", f"{retry:.0f}"), ("kvmesh-reject-reason", "ttft")),
+                        (("retry-after-ms", f"{retry:.0f}"), ("kvmesh-reject-reason", "evicted")),
                     )
             async for resp in self._serve_reserved(
                 r, d, req, tokens, t_arrival, record, info, dnode, att, decoded
