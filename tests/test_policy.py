@@ -494,11 +494,11 @@ def test_a_request_the_node_refuses_room_for_waits_if_its_slo_leaves_time():
     assert s.kv_slack_ms(r, d) == 0.0
 
 
-def test_waiters_take_room_in_the_order_they_began_waiting_and_an_end_frees_room():
+def test_waiters_take_room_in_the_order_they_began_waiting():
     """A waiter asks the node only once the conductor sees its room (the report's free
     blocks, which leave out what running requests grow into, less what is booked since
-    and what the waiters ahead of it hold); a request that ends frees its booking until
-    the next report says so."""
+    and what the waiters ahead of it hold); the room a request frees as it ends counts
+    from the node's next report (the node frees its blocks; each report wakes waiters)."""
     dn = DecodeNodeState("d", BS, 100, 100)
     for rid, blocks in (("run", 30), ("w1", 20), ("w2", 10)):
         dn.admit(rid, 5.0, 10, blocks)
@@ -508,5 +508,7 @@ def test_waiters_take_room_in_the_order_they_began_waiting_and_an_end_frees_room
     assert dn.room_for("w1") and not dn.room_for("w2")  # 25 - 20 ahead < 10
     dn.room_taken("w1")
     assert dn.reserved_blocks == 20 and not dn.room_for("w2")  # 25 - 20 booked < 10
-    dn.finish("run")  # ended: its 30 blocks free on the node
-    assert dn.kv_blocks_free == 55 and dn.room_for("w2")
+    dn.finish("run")  # ended: the node frees its 30 blocks
+    assert not dn.room_for("w2")  # (not yet reported)
+    dn.report(free=55, total=100)
+    assert dn.room_for("w2")

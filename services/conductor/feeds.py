@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
+from collections.abc import Callable
 
 import grpc
 
@@ -29,6 +30,9 @@ class NodeFeeds:
         # per prefill node: a moving average of its observed prefill times (every
         # conductor's requests), the cost of each other conductor's request it queues
         self.prefill_ms: dict[str, float] = {}
+        # called with a decode node's id after each of its load reports (requests
+        # waiting for KV room there look again: the report may show the room)
+        self.on_report: Callable[[str], None] | None = None
 
     def on_member(self, event: str, key: str, value: bytes | None) -> None:
         parts = key.rstrip("/").split("/")
@@ -129,6 +133,8 @@ class NodeFeeds:
             for s in load.decode_samples:
                 d.model.observe(s.batch, s.kv_tokens, s.ms)
             d.report(load.kv_blocks_free, load.kv_blocks_total)
+            if self.on_report is not None:
+                self.on_report(n.node_id)
             used = (load.kv_blocks_total - load.kv_blocks_free) * d.block_size
             d.report_queue(load.queue_depth + load.running, used)
             st = d

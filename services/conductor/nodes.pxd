@@ -59,7 +59,7 @@ cdef class DecodeNodeState:
     cdef public long waiting_blocks
 
     cpdef admit(self, object rid, double end, long kv, long blocks, double join=*)
-    @cython.locals(end=double, kv=long, blocks=long, waited=long)
+    @cython.locals(end=double, kv=long, blocks=long)
     cpdef finish(self, object rid)
     cpdef book_local(self, object rid, double ms)
     cpdef unbook_local(self, object rid)

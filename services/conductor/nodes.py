@@ -226,8 +226,7 @@ class DecodeNodeState:
 
     def finish(self, rid: str) -> None:
         self.prompts.pop(rid, None)
-        waited = self.waiting.pop(rid, 0)  # (ended before it reserved: nothing to free)
-        self.waiting_blocks -= waited
+        self.waiting_blocks -= self.waiting.pop(rid, 0)  # (ended before it reserved)
         w = self.work.pop(rid, None)
         if w is None:
             return
@@ -235,8 +234,6 @@ class DecodeNodeState:
         if rid in self.unreported:  # ended before a report counted its blocks as used
             self.unreported.discard(rid)
             self.reserved_blocks = max(0, self.reserved_blocks - blocks)
-        elif not waited:  # the node frees them as it ends (the next report says so)
-            self.kv_blocks_free += blocks
         _remove(self.ends, end)
         _remove(self.joins, self.join_of.pop(rid))
         self.kv_tokens -= kv

@@ -210,6 +210,7 @@ class Conductor(Service):
         self.calls = NodeCalls(
             self.view, lambda: self.owner.metadata(self.node_id), cfg.request_timeout_s
         )
+        self.feeds.on_report = self.calls.room_freed
 
     async def setup(self) -> None:
         pbg.add_ConductorServicer_to_server(ConductorServicer(self), self.server)
