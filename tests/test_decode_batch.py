@@ -13,6 +13,7 @@ import pytest
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.services.common.hashing import prefix_hashes
+from kvmesh.services.common.ownership import WRITERS_MD
 from kvmesh.services.common.tokenizer import ByteTokenizer
 from kvmesh.services.engine.model import LlamaModel
 from kvmesh.services.launcher import LocalCluster
@@ -34,6 +35,22 @@ def cluster(tmp_path_factory):
     c.start()
     yield c
     c.stop()
+
+
+def _pool_idle(addr: str, timeout: float = 15.0) -> None:
+    """Waits until every block of the decode node's pool is back (an earlier test's
+    released reservation may be fenced for a while: ``--fence-s``)."""
+    import time
+
+    with grpc.insecure_channel(addr) as ch:
+        stub = pbg.DecodeNodeStub(ch)
+        deadline = time.monotonic() + timeout
+        while True:
+            st = stub.Status(pb.NodeStatusRequest(), timeout=5)
+            if st.kv_blocks_free == st.kv_blocks_total or time.monotonic() > deadline:
+                assert st.kv_blocks_free == st.kv_blocks_total, "the pool never came back"
+                return
+            time.sleep(0.1)
 
 
 def decode_here(
@@ -489,9 +506,11 @@ def test_a_reserve_the_decode_node_has_no_room_for_is_a_refusal_for_kv_room(clus
                 await calls.reserve(d, "room-late", 20 * BS, 1)
             except Rejected as e:
                 return e
-            finally:
+            finally:  # (no prefill node was asked to write them: freed at once, no fence)
                 for rid in ("room-hog", "room-late"):
-                    await pbg.DecodeNodeStub(ch).Release(pb.ReleaseRequest(request_id=rid))
+                    await pbg.DecodeNodeStub(ch).Release(
+                        pb.ReleaseRequest(request_id=rid), metadata=((WRITERS_MD, "[]"),)
+                    )
             raise AssertionError("reserved beyond the pool")
 
     e = asyncio.run(go())
@@ -509,6 +528,7 @@ def test_a_request_the_decode_node_has_no_room_for_yet_waits_for_it(cluster):
     import time
 
     model = LlamaModel.from_preset("tiny", seed=0)
+    _pool_idle(next(n for n in status(cluster.conductor).nodes if n.role == "decode").grpc_address)
     first = list(TOK.encode(" the request that holds the pool" * 20))[: 25 * BS]
     second = list(TOK.encode(" the request that waits for room" * 20))[: 24 * BS]
     got: dict[str, list[int]] = {"first": [], "second": []}
@@ -553,6 +573,7 @@ def test_the_decode_nodes_load_report_counts_the_blocks_its_requests_will_grow_i
     for the prompt at Reserve and the rest as it decodes: its load report (what admission
     reads) leaves those out of the free blocks, its status (the pool) does not."""
     d = next(n for n in status(cluster.conductor).nodes if n.role == "decode")
+    _pool_idle(d.grpc_address)
     with grpc.insecure_channel(d.grpc_address) as ch:
         stub = pbg.DecodeNodeStub(ch)
         stub.Reserve(
@@ -567,4 +588,6 @@ def test_the_decode_nodes_load_report_counts_the_blocks_its_requests_will_grow_i
             # 6 blocks taken at Reserve; prompt + max_tokens = 147 tokens = 10 blocks
             assert load.kv_blocks_free == pool_free - 4
         finally:
-            stub.Release(pb.ReleaseRequest(request_id="grows"), timeout=5)
+            stub.Release(
+                pb.ReleaseRequest(request_id="grows"), timeout=5, metadata=((WRITERS_MD, "[]"),)
+            )
