@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvmesh.services.store.client import StoreClient
-from kvmesh.services.store.located import SPEC_BYTES
+from kvmesh.services.store.located import SPEC_BYTES, SPEC_KEYS
 from kvmesh.services.store_master import wire
 from tests.store_util import FUZZ, INVALID, fast_address, fast_call, run_clients, running_store
 
@@ -72,6 +72,37 @@ def test_a_key_the_client_put_is_read_ahead_and_comes_back(store):
         assert used(a) == (2 * len(keys) + 1, 0)  # over the budget: asked first
         await a.remove([*keys, b"ahead-own-big"])
         assert len(a._where) == 0
+
+    run_two(store.master, body)
+
+
+def test_a_256_kib_value_is_read_ahead_and_a_batch_past_the_key_limit_is_not(store):
+    """A single 256 KiB get reads ahead (within ``SPEC_BYTES``) and returns the value;
+    a batch of more than ``SPEC_KEYS`` small keys asks first, reading nothing ahead,
+    and still returns every value."""
+    big = os.urandom(256 << 10)
+    small = [os.urandom(4096) for _ in range(SPEC_KEYS + 1)]
+    skeys = [f"ahead-many-{i}".encode() for i in range(len(small))]
+    assert len(big) <= SPEC_BYTES and len(small) * 4096 <= SPEC_BYTES
+
+    async def body(a: StoreClient, _b: StoreClient):
+        assert await a.put(b"ahead-256k", big)
+        dst = np.zeros(len(big), np.uint8)
+        rid = a.te.register(dst)
+        try:
+            assert await a.get_into([b"ahead-256k"], rid, [0]) == [len(big)]
+            assert dst.tobytes() == big
+        finally:
+            a.te.unregister(rid)
+        assert used(a) == (1, 0)
+        assert await a.get(b"ahead-256k") == big
+        assert used(a) == (2, 0)
+        assert all(await a.batch_put(skeys, small))
+        assert await a.batch_get(skeys) == small
+        assert used(a) == (2, 0)  # over the key limit: asked first
+        assert await a.batch_get(skeys[:SPEC_KEYS]) == small[:SPEC_KEYS]
+        assert used(a) == (2 + SPEC_KEYS, 0)
+        await a.remove([b"ahead-256k", *skeys])
 
     run_two(store.master, body)
 

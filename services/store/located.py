@@ -19,11 +19,14 @@ that restarted gives every replica a new generation. On a miss or a mismatch,
 ``get_into`` may have written the remembered replica's bytes into the caller's buffer
 before finding out (the key's entry is then -1, or overwritten by the right value).
 
-Only reads of at most ``SPEC_BYTES`` in all are sent ahead: for larger ones the saved
-round trip is a small share of the call, and on a busy 2-core host (master, holder and
-client on the same cores) the parallel read measured no faster (256 KiB get: 900 against
-832 us p50; a batch of 128 x 4 KiB: 9.6 against 9.2 ms), while single 4 KiB gets gained
-up to 23% (paired, in one process).
+Only gets of at most ``SPEC_KEYS`` keys and ``SPEC_BYTES`` in all are read ahead. For
+larger ones the saved round trip is a small share of the call, and noting a batch's keys
+costs ~2 us a key. The byte limit was 128 KiB until a faster host (a 97 us control
+round trip) showed a single 256 KiB ``get_into`` at 360 us p50 asking first and at
+180-240 us reading ahead (3 runs each, alternated); at 4 and 16 MiB reading ahead
+measured no faster (the read dominates), so 1 MiB. A batch of 128 x 4 KiB gained nothing
+from it on a busy 2-core host (9.6 against 9.2 ms), hence the key limit, while single
+4 KiB gets gained up to 23% (paired, in one process).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from kvmesh.services.store.batching import run_all
 from kvmesh.services.store.copy import FILLABLE_BYTES, fresh_bytes_target
 
 WHERE_MAX = 1 << 16  # keys remembered (least recently used forgotten first)
-SPEC_BYTES = 128 << 10  # most bytes one get reads ahead of the master's answer
+SPEC_BYTES = 1 << 20  # most bytes one get reads ahead of the master's answer
+SPEC_KEYS = 16  # most keys one get reads ahead
 
 # (data address, region id, offset, size, generation)
 Where = tuple[str, int, int, int, int]
@@ -66,9 +70,9 @@ class Locations:
 
     def plan(self, keys: Sequence[bytes], budget: int = SPEC_BYTES) -> list[tuple[int, Where]]:
         """(key index, where) of the remembered keys worth reading ahead: none when they
-        hold more than ``budget`` bytes in all."""
+        hold more than ``budget`` bytes in all, or there are more than ``SPEC_KEYS``."""
         m = self.map
-        if not m:
+        if not m or len(keys) > SPEC_KEYS:
             return []
         out = []
         total = 0
@@ -89,10 +93,11 @@ class Locations:
     ) -> None:
         """Learns from a master's answer (``locs`` as ``wire.unpack_get_resp``'s): keys
         it placed are noted (with ``gens``), keys it did not are forgotten. An answer
-        placing more than ``SPEC_BYTES`` in all teaches nothing: such gets never read
-        ahead, and noting a large batch's keys costs it ~2 us a key (an entry it leaves
-        stale is only a wasted guess: reads ahead are checked by generation)."""
-        if sum(loc[5] for loc in locs) > SPEC_BYTES:
+        placing more than ``SPEC_BYTES`` in all or more than ``SPEC_KEYS`` keys teaches
+        nothing: such gets never read ahead, and noting a large batch's keys costs it
+        ~2 us a key (an entry it leaves stale is only a wasted guess: reads ahead are
+        checked by generation)."""
+        if len(locs) > SPEC_KEYS or sum(loc[5] for loc in locs) > SPEC_BYTES:
             return
         found = set()
         for j, (i, addr, region, _, off, size) in enumerate(locs):
