@@ -41,7 +41,7 @@ class Section:
 
 def sections() -> list[Section]:
     from kvmesh.services.common.settings import ServiceConfig
-    from kvmesh.services.conductor.server import ConductorConfig
+    from kvmesh.services.conductor.config import ConductorConfig
     from kvmesh.services.decode.server import DecodeConfig
     from kvmesh.services.node_config import NodeConfig
     from kvmesh.services.prefill.server import PrefillConfig

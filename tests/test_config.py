@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.services.common.config import ConfigError, load, parse_memory, parse_size
-from kvmesh.services.conductor.server import ConductorConfig
+from kvmesh.services.conductor.config import ConductorConfig
 from kvmesh.services.decode.server import DecodeConfig
 
 
@@ -59,7 +59,7 @@ def test_help_lists_field_docs(capsys):
     [
         ("kvmesh.services.prefill.server", "PrefillConfig"),
         ("kvmesh.services.decode.server", "DecodeConfig"),
-        ("kvmesh.services.conductor.server", "ConductorConfig"),
+        ("kvmesh.services.conductor.config", "ConductorConfig"),
         ("kvmesh.services.store_master.server", "StoreMasterConfig"),
         ("kvmesh.services.store.node", "StoreNodeConfig"),
     ],

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from kvmesh.services.common.config import ConfigError, load
-from kvmesh.services.conductor.server import ConductorConfig
+from kvmesh.services.conductor.config import ConductorConfig
 from kvmesh.services.decode.server import DecodeConfig
 from kvmesh.services.prefill.server import PrefillConfig
 from kvmesh.services.store_master.config import StoreMasterConfig

@@ -21,7 +21,7 @@ from kvmesh.services.conductor.policy import (
     Request,
     Scheduler,
 )
-from kvmesh.services.conductor.server import ConductorConfig
+from kvmesh.services.conductor.config import ConductorConfig
 
 BS = 16
 

@@ -1,10 +1,12 @@
 """Incremental detokenization: token ids in, the new text out, for any tokenizer with
 ``decode(ids) -> str``. A trailing U+FFFD (an incomplete UTF-8 sequence so far) is held
 back until the next tokens complete it or the stream ends; so is a tail that could be the
-start of a stop string. When a stop string appears, the text ends just before it."""
+start of a stop string. When a stop string appears, the text ends just before it. And the
+``GenerateResponse`` each step of a stream sends (:func:`generate_response`)."""
 
 from __future__ import annotations
 
+from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.common.sampling_params import find_stop
 
 
@@ -36,3 +38,37 @@ class TextStream:
         out = text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return out
+
+
+def generate_response(
+    rid, token_ids, decoder, usage, presp, route, req, eos_ids, reason="", logprobs=()
+):
+    """The client's next ``GenerateResponse``: ``token_ids`` and their new text from
+    ``decoder``; with the prefill's answer ``presp`` (the first token's message) the
+    usage's cached and computed tokens and a finish reason if the first token ends it;
+    ``usage`` and the finish reason on the last message."""
+    if presp is not None:
+        usage.cached_tokens = presp.cached_tokens + presp.fetched_tokens
+        usage.computed_tokens = presp.computed_tokens
+        first = token_ids[0]
+        if (
+            first in eos_ids and not req.sampling.ignore_eos
+        ) or first in req.sampling.stop_token_ids:
+            reason = "stop"
+        elif req.max_tokens == 1:
+            reason = "length"
+        if req.sampling.logprobs:
+            logprobs = [presp.first_logprob]
+    usage.completion_tokens += len(token_ids)
+    text = decoder.push(token_ids, final=bool(reason))
+    if decoder.stopped:
+        reason = "stop"
+    return pb.GenerateResponse(
+        request_id=rid,
+        token_ids=token_ids,
+        text=text,
+        finish_reason=reason,
+        usage=usage if reason else None,
+        route=route,
+        logprobs=list(logprobs),
+    )
