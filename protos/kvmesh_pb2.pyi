@@ -598,14 +598,16 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("target", "cached_tokens", "prefix_pinned")
+    __slots__ = ("target", "cached_tokens", "prefix_pinned", "reserve_seq")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PINNED_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_SEQ_FIELD_NUMBER: _ClassVar[int]
     target: KVTarget
     cached_tokens: int
     prefix_pinned: bool
-    def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., prefix_pinned: _Optional[bool] = ...) -> None: ...
+    reserve_seq: int
+    def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., prefix_pinned: _Optional[bool] = ..., reserve_seq: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token", "max_tokens", "sampling", "stop_token_ids", "prefill_here", "prompt_token_ids", "block_hashes")
@@ -686,7 +688,7 @@ class StoreFetchSample(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("queue_depth", "running", "kv_blocks_free", "kv_blocks_total", "prefill_samples", "decode_samples", "bandwidth_bytes_per_s", "store_fetches")
+    __slots__ = ("queue_depth", "running", "kv_blocks_free", "kv_blocks_total", "prefill_samples", "decode_samples", "bandwidth_bytes_per_s", "store_fetches", "reserves_seen")
     class BandwidthBytesPerSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -702,6 +704,7 @@ class NodeLoad(_message.Message):
     DECODE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     STORE_FETCHES_FIELD_NUMBER: _ClassVar[int]
+    RESERVES_SEEN_FIELD_NUMBER: _ClassVar[int]
     queue_depth: int
     running: int
     kv_blocks_free: int
@@ -710,7 +713,8 @@ class NodeLoad(_message.Message):
     decode_samples: _containers.RepeatedCompositeFieldContainer[DecodeSample]
     bandwidth_bytes_per_s: _containers.ScalarMap[str, float]
     store_fetches: _containers.RepeatedCompositeFieldContainer[StoreFetchSample]
-    def __init__(self, queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefill_samples: _Optional[_Iterable[_Union[PrefillSample, _Mapping]]] = ..., decode_samples: _Optional[_Iterable[_Union[DecodeSample, _Mapping]]] = ..., bandwidth_bytes_per_s: _Optional[_Mapping[str, float]] = ..., store_fetches: _Optional[_Iterable[_Union[StoreFetchSample, _Mapping]]] = ...) -> None: ...
+    reserves_seen: int
+    def __init__(self, queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefill_samples: _Optional[_Iterable[_Union[PrefillSample, _Mapping]]] = ..., decode_samples: _Optional[_Iterable[_Union[DecodeSample, _Mapping]]] = ..., bandwidth_bytes_per_s: _Optional[_Mapping[str, float]] = ..., store_fetches: _Optional[_Iterable[_Union[StoreFetchSample, _Mapping]]] = ..., reserves_seen: _Optional[int] = ...) -> None: ...
 
 class NodeEvent(_message.Message):
     __slots__ = ("seq", "reset", "stored", "removed", "load")

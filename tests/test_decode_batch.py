@@ -591,3 +591,43 @@ def test_the_decode_nodes_load_report_counts_the_blocks_its_requests_will_grow_i
             stub.Release(
                 pb.ReleaseRequest(request_id="grows"), timeout=5, metadata=((WRITERS_MD, "[]"),)
             )
+
+
+def test_the_decode_node_numbers_its_reservations_and_its_reports_count_them(cluster):
+    """Each Reserve's answer carries its ordinal on the node, one more than the last, and
+    a load report made after it says the node had made that many (the conductor keeps a
+    booking counted until such a report: a report made before the reservation must not
+    free its blocks); a refused Reserve takes no number."""
+    d = next(n for n in status(cluster.conductor).nodes if n.role == "decode")
+    _pool_idle(d.grpc_address)
+    with grpc.insecure_channel(d.grpc_address) as ch:
+        stub = pbg.DecodeNodeStub(ch)
+
+        def seen() -> int:
+            stream = stub.WatchEvents(pb.WatchEventsRequest(interval_ms=50), timeout=10)
+            load = next(iter(stream)).load
+            stream.cancel()
+            return load.reserves_seen
+
+        def reserve(rid: str, tokens: int) -> pb.ReserveResponse:
+            return stub.Reserve(
+                pb.ReserveRequest(request_id=rid, prompt_tokens=tokens, max_tokens=4),
+                timeout=10,
+            )
+
+        try:
+            before = seen()
+            a = reserve("numbered-a", 2 * BS)
+            assert a.reserve_seq > before >= 0
+            assert seen() == a.reserve_seq
+            with pytest.raises(grpc.RpcError) as e:  # more blocks than the pool has
+                reserve("numbered-big", 45 * BS)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            b = reserve("numbered-b", BS)
+            assert b.reserve_seq == a.reserve_seq + 1
+            assert seen() == b.reserve_seq
+        finally:
+            for rid in ("numbered-a", "numbered-b"):
+                stub.Release(
+                    pb.ReleaseRequest(request_id=rid), timeout=5, metadata=((WRITERS_MD, "[]"),)
+                )

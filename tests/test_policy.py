@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from kvmesh.services.conductor.config import ConductorConfig
 from kvmesh.services.conductor.estimator import DecodeModel, PrefillModel
 from kvmesh.services.conductor.index import CacheIndex
 from kvmesh.services.conductor.policy import (
@@ -21,7 +22,6 @@ from kvmesh.services.conductor.policy import (
     Request,
     Scheduler,
 )
-from kvmesh.services.conductor.config import ConductorConfig
 
 BS = 16
 
@@ -288,6 +288,52 @@ def test_kv_room_counts_the_prefix_a_request_decoding_there_holds():
     assert s.decide(c).accepted
     s.request_done(b, db)
     assert not dn.prompts
+
+
+def test_a_report_made_before_a_reservation_does_not_free_its_booked_blocks():
+    """A decode node numbers its reservations and each load report says how many it had
+    made: a booking stays counted against the free blocks through reports made before
+    its reservation (its Reserve still on its way, or numbered after the report), and
+    leaves them with the first report made after it, or at once when that report came
+    before the Reserve's answer. A node that does not number them, or that restarted,
+    gets the old rule: every report counts every booking."""
+    s = make()
+    s.cfg.wait_for_kv = False
+    dn = s.decode["d0"]
+    dn.report(free=100, total=100, seen=4)
+    a, b = req(320, rid="a"), req(320, rid="b")  # 21 blocks each
+    da = s.decide(a)
+    s.commit(a, da)
+    assert dn.free_blocks() == 79
+    dn.report(free=100, total=100, seen=4)  # made before a's Reserve reached the node
+    assert dn.free_blocks() == 79 and dn.reserved_blocks == 21
+    s.reserved(a, da, 5)  # the node's 5th reservation
+    dn.report(free=100, total=100, seen=4)  # still made before it
+    assert dn.free_blocks() == 79
+    dn.report(free=79, total=100, seen=5)  # counts it: not twice
+    assert dn.free_blocks() == 79 and dn.reserved_blocks == 0 and not dn.unreported
+    db = s.decide(b)
+    s.commit(b, db)
+    dn.report(free=58, total=100, seen=6)  # counted b before its answer came back
+    assert dn.free_blocks() == 58 - 21  # (counted twice until the answer: never too many)
+    s.reserved(b, db, 6)
+    assert dn.free_blocks() == 58 and not dn.unreported and not dn.reserve_seq
+    s.request_done(b, db)
+    c = req(320, rid="c")
+    dc = s.decide(c)
+    s.commit(c, dc)
+    s.reserved(c, dc, 7)
+    dn.report(free=79, total=100, seen=2)  # the node restarted: its count went back
+    assert dn.free_blocks() == 79 and not dn.unreported and not dn.reserve_seq
+    d = req(320, rid="d")
+    dd = s.decide(d)
+    s.commit(d, dd)
+    dn.report(free=79, total=100)  # a node that does not number them
+    assert dn.free_blocks() == 79 and dn.reports_seen == 0
+    s.request_done(d, dd)
+    s.request_done(c, dc)
+    s.request_done(a, da)
+    assert dn.reserved_blocks == 0 and not dn.work and not dn.reserve_seq
 
 
 def test_a_request_waits_for_the_kv_room_that_requests_booked_there_free():

@@ -71,6 +71,7 @@ class EventHub:
             running=info.get("running", 0),
             kv_blocks_free=info.get("kv_blocks_free", self.pool.num_free),
             kv_blocks_total=self.pool.num_blocks,
+            reserves_seen=info.get("reserves", 0),
         )
         load.prefill_samples.extend(
             pb.PrefillSample(new_tokens=n, cached_tokens=c, ms=ms) for n, c, ms in sub.prefill

@@ -132,7 +132,7 @@ class NodeFeeds:
                 d.prefill_model.observe(s.new_tokens, s.cached_tokens, s.ms)
             for s in load.decode_samples:
                 d.model.observe(s.batch, s.kv_tokens, s.ms)
-            d.report(load.kv_blocks_free, load.kv_blocks_total)
+            d.report(load.kv_blocks_free, load.kv_blocks_total, load.reserves_seen)
             if self.on_report is not None:
                 self.on_report(n.node_id)
             used = (load.kv_blocks_total - load.kv_blocks_free) * d.block_size

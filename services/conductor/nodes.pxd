@@ -49,6 +49,8 @@ cdef class DecodeNodeState:
     cdef public long kv_tokens
     cdef public long reserved_blocks
     cdef public set unreported
+    cdef public dict reserve_seq
+    cdef public long reports_seen
     cdef public double local_queue_ms
     cdef public dict local_booked
     cdef public long foreign

@@ -173,8 +173,13 @@ class DecodeNodeState:
         default_factory=dict
     )  # rid -> (end, kv, blocks)
     kv_tokens: int = 0
-    reserved_blocks: int = 0  # reserved by us since the last report
+    reserved_blocks: int = 0  # reserved by us and not yet in a report
     unreported: set[str] = field(default_factory=set)  # requests counted in reserved_blocks
+    # of those, the ones the node has reserved: rid -> the reservation's ordinal there
+    # (its Reserve answer's reserve_seq); a report counts it once its reserves_seen
+    # reaches that. ``reports_seen``: the last report's (0: the node does not say)
+    reserve_seq: dict[str, int] = field(default_factory=dict)
+    reports_seen: int = 0
     local_queue_ms: float = 0.0  # colocated prefills queued here
     local_booked: dict[str, float] = field(default_factory=dict)  # rid -> its share of it
     # other conductors' requests on the node (reserved or decoding) beyond ours, from its
@@ -231,6 +236,7 @@ class DecodeNodeState:
         if w is None:
             return
         end, kv, blocks = w
+        self.reserve_seq.pop(rid, None)
         if rid in self.unreported:  # ended before a report counted its blocks as used
             self.unreported.discard(rid)
             self.reserved_blocks = max(0, self.reserved_blocks - blocks)
@@ -305,6 +311,7 @@ class DecodeNodeState:
         if rid in self.unreported:  # (else a report has counted it already: it was not)
             self.unreported.discard(rid)
             self.reserved_blocks = max(0, self.reserved_blocks - blocks)
+        self.reserve_seq.pop(rid, None)
         self.waiting[rid] = blocks
         self.waiting_blocks += blocks
 
@@ -346,10 +353,52 @@ class DecodeNodeState:
     def free_blocks(self) -> int:
         return self.kv_blocks_free - self.reserved_blocks - self.waiting_blocks
 
-    def report(self, free: int, total: int) -> None:
-        """A load report from the node: its free blocks already count our reservations."""
-        self.kv_blocks_free, self.kv_blocks_total, self.reserved_blocks = free, total, 0
-        self.unreported.clear()
+    def reserved(self, rid: str, seq: int) -> None:
+        """The node reserved ``rid``'s blocks, its ``seq``-th reservation (0: the node
+        does not number them). A report that counted it already (its ``reserves_seen``
+        at least ``seq``) came first: its blocks leave ``reserved_blocks`` now; else the
+        first such report takes them out."""
+        if seq <= 0 or rid not in self.unreported:
+            return
+        if seq <= self.reports_seen:
+            self.unreported.discard(rid)
+            w = self.work.get(rid)
+            if w is not None:
+                self.reserved_blocks = max(0, self.reserved_blocks - w[2])
+        else:
+            self.reserve_seq[rid] = seq
+
+    def report(self, free: int, total: int, seen: int = 0) -> None:
+        """A load report from the node: its free blocks count the reservations it had made
+        when it made the report, the first ``seen`` (0: it does not say; all of ours are
+        taken as counted). Ours that it had not made yet (their Reserve still on its way,
+        or numbered after ``seen``) still count in ``reserved_blocks``: a report made
+        before a reservation and read after its booking must not free its blocks."""
+        self.kv_blocks_free, self.kv_blocks_total = free, total
+        if seen <= 0 or seen < self.reports_seen:  # not numbered, or the node restarted
+            self.reports_seen = seen if seen > 0 else 0
+            self.reserved_blocks = 0
+            self.unreported.clear()
+            self.reserve_seq.clear()
+            return
+        self.reports_seen = seen
+        if not self.unreported:
+            self.reserved_blocks = 0
+            return
+        keep = set()
+        blocks = 0
+        seqs = self.reserve_seq
+        for rid in self.unreported:
+            n = seqs.get(rid, 0)
+            if n == 0 or n > seen:  # not reserved yet, or after the report was made
+                keep.add(rid)
+                w = self.work.get(rid)
+                if w is not None:
+                    blocks += w[2]
+            elif n:
+                del seqs[rid]
+        self.unreported = keep
+        self.reserved_blocks = blocks
 
 
 def _remove(xs: list[float], x: float) -> None:

@@ -627,6 +627,15 @@ class Scheduler:
             dn.room_taken(r.request_id)
         self._enqueue(r, d, c, self.clock())
 
+    def reserved(self, r: Request, d: Decision, seq: int) -> None:
+        """The decode node reserved the KV of accepted ``r``, its ``seq``-th reservation
+        (``ReserveResponse.reserve_seq``; 0 from a node that does not number them): its
+        booked blocks count against the node's free ones until a load report made after
+        it says them used (:meth:`DecodeNodeState.reserved`)."""
+        dn = self.decode.get(d.booked()[1])
+        if dn is not None:
+            dn.reserved(r.request_id, seq)
+
     def prompt_held(self, r: Request, d: Decision) -> None:
         """``r``'s prompt KV is in place on its decode node, cached there under its
         hashes (the node was given them at ``Reserve``): until ``r`` ends, a request

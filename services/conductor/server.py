@@ -368,7 +368,11 @@ class Conductor(Service):
         wait_ms = d.kv_wait_ms
         if wait_ms <= 0:
             try:
-                return await self.calls.reserve(dnode, r.request_id, n, max_tokens, hashes, local)
+                reserved = await self.calls.reserve(
+                    dnode, r.request_id, n, max_tokens, hashes, local
+                )
+                self.sched.reserved(r, d, reserved.reserve_seq)
+                return reserved
             except Rejected as e:
                 wait_ms = self.sched.kv_slack_ms(r, d)
                 if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or wait_ms <= 0:
@@ -387,6 +391,7 @@ class Conductor(Service):
         )
         record["kv_wait_ms"] = (time.perf_counter() - t_wait) * 1000
         self.sched.room_taken(r, d)
+        self.sched.reserved(r, d, reserved.reserve_seq)
         return reserved
 
     async def _serve_reserved(

@@ -175,6 +175,7 @@ class DecodeServicer(pbg.DecodeNodeServicer):
             ),
             cached_tokens=res.pinned * node.cfg.block_size,
             prefix_pinned=True,
+            reserve_seq=node.reserves,  # (no await since node.reserve: this one's ordinal)
         )
 
     async def Decode(self, req, context):
@@ -345,6 +346,9 @@ class DecodeNode(ModelNode):
         super().__init__(cfg)
         self.cfg: DecodeConfig = cfg
         self.reservations: dict[str, Reservation] = {}
+        # reservations made so far: each Reserve's answer carries its ordinal, each load
+        # report the count at its making, so a conductor knows which reports hold which
+        self.reserves = 0
         self.released_early = EarlyReleases(cfg.reservation_timeout_s)
         self.batch: BatchScheduler | None = None
         self._fenced: collections.deque[tuple[float, Reservation]] = collections.deque()
@@ -444,6 +448,7 @@ class DecodeNode(ModelNode):
         if res.prefill_here:
             res.writers = frozenset()  # no prefill node writes it: nothing to fence
         self.reservations[request_id] = res
+        self.reserves += 1
         return res
 
     def release(self, request_id: str, res: Reservation | None = None) -> bool:
@@ -494,6 +499,7 @@ class DecodeNode(ModelNode):
             # free for new requests: the blocks the requests here may still take as they
             # decode (to prompt + max_tokens, as the conductor books them) are spoken for
             "kv_blocks_free": max(0, self.pool.num_free - growth),
+            "reserves": self.reserves,
         }
 
     def check_prompt(self, req: pb.DecodeRequest, res: Reservation) -> str | None:
