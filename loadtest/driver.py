@@ -179,21 +179,28 @@ async def drive(
 
 
 # -- node metrics ---------------------------------------------------------------------------
-def scrape(addresses: list[str], timeout: float = 3.0) -> dict[str, float]:
-    """Sums the ``kvmesh_*`` samples of the data plane over the given /metrics endpoints:
-    transfer bytes and seconds by path, late hits by reason, prefill tokens by kind."""
+DATA_PLANE = (
+    "kvmesh_transfer_bytes_total",
+    "kvmesh_transfer_seconds_sum",
+    "kvmesh_transfer_seconds_count",
+    "kvmesh_late_hits_total",
+    "kvmesh_prefill_tokens",
+    "kvmesh_prefill_tokens_total",
+    "kvmesh_prefill_tokens_avoided",
+    "kvmesh_prefill_tokens_avoided_total",
+)
+# the conductor's waits for KV room and the Reserves its stale view had decode nodes refuse
+KV_ROOM = ("kvmesh_kv_waits_total", "kvmesh_reserves_refused_total")
+
+
+def scrape(
+    addresses: list[str], timeout: float = 3.0, want: tuple[str, ...] = DATA_PLANE
+) -> dict[str, float]:
+    """Sums the ``want`` samples over the given /metrics endpoints (by default the data
+    plane's: transfer bytes and seconds by path, late hits by reason, prefill tokens by
+    kind)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    want = (
-        "kvmesh_transfer_bytes_total",
-        "kvmesh_transfer_seconds_sum",
-        "kvmesh_transfer_seconds_count",
-        "kvmesh_late_hits_total",
-        "kvmesh_prefill_tokens",
-        "kvmesh_prefill_tokens_total",
-        "kvmesh_prefill_tokens_avoided",
-        "kvmesh_prefill_tokens_avoided_total",
-    )
     out: dict[str, float] = {}
     for addr in addresses:
         try:

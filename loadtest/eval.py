@@ -170,6 +170,12 @@ def _brief(r: dict) -> str:
         f"SLO {100 * (s['slo_attainment'] or 0):.0f}% (accepted "
         f"{100 * (s['slo_attainment_accepted'] or 0):.0f}%)  goodput {s['goodput_rps']} rps  "
         f"hit {100 * (s['cache_hit_ratio'] or 0):.0f}%  {r['wall_s']} s"
+        + (
+            "  kv waits {waits_admitted}+{waits_after_refused_reserve}, Reserves refused "
+            "{reserves_refused}".format(**s["kv_room"])
+            if s.get("kv_room")
+            else ""
+        )
     )
 
 

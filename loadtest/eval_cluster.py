@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 from kvmesh.loadtest import metrics as M
 from kvmesh.loadtest import workload as W
-from kvmesh.loadtest.driver import Record, diff, drive, scrape
+from kvmesh.loadtest.driver import KV_ROOM, Record, diff, drive, scrape
 from kvmesh.services.common.config import parse_size
 from kvmesh.services.launcher import LocalCluster
 
@@ -261,7 +261,9 @@ class ConfigCluster:
         c = self.cluster
         nodes = c.status().nodes
         addrs = [n.metrics_address for n in nodes if n.metrics_address and n.role != "conductor"]
+        caddrs = [n.metrics_address for n in nodes if n.metrics_address and n.role == "conductor"]
         before = scrape(addrs)
+        kv_before = scrape(caddrs, want=KV_ROOM)
         node_before = {
             n.node_id: (n.computed_tokens_total, n.cached_tokens_total, n.fetched_tokens_total)
             for n in nodes
@@ -279,6 +281,7 @@ class ConfigCluster:
         wall = time.perf_counter() - t0
         st = c.status()
         d = diff(scrape(addrs), before)
+        kv = diff(scrape(caddrs, want=KV_ROOM), kv_before)
         per_node = {}
         for n in st.nodes:
             b = node_before.get(n.node_id, (0, 0, 0))
@@ -307,6 +310,13 @@ class ConfigCluster:
             },
         }
         summary["conductor_rejected"] = st.requests_rejected - rejected_before
+        summary["kv_room"] = {
+            "waits_admitted": round(kv.get("kvmesh_kv_waits_total{cause=admission}", 0.0)),
+            "waits_after_refused_reserve": round(
+                kv.get("kvmesh_kv_waits_total{cause=reserve_refused}", 0.0)
+            ),
+            "reserves_refused": round(kv.get("kvmesh_reserves_refused_total", 0.0)),
+        }
         # how fast a refusal comes back (the goal: within 50 ms at p99)
         refused = [r.error_ms for r in recs if r.status == "RESOURCE_EXHAUSTED" and r.error_ms]
         summary["reject_ms"] = {

@@ -527,8 +527,14 @@ def test_a_request_the_decode_node_has_no_room_for_yet_waits_for_it(cluster):
     import threading
     import time
 
+    from kvmesh.loadtest.driver import KV_ROOM, diff, scrape
+
     model = LlamaModel.from_preset("tiny", seed=0)
-    _pool_idle(next(n for n in status(cluster.conductor).nodes if n.role == "decode").grpc_address)
+    nodes = status(cluster.conductor).nodes
+    _pool_idle(next(n for n in nodes if n.role == "decode").grpc_address)
+    conductor_metrics = [n.metrics_address for n in nodes if n.role == "conductor"]
+    assert conductor_metrics and conductor_metrics[0]
+    before = scrape(conductor_metrics, want=KV_ROOM)
     first = list(TOK.encode(" the request that holds the pool" * 20))[: 25 * BS]
     second = list(TOK.encode(" the request that waits for room" * 20))[: 24 * BS]
     got: dict[str, list[int]] = {"first": [], "second": []}
@@ -566,6 +572,9 @@ def test_a_request_the_decode_node_has_no_room_for_yet_waits_for_it(cluster):
     assert got["first"] == model.reference_generate(first, 80)
     assert got["second"] == model.reference_generate(second, 8)
     assert at["second first"] > at["first last"] - 0.05  # it waited for the room
+    waits = diff(scrape(conductor_metrics, want=KV_ROOM), before)
+    assert waits["kvmesh_kv_waits_total{cause=admission}"] == 1  # admitted to wait
+    assert waits["kvmesh_kv_waits_total{cause=reserve_refused}"] == 0
 
 
 def test_the_decode_nodes_load_report_counts_the_blocks_its_requests_will_grow_into(cluster):

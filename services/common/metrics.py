@@ -183,6 +183,22 @@ STORE_FAST_OVER_LIMIT = Counter(
     ["limit"],
     registry=REGISTRY,
 )
+KV_WAITS = Counter(
+    "kvmesh_kv_waits_total",
+    "accepted requests that waited for KV room on their decode node, by cause (admission: "
+    "admitted to wait for it; reserve_refused: the node refused a Reserve that the "
+    "conductor's view had room for, and the TTFT SLO left time to wait)",
+    ["cause"],
+    registry=REGISTRY,
+)
+RESERVES_REFUSED = Counter(
+    "kvmesh_reserves_refused_total",
+    "Reserve calls a decode node refused for want of KV blocks although the conductor's "
+    "view of its pool had room (the view was stale)",
+    registry=REGISTRY,
+)
+for _cause in ("admission", "reserve_refused"):
+    KV_WAITS.labels(_cause)
 for _path in ("handoff", "store_get", "store_put"):
     TRANSFER_BYTES.labels(_path)
 for _r in (

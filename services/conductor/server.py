@@ -374,10 +374,16 @@ class Conductor(Service):
                 self.sched.reserved(r, d, reserved.reserve_seq)
                 return reserved
             except Rejected as e:
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                METRICS.RESERVES_REFUSED.inc()
                 wait_ms = self.sched.kv_slack_ms(r, d)
-                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or wait_ms <= 0:
+                if wait_ms <= 0:
                     raise
                 self.sched.await_room(r, d)
+                METRICS.KV_WAITS.labels("reserve_refused").inc()
+        else:
+            METRICS.KV_WAITS.labels("admission").inc()
         t_wait = time.perf_counter()
         reserved = await self.calls.reserve_when_room(
             dnode,
