@@ -251,7 +251,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-sizes", default="12MiB,24MiB,64MiB", help="cache-size sweep")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="whole evaluations in a row, each in OUT/run<i> (its own knee); OUT/runs.md "
+        "and runs.json: the goals' figures per run and their medians (eval_runs.py)",
+    )
     a = p.parse_args(argv)
+    if a.runs > 1:
+        args = list(sys.argv[1:] if argv is None else argv)
+        dirs = [Path(a.out) / f"run{i}" for i in range(1, a.runs + 1)]
+        for d in dirs:
+            rc = main([*args, "--runs", "1", "--out", str(d)])
+            if rc:
+                return rc
+        from kvmesh.loadtest.eval_runs import write
+
+        print(write(dirs, Path(a.out)))
+        return 0
     if a.quick:  # smaller defaults; what the command line gives explicitly stays
         quick = dict(
             loads="1,3", repeats=1, requests=16, knee_probes=2, sessions=1, turns=6,

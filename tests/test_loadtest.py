@@ -298,4 +298,36 @@ def test_eval_quick_compares_three_configs_on_pinned_nodes(tmp_path):
     for c in ("colocated", "disagg-nostore", "kvmesh"):
         assert f"| {c} |" in report
     assert "Where kvmesh wins and where it loses" in report
+    # whole runs side by side (--runs, eval_runs.py): a run's figures are its report's,
+    # and the summary takes their median over runs
+    import copy
+
+    from kvmesh.loadtest.eval_report import headline
+    from kvmesh.loadtest.eval_runs import summarize, write
+
+    hl = {h["config"]: h for h in headline(ev, "trace")}
+    text = write([out], tmp_path)
+    one = json.loads((tmp_path / "runs.json").read_text())
+    assert one["median"]["trace"]["goodput_x"] == hl["kvmesh"]["goodput_x"] > 0
+    assert one["median"]["trace"]["tbt_p99_x"] == hl["kvmesh"]["tbt_p99_x"]
+    assert one["runs"][0]["accepted_ok_min"] == min(
+        r["summary"]["slo_attainment_accepted"]
+        for r in ev["runs"]
+        if r["config"] == "kvmesh" and r["summary"]["slo_attainment_accepted"] is not None
+    )
+    assert "| median |" in text
+    evs = []
+    for k in (1, 3, 2):  # kvmesh's goodput x1, x3, x2: the median run is x2
+        e = copy.deepcopy(ev)
+        for r in e["runs"]:
+            if r["config"] == "kvmesh":
+                r["summary"]["goodput_rps"] *= k
+        evs.append(e)
+    three = summarize(evs)
+    assert [f["trace"]["goodput_x"] for f in three["runs"]] == pytest.approx(
+        [k * hl["kvmesh"]["goodput_x"] for k in (1, 3, 2)], rel=0.02
+    )
+    assert three["median"]["trace"]["goodput_x"] == pytest.approx(
+        2 * hl["kvmesh"]["goodput_x"], rel=0.02
+    )
     assert (out / "eval_goodput_vs_load.png").stat().st_size > 0
