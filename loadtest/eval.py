@@ -14,8 +14,9 @@ Phases (each bounded in requests and time; results in ``<out>/eval.json``, repor
    bytes per token, measured in this process on one pinned core with one thread.
 2. ``knee``: on ``colocated``, the highest offered rate at which it still has >= 90% of
    its requests inside both SLOs, for the trace and for the shared-prefix workload
-   (geometric probes, then linear interpolation of attainment between the last rate
-   that held and the first that did not).
+   (each probe the mean of ``--knee-seeds`` runs; x1.6 steps until bracketed, then
+   bisection; then linear interpolation of attainment between the highest rate that
+   held and the lowest above it that did not).
 3. ``trace``: a group sample of the Mooncake synthetic trace (whole prefix groups, so its
    reuse is the trace's), scaled, offered at ``--loads`` x the knee to every config;
    the 1x point ``--repeats`` times (medians reported).
@@ -179,38 +180,52 @@ def _brief(r: dict) -> str:
     )
 
 
-def find_knee(cc: ConfigCluster, make, start: float, probes: int, log) -> dict:
-    """Highest rate with SLO attainment >= 0.9 on ``cc`` (see the module's docstring)."""
+def find_knee(cc: ConfigCluster, make, start: float, probes: int, log, seeds: int = 2) -> dict:
+    """Highest rate with SLO attainment >= 0.9 on ``cc`` (see the module's docstring).
+    Each probe is the mean attainment of ``seeds`` runs with workloads of their own (one
+    64-request run swings by 20 points: three evaluations 7 minutes apart once put the
+    trace's knee at 21.8, 10.9 and 19.9 rps); x1.6 steps until a rate that holds lies
+    below one that does not, then the probes left bisect that bracket (geometric
+    midpoint); the knee is linear in rate between its ends. A probe that misses below
+    one that holds (noise) bounds nothing."""
     seen: list[tuple[float, float]] = []
     rate, factor = start, 1.6
-    for k in range(probes):
-        r = cc.run(make(rate, 900 + k), label=f"probe@{rate:.2f}rps")
-        att = r["summary"]["slo_attainment"] or 0.0
-        log(_brief(r))
-        seen.append((rate, att))
+
+    def bracket() -> tuple[tuple[float, float], tuple[float, float] | None] | None:
         ok = [x for x in seen if x[1] >= 0.9]
-        bad = [x for x in seen if x[1] < 0.9]
-        if ok and bad and min(b[0] for b in bad) > max(o[0] for o in ok):
-            break
-        rate = rate * factor if att >= 0.9 else rate / factor
-    ok = [x for x in seen if x[1] >= 0.9]
-    bad = [x for x in seen if x[1] < 0.9]
-    if ok and bad:
+        if not ok:
+            return None
         lo = max(ok)
-        hi = min(b for b in bad if b[0] > lo[0]) if any(b[0] > lo[0] for b in bad) else None
-        if hi is None:
-            knee = lo[0]
-        else:  # linear in rate between the two
-            w = (lo[1] - 0.9) / max(1e-9, lo[1] - hi[1])
-            knee = lo[0] + w * (hi[0] - lo[0])
-    elif ok:
-        knee = max(ok)[0]
-    else:  # never held: below the lowest rate probed, not measured
-        knee = min(bad)[0] / factor
+        above = [b for b in seen if b[1] < 0.9 and b[0] > lo[0]]
+        return lo, (min(above) if above else None)
+
+    for k in range(probes):
+        atts = []
+        for j in range(seeds):
+            r = cc.run(make(rate, 900 + 10 * k + j), label=f"probe@{rate:.2f}rps")
+            atts.append(r["summary"]["slo_attainment"] or 0.0)
+            log(_brief(r))
+        seen.append((rate, statistics.mean(atts)))
+        b = bracket()
+        if b is not None and b[1] is not None:
+            rate = (b[0][0] * b[1][0]) ** 0.5  # bisect the bracket
+        elif b is not None:
+            rate = b[0][0] * factor  # every rate tried holds: higher
+        else:
+            rate = min(x[0] for x in seen) / factor  # none holds: lower
+    b = bracket()
+    if b is None:  # never held: below the lowest rate probed, not measured
+        knee = min(x[0] for x in seen) / factor
+    elif b[1] is None:
+        knee = b[0][0]
+    else:  # linear in rate between the two
+        (r0, a0), (r1, a1) = b
+        knee = r0 + (a0 - 0.9) / max(1e-9, a0 - a1) * (r1 - r0)
     return {
         "knee_rps": round(knee, 3),
-        "bracketed": bool(ok and bad),
-        "probes": [{"rate": round(r, 3), "attainment": a} for r, a in seen],
+        "bracketed": bool(b is not None and b[1] is not None),
+        "seeds": seeds,
+        "probes": [{"rate": round(r, 3), "attainment": round(a, 4)} for r, a in seen],
     }
 
 
@@ -246,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs at 1x the knee (median)")
     p.add_argument("--requests", type=int, default=64, help="per run, at every load")
     p.add_argument("--max-run-s", type=float, default=30.0, help="arrival span cap of a run")
-    p.add_argument("--knee-probes", type=int, default=4)
+    p.add_argument("--knee-probes", type=int, default=5, help="rates probed for the knee")
+    p.add_argument("--knee-seeds", type=int, default=2, help="runs per knee probe (mean)")
     p.add_argument("--knee-start", type=float, default=0.0, help="rps; 0 = from the costs")
     p.add_argument("--pool-sizes", default="12MiB,24MiB,64MiB", help="cache-size sweep")
     p.add_argument("--seed", type=int, default=0)
@@ -272,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.quick:  # smaller defaults; what the command line gives explicitly stays
         quick = dict(
-            loads="1,3", repeats=1, requests=16, knee_probes=2, sessions=1, turns=6,
-            pool_sizes="12MiB,48MiB",
+            loads="1,3", repeats=1, requests=16, knee_probes=2, knee_seeds=1, sessions=1,
+            turns=6, pool_sizes="12MiB,48MiB",
         )  # fmt: skip
         for k, v in quick.items():
             if getattr(a, k) == p.get_default(k):
@@ -394,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                     mean_in = statistics.mean(len(i.token_ids) for i in items)
                     # 2 cores at the measured cost, 40% of the prompt cached, x0.6
                     start = a.knee_start or 0.6 * 2.0 / (mean_in * 0.6 * ms_tok / 1000.0)
-                    k = find_knee(cc, makers[w], start, a.knee_probes, log)
+                    k = find_knee(cc, makers[w], start, a.knee_probes, log, a.knee_seeds)
                     res["knee"][w] = k
                     log(f"colocated knee on {w}: {k['knee_rps']} rps")
                     save()

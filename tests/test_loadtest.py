@@ -163,6 +163,54 @@ def _loaded_trace(n=400, seed=0):
     return out
 
 
+def test_the_knee_search_brackets_then_bisects_and_averages_seeds():
+    """The knee (colocated's highest rate with >= 90% inside): x1.6 steps until a rate
+    that holds lies below one that does not, then bisection of that bracket, each probe
+    the mean over its seeds; a miss below a rate that held (noise) bounds nothing."""
+    from kvmesh.loadtest.eval import find_knee
+
+    class Fake:  # attainment falls linearly from 1.0 at 10 rps to 0.5 at 20 rps
+        def __init__(self, noise=None):
+            self.calls: list[tuple[float, int]] = []
+            self.noise = noise or {}
+
+        def run(self, items, label=""):
+            rate, seed = items
+            self.calls.append((rate, seed))
+            att = min(1.0, max(0.0, 1.0 - 0.05 * (rate - 10.0)))
+            att += self.noise.get(seed, 0.0)
+            return {
+                "config": "colocated",
+                "label": label,
+                "wall_s": 0.0,
+                "summary": {
+                    "served": 1, "requests": 1, "rejected": 0, "failed": 0,
+                    "ttft_ms": {"p50": 1, "p90": 1}, "tbt_ms": {"p99": 1},
+                    "slo_attainment": att, "slo_attainment_accepted": att,
+                    "goodput_rps": rate, "cache_hit_ratio": 0.0,
+                },
+            }  # fmt: skip
+
+    def make(rate, seed):
+        return (rate, seed)
+
+    cc = Fake()
+    k = find_knee(cc, make, 8.0, 6, lambda m: None, seeds=2)
+    # 8 rps holds (1.0), 12.8 misses (0.86): bracketed; the true knee is 12 rps
+    assert k["bracketed"] and k["seeds"] == 2
+    assert len(cc.calls) == 12 and len({s for _, s in cc.calls}) == 12  # own workloads
+    rates = [p["rate"] for p in k["probes"]]
+    assert rates[:2] == [8.0, 12.8]
+    assert rates[2] == pytest.approx((8.0 * 12.8) ** 0.5, abs=1e-3)  # bisection
+    assert all(min(rates[:2]) <= r <= max(rates[:2]) for r in rates[2:])
+    assert k["knee_rps"] == pytest.approx(12.0, abs=0.05)  # linear between the bracket
+    # one seed of the probe at 8 rps far off: the mean of two still holds
+    noisy = Fake({900: -0.15})
+    k2 = find_knee(noisy, make, 8.0, 6, lambda m: None, seeds=2)
+    assert k2["probes"][0]["attainment"] == pytest.approx(0.925)
+    assert k2["knee_rps"] == pytest.approx(12.0, abs=0.05)
+
+
 def test_simulator_deterministic_and_kvmesh_beats_random_under_load():
     trace = _loaded_trace()
     cfg = SimConfig(prefill_nodes=2, decode_nodes=2, ttft_slo_ms=8000, tbt_slo_ms=100)
