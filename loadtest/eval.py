@@ -202,7 +202,7 @@ def find_knee(cc: ConfigCluster, make, start: float, probes: int, log, seeds: in
     for k in range(probes):
         atts = []
         for j in range(seeds):
-            r = cc.run(make(rate, 900 + 10 * k + j), label=f"probe@{rate:.2f}rps")
+            r = cc.run(make(rate, 900 + 100 * k + j), label=f"probe@{rate:.2f}rps")
             atts.append(r["summary"]["slo_attainment"] or 0.0)
             log(_brief(r))
         seen.append((rate, statistics.mean(atts)))
@@ -271,10 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         "--runs",
         type=int,
         default=1,
-        help="whole evaluations in a row, each in OUT/run<i> (its own knee); OUT/runs.md "
-        "and runs.json: the goals' figures per run and their medians (eval_runs.py)",
+        help="whole evaluations in a row, each in OUT/run<i> (its own knee; the same "
+        "--seed, so the same workloads: the runs measure the machine's and the method's "
+        "noise); OUT/runs.md and runs.json: the goals' figures per run and their medians "
+        "(eval_runs.py)",
     )
     a = p.parse_args(argv)
+    if a.knee_probes < 1 or a.knee_seeds < 1 or not 1 <= a.knee_seeds <= 100 or a.runs < 1:
+        p.error("--knee-probes, --knee-seeds (at most 100) and --runs must be >= 1")
     if a.runs > 1:
         args = list(sys.argv[1:] if argv is None else argv)
         dirs = [Path(a.out) / f"run{i}" for i in range(1, a.runs + 1)]

@@ -91,7 +91,7 @@ def markdown(summary: dict) -> str:
         "# kvmesh evaluation: whole runs side by side",
         "",
         f"{len(figs)} whole evaluations (`python -m kvmesh.loadtest`), each with its own "
-        "colocated knee and its own 3 repeats at 1x; kvmesh against colocated at "
+        "colocated knee and its own repeats at 1x; kvmesh against colocated at "
         "colocated's knee, and the capacity at 90% of all requests inside both SLOs. The "
         "last row is the median over runs.",
         "",
@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         description="medians over whole evaluations (directories holding eval.json)",
     )
     p.add_argument("dirs", nargs="+")
-    p.add_argument("--out", default="", help="where runs.md/runs.json go (default: first dir)")
+    p.add_argument(
+        "--out", default="", help="where runs.md/runs.json go (default: the first dir's parent)"
+    )
     a = p.parse_args(argv)
     dirs = [Path(d) for d in a.dirs]
     print(write(dirs, Path(a.out) if a.out else dirs[0].parent))

@@ -199,6 +199,7 @@ def test_the_knee_search_brackets_then_bisects_and_averages_seeds():
     # 8 rps holds (1.0), 12.8 misses (0.86): bracketed; the true knee is 12 rps
     assert k["bracketed"] and k["seeds"] == 2
     assert len(cc.calls) == 12 and len({s for _, s in cc.calls}) == 12  # own workloads
+    assert {s for _, s in cc.calls} == {900 + 100 * k + j for k in range(6) for j in (0, 1)}
     rates = [p["rate"] for p in k["probes"]]
     assert rates[:2] == [8.0, 12.8]
     assert rates[2] == pytest.approx((8.0 * 12.8) ** 0.5, abs=1e-3)  # bisection
@@ -209,6 +210,19 @@ def test_the_knee_search_brackets_then_bisects_and_averages_seeds():
     k2 = find_knee(noisy, make, 8.0, 6, lambda m: None, seeds=2)
     assert k2["probes"][0]["attainment"] == pytest.approx(0.925)
     assert k2["knee_rps"] == pytest.approx(12.0, abs=0.05)
+    # every rate holds: ever higher, and the highest is a lower bound (not bracketed)
+    k3 = find_knee(Fake(), make, 1.0, 3, lambda m: None, seeds=1)
+    assert [p["rate"] for p in k3["probes"]] == pytest.approx([1.0, 1.6, 2.56])
+    assert k3["knee_rps"] == pytest.approx(2.56) and not k3["bracketed"]
+    # none holds: ever lower, and the knee is below the lowest rate probed
+    k4 = find_knee(Fake(), make, 40.0, 2, lambda m: None, seeds=1)
+    assert [p["rate"] for p in k4["probes"]] == pytest.approx([40.0, 25.0])
+    assert k4["knee_rps"] == pytest.approx(25.0 / 1.6) and not k4["bracketed"]
+    # a probe that misses by noise makes the search go lower: the bracket is where the
+    # probes say, the knee below the noisy rate (one seed: nothing averages it out)
+    k5 = find_knee(Fake({900: -0.5}), make, 8.0, 4, lambda m: None, seeds=1)
+    assert [p["rate"] for p in k5["probes"]][:2] == pytest.approx([8.0, 5.0])
+    assert k5["bracketed"] and 5.0 < k5["knee_rps"] < 8.0
 
 
 def test_simulator_deterministic_and_kvmesh_beats_random_under_load():
@@ -358,10 +372,12 @@ def test_eval_quick_compares_three_configs_on_pinned_nodes(tmp_path):
     one = json.loads((tmp_path / "runs.json").read_text())
     assert one["median"]["trace"]["goodput_x"] == hl["kvmesh"]["goodput_x"] > 0
     assert one["median"]["trace"]["tbt_p99_x"] == hl["kvmesh"]["tbt_p99_x"]
-    assert one["runs"][0]["accepted_ok_min"] == min(
+    assert one["runs"][0]["accepted_ok_min"] == min(  # (the cache sweep's runs apart)
         r["summary"]["slo_attainment_accepted"]
         for r in ev["runs"]
-        if r["config"] == "kvmesh" and r["summary"]["slo_attainment_accepted"] is not None
+        if r["config"] == "kvmesh"
+        and r["workload"] in ("trace", "shared", "agentic")
+        and r["summary"]["slo_attainment_accepted"] is not None
     )
     assert "| median |" in text
     evs = []

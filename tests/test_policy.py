@@ -336,6 +336,33 @@ def test_a_report_made_before_a_reservation_does_not_free_its_booked_blocks():
     assert dn.reserved_blocks == 0 and not dn.work and not dn.reserve_seq
 
 
+def test_a_request_that_waited_for_room_is_counted_until_a_report_made_after_it():
+    """A request admitted to wait for KV room is held as waiting (not on the node); once
+    the node reserves it, it counts as reserved until a report numbered at or after its
+    reservation, or at once no longer when such a report came before the answer."""
+    from kvmesh.services.conductor.nodes import DecodeNodeState
+
+    dn = DecodeNodeState("d0", 16, 100, 100)
+    dn.report(free=100, total=100, seen=10)
+    for rid in ("w1", "w2"):
+        dn.admit(rid, 5.0, 336, 21)
+        dn.wait_for_room(rid)
+    assert dn.waiting_blocks == 42 and dn.reserved_blocks == 0 and not dn.unreported
+    dn.report(free=100, total=100, seen=10)  # waiting blocks survive reports
+    assert dn.free_blocks() == 58
+    dn.room_taken("w1")
+    dn.reserved("w1", 11)
+    dn.report(free=100, total=100, seen=10)  # made before w1's reservation
+    assert dn.free_blocks() == 58 and dn.reserved_blocks == 21
+    dn.report(free=58, total=100, seen=12)  # made after w1's and w2's (w2's answer late)
+    assert dn.reserved_blocks == 0 and dn.free_blocks() == 58 - 21  # w2: counted twice
+    dn.room_taken("w2")  # its Reserve was the node's 12th: a report counted it already
+    assert dn.reserved_blocks == 21 and dn.free_blocks() == 37  # (never too many free)
+    dn.reserved("w2", 12)
+    assert dn.reserved_blocks == 0 and not dn.unreported and not dn.reserve_seq
+    assert dn.free_blocks() == 58 and not dn.waiting
+
+
 def test_a_request_waits_for_the_kv_room_that_requests_booked_there_free():
     """No decode node has room now: kvmesh admits a request to wait for the room the
     requests booked there free at their predicted ends, where its TTFT (the wait, then

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.services.common import metrics as METRICS
 from kvmesh.services.common.ownership import WRITERS_MD
 from kvmesh.services.conductor.cluster import ClusterView, NodeInfo
 from kvmesh.services.conductor.frontend import Rejected
@@ -138,6 +139,7 @@ class NodeCalls:
                 except Rejected as e:
                     if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                         raise
+                    METRICS.RESERVES_REFUSED.inc()  # (the view said there was room)
             left = until - time.monotonic()
             if left <= 0:
                 # (reason "wait": refused after a wait, not at admission like "kv")

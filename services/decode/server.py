@@ -346,9 +346,11 @@ class DecodeNode(ModelNode):
         super().__init__(cfg)
         self.cfg: DecodeConfig = cfg
         self.reservations: dict[str, Reservation] = {}
-        # reservations made so far: each Reserve's answer carries its ordinal, each load
-        # report the count at its making, so a conductor knows which reports hold which
-        self.reserves = 0
+        # each Reserve's answer carries its number, each load report the last number at
+        # its making, so a conductor knows which reports hold which reservation. Numbered
+        # on from the microseconds since the epoch at start: never 0 (a node that does not
+        # number says 0), and a restarted node's numbers run on past its earlier ones
+        self.reserves = time.time_ns() // 1000
         self.released_early = EarlyReleases(cfg.reservation_timeout_s)
         self.batch: BatchScheduler | None = None
         self._fenced: collections.deque[tuple[float, Reservation]] = collections.deque()
