@@ -175,9 +175,10 @@ class DecodeNodeState:
     kv_tokens: int = 0
     reserved_blocks: int = 0  # reserved by us and not yet in a report
     unreported: set[str] = field(default_factory=set)  # requests counted in reserved_blocks
-    # of those, the ones the node has reserved: rid -> the reservation's ordinal there
-    # (its Reserve answer's reserve_seq); a report counts it once its reserves_seen
-    # reaches that. ``reports_seen``: the last report's (0: the node does not say)
+    # of those, the ones the node has reserved: rid -> the reservation's number there
+    # (its Reserve answer's reserve_seq; the node's numbers only rise); a report counts
+    # it once its reserves_seen reaches that. ``reports_seen``: the last report's (0:
+    # the node does not number its reservations)
     reserve_seq: dict[str, int] = field(default_factory=dict)
     reports_seen: int = 0
     local_queue_ms: float = 0.0  # colocated prefills queued here
@@ -354,10 +355,10 @@ class DecodeNodeState:
         return self.kv_blocks_free - self.reserved_blocks - self.waiting_blocks
 
     def reserved(self, rid: str, seq: int) -> None:
-        """The node reserved ``rid``'s blocks, its ``seq``-th reservation (0: the node
-        does not number them). A report that counted it already (its ``reserves_seen``
-        at least ``seq``) came first: its blocks leave ``reserved_blocks`` now; else the
-        first such report takes them out."""
+        """The node reserved ``rid``'s blocks under the number ``seq`` (0: the node does
+        not number its reservations). A report that counted it already (its
+        ``reserves_seen`` at least ``seq``) came first: its blocks leave
+        ``reserved_blocks`` now; else the first such report takes them out."""
         if seq <= 0 or rid not in self.unreported:
             return
         if seq <= self.reports_seen:
@@ -370,12 +371,14 @@ class DecodeNodeState:
 
     def report(self, free: int, total: int, seen: int = 0) -> None:
         """A load report from the node: its free blocks count the reservations it had made
-        when it made the report, the first ``seen`` (0: it does not say; all of ours are
-        taken as counted). Ours that it had not made yet (their Reserve still on its way,
-        or numbered after ``seen``) still count in ``reserved_blocks``: a report made
-        before a reservation and read after its booking must not free its blocks."""
+        when it made the report, those numbered up to ``seen`` (0: it does not number
+        them; all of ours are taken as counted). Ours that it had not made yet (their
+        Reserve still on its way, or numbered after ``seen``) still count in
+        ``reserved_blocks``: a report made before a reservation and read after its
+        booking must not free its blocks. A number that goes back (the node's clock did)
+        resets to the rule without numbers."""
         self.kv_blocks_free, self.kv_blocks_total = free, total
-        if seen <= 0 or seen < self.reports_seen:  # not numbered, or the node restarted
+        if seen <= 0 or seen < self.reports_seen:  # not numbered, or numbers went back
             self.reports_seen = seen if seen > 0 else 0
             self.reserved_blocks = 0
             self.unreported.clear()

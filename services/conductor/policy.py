@@ -628,7 +628,7 @@ class Scheduler:
         self._enqueue(r, d, c, self.clock())
 
     def reserved(self, r: Request, d: Decision, seq: int) -> None:
-        """The decode node reserved the KV of accepted ``r``, its ``seq``-th reservation
+        """The decode node reserved the KV of accepted ``r`` under the number ``seq``
         (``ReserveResponse.reserve_seq``; 0 from a node that does not number them): its
         booked blocks count against the node's free ones until a load report made after
         it says them used (:meth:`DecodeNodeState.reserved`)."""
