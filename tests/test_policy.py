@@ -363,6 +363,32 @@ def test_a_request_that_waited_for_room_is_counted_until_a_report_made_after_it(
     assert dn.free_blocks() == 58 and not dn.waiting
 
 
+def test_a_prefill_retry_counts_its_blocks_until_a_report_after_its_new_reservation():
+    """A prefill retry gives back the decode reservation and takes it again under a new
+    id: from before the node frees the old blocks until a report made after the new
+    reservation, the booking counts against the free blocks again, so a report in
+    between (showing the old blocks free) does not hand them to the next request."""
+    from kvmesh.services.conductor.nodes import DecodeNodeState
+
+    dn = DecodeNodeState("d0", 16, 100, 100)
+    dn.report(free=100, total=100, seen=10)
+    dn.admit("r", 5.0, 336, 21)
+    dn.reserved("r", 11)
+    dn.report(free=79, total=100, seen=11)  # counted by the node
+    assert dn.free_blocks() == 79 and not dn.unreported
+    dn.rebook("r")  # the retry: counted by us again before its old blocks go
+    assert dn.free_blocks() == 58
+    dn.report(free=100, total=100, seen=11)  # old freed, new not made yet
+    assert dn.free_blocks() == 79
+    dn.reserved("r", 12)
+    dn.report(free=100, total=100, seen=11)  # still made before the new reservation
+    assert dn.free_blocks() == 79
+    dn.report(free=79, total=100, seen=12)  # counts the new one: not twice
+    assert dn.free_blocks() == 79 and not dn.unreported and not dn.reserve_seq
+    dn.rebook("gone")  # a request that ended meanwhile: nothing to count
+    assert dn.free_blocks() == 79
+
+
 def test_a_request_waits_for_the_kv_room_that_requests_booked_there_free():
     """No decode node has room now: kvmesh admits a request to wait for the room the
     requests booked there free at their predicted ends, where its TTFT (the wait, then

@@ -57,6 +57,9 @@ class NodeCalls:
         self.owner_metadata = owner_metadata
         self.request_timeout_s = request_timeout_s
         self.background: set[asyncio.Task] = set()  # releases outliving their request
+        # a prefill retry's new decode reservation: (r, d, None) before the old one is
+        # given back, (r, d, its number) once the new one is made (the scheduler's booking)
+        self.on_retry_reserve: Callable[[Request, Decision, int | None], None] | None = None
         self._room: dict[str, asyncio.Event] = {}  # per decode node: a request there ended
 
     def node(self, role: str, node_id: str) -> NodeInfo:
@@ -243,6 +246,8 @@ class NodeCalls:
             if att.writers:  # an earlier attempt asked a node: this is a retry
                 # the old reservation goes first (a full decode node may need its blocks
                 # for the new one); shielded, so a client leaving now cannot stop it
+                if self.on_retry_reserve is not None:
+                    self.on_retry_reserve(r, d, None)
                 release = asyncio.ensure_future(self.release(dnode, att.rid, att.writers))
                 self.background.add(release)
                 release.add_done_callback(self.background.discard)
@@ -253,6 +258,8 @@ class NodeCalls:
                         dnode, att.rid, len(tokens), req.max_tokens, att.hashes
                     )
                     att.target = reserved.target
+                    if self.on_retry_reserve is not None:
+                        self.on_retry_reserve(r, d, reserved.reserve_seq)
                 except Rejected as e:  # no room for the retry ends the request
                     raise Rejected(
                         e.code,

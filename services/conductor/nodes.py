@@ -369,6 +369,20 @@ class DecodeNodeState:
         else:
             self.reserve_seq[rid] = seq
 
+    def rebook(self, rid: str) -> None:
+        """``rid``'s reservation is given back to be taken again (a prefill retry reserves
+        afresh under an id of its own): its blocks count as reserved again, from before
+        the node frees them until a report made after the new reservation
+        (:meth:`reserved`), so no report in between shows them free to the next
+        request."""
+        w = self.work.get(rid)
+        if w is None or rid in self.waiting:
+            return
+        self.reserve_seq.pop(rid, None)
+        if rid not in self.unreported:
+            self.unreported.add(rid)
+            self.reserved_blocks += w[2]
+
     def report(self, free: int, total: int, seen: int = 0) -> None:
         """A load report from the node: its free blocks count the reservations it had made
         when it made the report, those numbered up to ``seen`` (0: it does not number

@@ -636,6 +636,14 @@ class Scheduler:
         if dn is not None:
             dn.reserved(r.request_id, seq)
 
+    def rebook(self, r: Request, d: Decision) -> None:
+        """A prefill retry gives back accepted ``r``'s decode reservation to take it again
+        under a new id: its blocks count as reserved until a report made after the new
+        one (:meth:`DecodeNodeState.rebook`, then :meth:`reserved`)."""
+        dn = self.decode.get(d.booked()[1])
+        if dn is not None:
+            dn.rebook(r.request_id)
+
     def prompt_held(self, r: Request, d: Decision) -> None:
         """``r``'s prompt KV is in place on its decode node, cached there under its
         hashes (the node was given them at ``Reserve``): until ``r`` ends, a request

@@ -127,6 +127,7 @@ class Conductor(Service):
             self.view, lambda: self.owner.metadata(self.node_id), cfg.request_timeout_s
         )
         self.feeds.on_report = self.calls.room_freed
+        self.calls.on_retry_reserve = self._retry_reserve
 
     async def setup(self) -> None:
         pbg.add_ConductorServicer_to_server(ConductorServicer(self), self.server)
@@ -359,6 +360,12 @@ class Conductor(Service):
                 # in a task of its own that a second cancellation cannot stop; the decode
                 # node frees it now if every writer has said it is done, else after a fence
                 self.calls.spawn(self.calls.release(dnode, att.rid, att.writers))
+
+    def _retry_reserve(self, r: Request, d: Decision, seq: int | None) -> None:
+        if seq is None:
+            self.sched.rebook(r, d)
+        else:
+            self.sched.reserved(r, d, seq)
 
     async def _reserve(self, r, d, dnode, n, max_tokens, hashes, record) -> pb.ReserveResponse:
         """The decode reservation: at once, or once the node has room where admission
