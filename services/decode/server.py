@@ -175,7 +175,7 @@ class DecodeServicer(pbg.DecodeNodeServicer):
             ),
             cached_tokens=res.pinned * node.cfg.block_size,
             prefix_pinned=True,
-            reserve_seq=node.reserves,  # (no await since node.reserve: this one's ordinal)
+            reserve_seq=node.reserves,  # (no await since node.reserve: this one's number)
         )
 
     async def Decode(self, req, context):

@@ -94,9 +94,9 @@ class Locations:
         """Learns from a master's answer (``locs`` as ``wire.unpack_get_resp``'s): keys
         it placed are noted (with ``gens``), keys it did not are forgotten. An answer
         placing more than ``SPEC_BYTES`` in all, or for more than ``SPEC_KEYS`` keys (as
-        :meth:`plan` counts), teaches nothing: such gets never read ahead, and noting a large batch's keys costs it
-        ~2 us a key (an entry it leaves stale is only a wasted guess: reads ahead are
-        checked by generation)."""
+        :meth:`plan` counts), teaches nothing: such gets never read ahead, and noting a
+        large batch's keys costs it ~2 us a key (an entry it leaves stale is only a
+        wasted guess: reads ahead are checked by generation)."""
         if len(keys) > SPEC_KEYS or sum(loc[5] for loc in locs) > SPEC_BYTES:
             return
         found = set()
