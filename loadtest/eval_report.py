@@ -144,6 +144,29 @@ def _capacity_lines(ev: dict) -> list[str]:
     return lines
 
 
+def accepted_inside(ev: dict) -> list[tuple[float, str]]:
+    """(share of accepted requests inside both SLOs, label) of each kvmesh run of the
+    workloads (the cache sweep apart): admission's word."""
+    return [
+        (r["summary"]["slo_attainment_accepted"], r["label"])
+        for r in ev["runs"]
+        if r["config"] == "kvmesh"
+        and r.get("workload") in ("trace", "shared", "agentic")
+        and r["summary"]["slo_attainment_accepted"] is not None
+    ]
+
+
+def kvmesh_refusals(ev: dict) -> list[dict]:
+    """The records of every kvmesh run's refused requests (RESOURCE_EXHAUSTED, timed)."""
+    return [
+        x
+        for r in ev["runs"]
+        if r["config"] == "kvmesh"
+        for x in r["records"]
+        if x.get("status") == "RESOURCE_EXHAUSTED" and x.get("error_ms")
+    ]
+
+
 def _verdicts(ev: dict) -> list[str]:
     """Plain sentences: each goal, met or not, with the numbers."""
     lines = []
@@ -172,13 +195,7 @@ def _verdicts(ev: dict) -> list[str]:
             f"{_f(k['accepted_ok'], 1, True)} of those met both SLOs."
         )
     lines += _capacity_lines(ev)
-    worst = [
-        (r["summary"]["slo_attainment_accepted"], r["label"])
-        for r in ev["runs"]
-        if r["config"] == "kvmesh"
-        and r.get("workload") in ("trace", "shared", "agentic")
-        and r["summary"]["slo_attainment_accepted"] is not None
-    ]
+    worst = accepted_inside(ev)
     if worst:
         lo = min(worst)
         n_ok = sum(1 for x, _ in worst if x >= GOALS["accepted_ok"])
@@ -186,13 +203,7 @@ def _verdicts(ev: dict) -> list[str]:
             f"- Admission: {n_ok} of {len(worst)} kvmesh runs kept >= 99% of accepted "
             f"requests inside both SLOs; the worst was {_f(lo[0], 1, True)} ({lo[1]})."
         )
-    refusals = [
-        x
-        for r in ev["runs"]
-        if r["config"] == "kvmesh"
-        for x in r["records"]
-        if x.get("status") == "RESOURCE_EXHAUSTED" and x.get("error_ms")
-    ]
+    refusals = kvmesh_refusals(ev)
     # refused by admission, at once; a prefill node's refusal of a queued request that
     # could no longer make its deadline (reason "deadline") comes later by design, as do
     # those of requests admitted to wait for KV room whose room did not free in time

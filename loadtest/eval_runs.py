@@ -16,7 +16,14 @@ import json
 import statistics
 from pathlib import Path
 
-from kvmesh.loadtest.eval_report import _LATE, GOALS, capacity, headline
+from kvmesh.loadtest.eval_report import (
+    _LATE,
+    GOALS,
+    accepted_inside,
+    capacity,
+    headline,
+    kvmesh_refusals,
+)
 from kvmesh.loadtest.metrics import quantile, ratio
 
 WORKLOADS = ("trace", "shared")
@@ -37,21 +44,9 @@ def figures(ev: dict) -> dict:
             }
             ck, cc = capacity(ev, w, "kvmesh"), capacity(ev, w, "colocated")
             out[w]["capacity_x"] = ratio(ck["rps"], cc["rps"]) if ck and cc else None
-    kv = [r for r in ev["runs"] if r["config"] == "kvmesh" and r.get("workload") != "cache"]
-    out["accepted_ok_min"] = min(  # (as the report's admission line counts it)
-        (
-            r["summary"]["slo_attainment_accepted"]
-            for r in kv
-            if r["summary"]["slo_attainment_accepted"] is not None
-        ),
-        default=None,
-    )
-    refused: list[float] = []
-    for r in (r for r in ev["runs"] if r["config"] == "kvmesh"):  # (the report's count)
-        for rec in r.get("records", []):
-            if rec.get("status") == "RESOURCE_EXHAUSTED" and rec.get("error_ms"):
-                if rec.get("reject_reason") not in _LATE:
-                    refused.append(rec["error_ms"])
+    out["accepted_ok_min"] = min((x for x, _ in accepted_inside(ev)), default=None)
+    # admission's own refusals, as the report counts them (the later ones apart)
+    refused = [x["error_ms"] for x in kvmesh_refusals(ev) if x.get("reject_reason") not in _LATE]
     out["reject_p99_ms"] = quantile(refused, 0.99) if refused else None
     for r in ev["runs"]:
         if r.get("workload") == "agentic":
