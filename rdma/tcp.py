@@ -76,6 +76,11 @@ from .wire import Counters, configure_socket, split_address, usable_cpus
 CONNECT_TIMEOUT = 3.0  # default seconds for TCP connect + handshake
 FAST_MAX_BYTES = 1 << 20  # loop-thread requests up to this size use the fast lane
 # (while it has fewer than FAST_MAX_INFLIGHT in flight)
+# a batch is spread over one channel per this many bytes of it (at least one, at most
+# conns_per_peer): a batch of small requests on one connection wakes one server thread
+# that takes them back to back, instead of several that contend for the GIL and for
+# the cores (4 KiB batches of 128: ~12% faster puts, ~10% faster gets, issue 13)
+SPREAD_BYTES = 1 << 20
 
 
 class TcpTransport(Transport):
@@ -244,9 +249,12 @@ class TcpTransport(Transport):
             else:
                 min(chans, key=lambda c: c.queued_bytes).enqueue(requests)
             return
-        # Spread over the channels, balancing bytes; keep each channel's share
-        # in submission order so small requests coalesce into few sendmsgs.
-        n = len(chans)
+        # Spread over the least loaded channels (one per SPREAD_BYTES), balancing
+        # bytes; keep each channel's share in submission order so small requests
+        # coalesce into few sendmsgs.
+        n = max(1, min(len(chans), sum(r.length for r in requests) // SPREAD_BYTES))
+        if n < len(chans):
+            chans = sorted(chans, key=lambda c: c.queued_bytes)[:n]
         loads = [c.queued_bytes for c in chans]
         buckets: list[list[WorkRequest]] = [[] for _ in range(n)]
         for r in requests:

@@ -82,6 +82,36 @@ async def test_batched_write_and_read_mixed_sizes(pair):
     assert b.stats["bytes_served_in"] == sum(sizes)
 
 
+async def test_a_small_batch_goes_on_one_connection_a_large_one_spreads():
+    """A batch is spread over one channel per ``SPREAD_BYTES`` of it: 128 values of
+    4 KiB travel on one connection (one server thread takes them back to back), a
+    batch of 8 MiB on all four; every byte lands either way."""
+    from kvmesh.rdma import tcp
+
+    a = TransferEngine(SECRET, conns_per_peer=4, chunk_bytes=MiB)
+    b = TransferEngine(SECRET)
+    await a.start()
+    await b.start()
+    try:
+        rng = np.random.default_rng(7)
+        src = rng.integers(0, 256, size=8 * MiB, dtype=np.uint8)
+        dst = np.zeros(8 * MiB, dtype=np.uint8)
+        r_src, r_dst = a.register(src), b.register(dst)
+        small = [Slice(r_src, i * 4096, r_dst, i * 4096, 4096) for i in range(128)]
+        assert 128 * 4096 < tcp.SPREAD_BYTES
+        for _ in range(3):
+            await a.write(b.address, small)
+            await a.read(b.address, small)
+        assert a.stats["connects"] == 1
+        assert np.array_equal(dst[: 128 * 4096], src[: 128 * 4096])
+        await a.write(b.address, [Slice(r_src, 0, r_dst, 0, 8 * MiB)])  # 8 chunks
+        assert a.stats["connects"] == 4
+        assert np.array_equal(dst, src)
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_bfloat16_and_float32_tensors(pair):
     a, b = pair
     src = torch.randn(3, 1024, 257, dtype=torch.bfloat16)
