@@ -155,6 +155,29 @@ def test_small_puts_are_one_commit_each_through_held_slots(store, monkeypatch):
     assert stats["master_errors"] == 0 and stats["put_failed"] == 0
 
 
+def test_a_batch_of_128_small_values_goes_through_held_slots(store, monkeypatch):
+    """The pool holds enough slots for the benchmarks' (and Mooncake's tools') batch of
+    128: such a batch_put is one PUT_RESERVE, one write and one PUT_SLOTS, the next one
+    a write and a PUT_SLOTS (its slots came with the first commit), never
+    PUT_START/PUT_END; every byte comes back."""
+    vals = [os.urandom(4096) for _ in range(256)]
+    keys = [f"pooled-batch-{i}".encode() for i in range(len(vals))]
+
+    async def body(cl: StoreClient, te: TransferEngine):
+        assert await cl.exists(b"warm-up") is False  # opens the fast connection
+        sent = _Methods(_spy_conns(cl, monkeypatch))
+        assert await cl.batch_put(keys[:128], vals[:128]) == [True] * 128
+        assert await cl.batch_put(keys[128:], vals[128:]) == [True] * 128
+        assert sent.count(wire.PUT_SLOTS) == 2 and sent.count(wire.PUT_RESERVE) == 1
+        assert wire.PUT_START not in sent and wire.PUT_END not in sent
+        assert await cl.batch_get(keys) == vals
+        await cl.remove(keys)
+        return cl.stats
+
+    stats = run(store.master, body)
+    assert stats["master_errors"] == 0 and stats["put_failed"] == 0
+
+
 def test_a_failed_slot_write_is_never_committed_and_a_lost_slot_is_put_again(store, monkeypatch):
     """The commit point of a pooled put is its PUT_SLOTS call, sent only for writes the
     holder acknowledged: a write that fails is never committed (its slot, and every

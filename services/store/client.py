@@ -106,7 +106,7 @@ class StoreClient(LocalPuts, RemotePuts, Gets, ReadAhead):
         pool_slots: int = 64,
         tls: channels.TlsFiles | None = None,
         remote_pool_bytes: int = 32 << 20,
-        remote_pool_slots: int = 32,
+        remote_pool_slots: int = 256,
     ) -> None:
         self.te = te
         self.tls = tls  # None: the process's settings (channels.configure), as gRPC does
@@ -130,7 +130,9 @@ class StoreClient(LocalPuts, RemotePuts, Gets, ReadAhead):
         self._pool: dict[int, list[int]] = {}  # size -> reserved slot offsets
         self._pool_epoch = -1
         # remote slots (no own segment), for the fast connection they were reserved on
-        # (see :mod:`kvmesh.services.store.remote_pool`)
+        # (see :mod:`kvmesh.services.store.remote_pool`); 256 of them, so a batch of 128
+        # small values takes the two-step pooled put, not PUT_START/PUT_END (the byte
+        # budget still bounds what large values hold)
         self._rslots = RemotePool(remote_pool_bytes, remote_pool_slots)
         # where keys were last seen: a get reads there while it asks (located.py)
         self._where = Locations()
