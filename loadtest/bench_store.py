@@ -32,7 +32,10 @@ The transfer engine's own rate for the same size (one slice per call, and a batc
 the same size as the store's batches) is measured in the same run between the client's
 engine and a peer process's, and each size prints where the time of a single put and
 get goes: control round trips to the master (an ``exists`` round trip each), the bytes
-on the wire (the engine alone), and memory copies (``bytes`` <-> buffer).
+on the wire (the engine alone), and memory copies (``bytes`` <-> buffer). The host's
+floor is measured in the same run too: a raw round trip between the client and the
+peer process over blocking sockets (no event loop, no framework; a 4 KiB reply), and
+each store's single 4 KiB get and put are given in such round trips.
 
 Rounds interleave the stores per size (kvmesh variants, then Mooncake, the order
 swapping each round); each figure is the median over ``--rounds`` (>= 5 for reports).
@@ -58,10 +61,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -72,9 +77,11 @@ from kvmesh.loadtest.bench_store_common import (
     SECRET,
     Values,
     _in_ns,
+    echo_serve,
     netns_down,
     netns_up,
     pct,
+    raw_round_trips,
 )
 from kvmesh.loadtest.bench_store_kvmesh import KvSide
 from kvmesh.loadtest.bench_store_mooncake import McSide, _mooncake_holder_main
@@ -117,7 +124,10 @@ async def _te_peer_main(host: str, nbytes: int, poll_us: int) -> None:
     te = TransferEngine(SECRET.encode(), host=host, poll_us=poll_us)
     await te.start()
     rid = te.register(np.zeros(nbytes, dtype=np.uint8))
-    print(json.dumps({"address": te.address, "region": rid}), flush=True)
+    echo = socket.create_server((host, 0))  # the host's floor (raw round trips)
+    threading.Thread(target=echo_serve, args=(echo,), daemon=True).start()
+    info = {"address": te.address, "region": rid, "echo": echo.getsockname()[1]}
+    print(json.dumps(info), flush=True)
     await asyncio.to_thread(sys.stdin.read)
     await te.close()
 
@@ -143,6 +153,13 @@ class EnginePeer:
         )
         info = json.loads(self.proc.stdout.readline())
         self.address, self.region = info["address"], info["region"]
+        self.host, self.echo = host, info["echo"]
+
+    def floor(self, count: int = 2000) -> dict:
+        """The host's floor: p50/p99 (us) of a raw round trip to the peer process
+        (blocking sockets, an 8-byte request, a 4 KiB reply, every reply checked)."""
+        lat = raw_round_trips(self.host, self.echo, count)
+        return {"p50_us": pct(lat, 50) * 1e6, "p99_us": pct(lat, 99) * 1e6, "count": count}
 
     async def run(self, te, v: Values, batch: int) -> dict:
         """Single-slice and batched write and read of ``v``'s bytes; seconds each,
@@ -251,6 +268,8 @@ async def run_all(
             peer = EnginePeer(ns, 256 << 20, polls[0])
         for s in sides:
             result.setdefault("rtt_us", {})[s.name] = await s.rtt() * 1e6
+        if peer is not None:
+            result["floor"] = await asyncio.to_thread(peer.floor)
         for label, size in SIZES:
             ops, batch = plan(size, quick)
             v = Values(size, ops)

@@ -66,6 +66,61 @@ class Values:
         return n
 
 
+# ------------------------------------------------------------------------------ floor
+FLOOR_REQ = 8  # bytes of a floor request (a counter)
+FLOOR_REPLY = 4096  # bytes of its reply: the request repeated
+
+
+def echo_serve(ls: socket.socket) -> None:
+    """The host's floor, server side: for each connection accepted on ``ls``, answers
+    every ``FLOOR_REQ``-byte request with ``FLOOR_REPLY`` bytes (the request repeated),
+    with blocking sockets and nothing else, until the peer closes."""
+    while True:
+        try:
+            s, _ = ls.accept()
+        except OSError:
+            return
+        with s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            req = bytearray(FLOOR_REQ)
+            while True:
+                got = 0
+                while got < FLOOR_REQ:
+                    n = s.recv_into(memoryview(req)[got:])
+                    if not n:
+                        break
+                    got += n
+                if got < FLOOR_REQ:
+                    break
+                s.sendall(bytes(req) * (FLOOR_REPLY // FLOOR_REQ))
+
+
+def raw_round_trips(host: str, port: int, count: int) -> list[float]:
+    """The host's floor, client side: ``count`` request/reply round trips with an
+    :func:`echo_serve` peer over blocking sockets (no event loop, no framework: what one
+    round trip between two processes costs here); every reply is checked. -> seconds
+    each; ValueError on a wrong reply."""
+    lat: list[float] = []
+    reply = bytearray(FLOOR_REPLY)
+    view = memoryview(reply)
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(count):
+            req = i.to_bytes(FLOOR_REQ, "little")
+            t = time.perf_counter()
+            s.sendall(req)
+            got = 0
+            while got < FLOOR_REPLY:
+                n = s.recv_into(view[got:])
+                if not n:
+                    raise ValueError("floor peer closed the connection")
+                got += n
+            lat.append(time.perf_counter() - t)
+            if reply != req * (FLOOR_REPLY // FLOOR_REQ):
+                raise ValueError(f"floor peer answered round trip {i} wrongly")
+    return lat
+
+
 # ------------------------------------------------------------------------------ netns
 def _in_ns(ns: str | None) -> list[str]:
     return ["ip", "netns", "exec", ns] if ns else []

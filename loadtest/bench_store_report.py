@@ -129,6 +129,18 @@ def goals(res: dict) -> str:
             f"  4 KiB get p50 {k['p50_us']:.0f} vs {m['p50_us']:.0f} us, "
             f"p99 {k['p99_us']:.0f} vs {m['p99_us']:.0f} us; goal: both below"
         )
+    fl = res.get("floor")
+    if fl and r4:
+        per = ", ".join(
+            f"{s} get {r4[s]['get']['p50_us'] / fl['p50_us']:.1f} put "
+            f"{r4[s]['put']['p50_us'] / fl['p50_us']:.1f}"
+            for s in (kv, "mooncake")
+        )
+        lines.append(
+            f"  host floor: a raw round trip between two processes (blocking sockets, "
+            f"4 KiB reply) p50 {fl['p50_us']:.0f} us, p99 {fl['p99_us']:.0f} us; "
+            f"4 KiB single calls in such round trips (p50): {per}"
+        )
     for lb, size in SIZES:
         row = res["sizes"].get(lb)
         if row is None or size < (1 << 20) or "engine" not in row:
