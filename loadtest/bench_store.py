@@ -269,7 +269,10 @@ async def run_all(
         for s in sides:
             result.setdefault("rtt_us", {})[s.name] = await s.rtt() * 1e6
         if peer is not None:
-            result["floor"] = await asyncio.to_thread(peer.floor)
+            try:
+                result["floor"] = await asyncio.to_thread(peer.floor)
+            except (OSError, ValueError) as e:  # the floor is context, not a result
+                result["floor"] = {"error": str(e)}
         for label, size in SIZES:
             ops, batch = plan(size, quick)
             v = Values(size, ops)

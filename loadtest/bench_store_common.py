@@ -81,18 +81,23 @@ def echo_serve(ls: socket.socket) -> None:
         except OSError:
             return
         with s:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            req = bytearray(FLOOR_REQ)
-            while True:
-                got = 0
-                while got < FLOOR_REQ:
-                    n = s.recv_into(memoryview(req)[got:])
-                    if not n:
-                        break
-                    got += n
-                if got < FLOOR_REQ:
-                    break
-                s.sendall(bytes(req) * (FLOOR_REPLY // FLOOR_REQ))
+            try:
+                _echo(s)
+            except OSError:
+                pass  # that client went away: serve the next one
+
+
+def _echo(s: socket.socket) -> None:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    req = bytearray(FLOOR_REQ)
+    while True:
+        got = 0
+        while got < FLOOR_REQ:
+            n = s.recv_into(memoryview(req)[got:])
+            if not n:
+                return
+            got += n
+        s.sendall(bytes(req) * (FLOOR_REPLY // FLOOR_REQ))
 
 
 def raw_round_trips(host: str, port: int, count: int) -> list[float]:

@@ -60,6 +60,16 @@ def table(res: dict) -> str:
         "control round trip p50 (exists): "
         + ", ".join(f"{s} {us:.0f} us" for s, us in res.get("rtt_us", {}).items())
     )
+    fl = res.get("floor")
+    if fl:
+        lines.append(
+            "host floor (a raw round trip between two processes, blocking sockets, 4 KiB "
+            + (
+                f"reply): p50 {fl['p50_us']:.0f} us, p99 {fl['p99_us']:.0f} us"
+                if "p50_us" in fl
+                else f"reply): not measured ({fl.get('error', '?')})"
+            )
+        )
     return "\n".join(lines)
 
 
@@ -130,17 +140,13 @@ def goals(res: dict) -> str:
             f"p99 {k['p99_us']:.0f} vs {m['p99_us']:.0f} us; goal: both below"
         )
     fl = res.get("floor")
-    if fl and r4:
+    if fl and r4 and "p50_us" in fl:
         per = ", ".join(
             f"{s} get {r4[s]['get']['p50_us'] / fl['p50_us']:.1f} put "
             f"{r4[s]['put']['p50_us'] / fl['p50_us']:.1f}"
             for s in (kv, "mooncake")
         )
-        lines.append(
-            f"  host floor: a raw round trip between two processes (blocking sockets, "
-            f"4 KiB reply) p50 {fl['p50_us']:.0f} us, p99 {fl['p99_us']:.0f} us; "
-            f"4 KiB single calls in such round trips (p50): {per}"
-        )
+        lines.append(f"  4 KiB single calls in host-floor round trips (p50): {per}")
     for lb, size in SIZES:
         row = res["sizes"].get(lb)
         if row is None or size < (1 << 20) or "engine" not in row:

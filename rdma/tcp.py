@@ -129,6 +129,7 @@ class TcpTransport(Transport):
         self._channels: dict[str, list[Channel]] = {}
         self._server: ServerState | None = None  # set by start()
         self._accept_thread: threading.Thread | None = None
+        self._spread_turn = 0  # which idle channel a small batch takes next
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_tid: int | None = None
         self._lanes: dict[str, FastLane] = {}  # loop thread only
@@ -254,7 +255,12 @@ class TcpTransport(Transport):
         # coalesce into few sendmsgs.
         n = max(1, min(len(chans), sum(r.length for r in requests) // SPREAD_BYTES))
         if n < len(chans):
-            chans = sorted(chans, key=lambda c: c.queued_bytes)[:n]
+            # ties (idle channels: a sender's batch in flight is not counted) go round,
+            # so small batches do not all queue on the first channel
+            k = len(chans)
+            turn = self._spread_turn = (self._spread_turn + 1) % k
+            order = sorted(range(k), key=lambda i: (chans[i].queued_bytes, (i - turn) % k))
+            chans = [chans[i] for i in order[:n]]
         loads = [c.queued_bytes for c in chans]
         buckets: list[list[WorkRequest]] = [[] for _ in range(n)]
         for r in requests:

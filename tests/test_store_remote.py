@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from kvmesh.rdma import TransferEngine
 from kvmesh.services.store import limits
 from kvmesh.services.store.client import StoreClient
+from kvmesh.services.store.remote_pool import REMOTE_POOL_MIN
 from kvmesh.services.store_master import wire
 from tests.store_util import FUZZ, INVALID, fast_address, fast_call, run_client, running_store
 
@@ -129,6 +130,7 @@ def test_small_puts_are_one_commit_each_through_held_slots(store, monkeypatch):
         for k, v in zip(keys, vals):
             assert await cl.put(k, v)
         assert sent.count(wire.PUT_RESERVE) == 1 and sent[0] == wire.PUT_RESERVE
+        assert len(rpool(cl)) <= REMOTE_POOL_MIN  # one value at a time: a small pool
         assert sent.count(wire.PUT_SLOTS) == len(keys)
         assert wire.PUT_START not in sent and wire.PUT_END not in sent
         assert await cl.batch_get(keys) == vals

@@ -5,7 +5,7 @@ slots out of time and then other sizes' oldest idle ones (second review, finding
 
 from __future__ import annotations
 
-from kvmesh.services.store.remote_pool import RemotePool
+from kvmesh.services.store.remote_pool import REMOTE_POOL_MIN, RemotePool
 
 KB = 1024
 
@@ -92,3 +92,17 @@ def test_make_room_drops_slots_out_of_time_then_other_sizes_oldest_first():
     assert rp.make_room(16 * KB, 2, now=9.0) == [] and len(rp.slots[4 * KB]) == 4
     out = rp.make_room(16 * KB, 1, now=9.0)
     assert rp.room(16 * KB) == 1 and len(out) == 4 and 4 * KB not in rp.slots
+
+
+def test_a_put_asks_the_pool_for_twice_its_values_and_at_least_the_minimum():
+    """The pool asks for what its puts use: a client putting one value at a time holds
+    REMOTE_POOL_MIN slots, one putting batches of 128 holds 256 (the next batch's too),
+    always within max_slots and the byte budget."""
+    rp = RemotePool(max_bytes=32 << 20, max_slots=256)
+    conn = object()
+    assert rp.want(4 * KB, 1) == REMOTE_POOL_MIN == 32 and rp.spare(4 * KB, 1) == 32
+    assert rp.want(4 * KB, 128) == 256 and rp.want(4 * KB, 200) == 256  # max_slots
+    assert rp.want(1 << 20, 128) == 32  # the byte budget: 32 MiB of 1 MiB slots
+    rp.of(4 * KB, conn).extend(slot(10.0, i * 4 * KB) for i in range(20))
+    rp.add_busy(4 * KB, 4)  # popped by puts in flight: held too
+    assert rp.spare(4 * KB, 1) == 8 and rp.spare(4 * KB, 128) == 232

@@ -84,8 +84,9 @@ async def test_batched_write_and_read_mixed_sizes(pair):
 
 async def test_a_small_batch_goes_on_one_connection_a_large_one_spreads():
     """A batch is spread over one channel per ``SPREAD_BYTES`` of it: 128 values of
-    4 KiB travel on one connection (one server thread takes them back to back), a
-    batch of 8 MiB on all four; every byte lands either way."""
+    4 KiB travel on one connection (one server thread takes them back to back; the
+    next small batch takes the next idle channel), a batch of 8 MiB on all four; every
+    byte lands either way."""
     from kvmesh.rdma import tcp
 
     a = TransferEngine(SECRET, conns_per_peer=4, chunk_bytes=MiB)
@@ -99,10 +100,10 @@ async def test_a_small_batch_goes_on_one_connection_a_large_one_spreads():
         r_src, r_dst = a.register(src), b.register(dst)
         small = [Slice(r_src, i * 4096, r_dst, i * 4096, 4096) for i in range(128)]
         assert 128 * 4096 < tcp.SPREAD_BYTES
-        for _ in range(3):
-            await a.write(b.address, small)
-            await a.read(b.address, small)
+        await a.write(b.address, small)
         assert a.stats["connects"] == 1
+        await a.read(b.address, small)
+        assert a.stats["connects"] == 2  # the next idle channel, not the same one
         assert np.array_equal(dst[: 128 * 4096], src[: 128 * 4096])
         await a.write(b.address, [Slice(r_src, 0, r_dst, 0, 8 * MiB)])  # 8 chunks
         assert a.stats["connects"] == 4

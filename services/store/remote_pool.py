@@ -26,16 +26,17 @@ Rules that keep a key pointing at its own bytes:
     the master until its deadline and is freed there (that memory is not usable
     meanwhile, bounded by the pool's budget per connection).
 
-The pool holds at most ``remote_pool_slots`` slots of one size and ``remote_pool_bytes``
-across all sizes, counting the slots it holds, those popped by puts not yet committed
-and those asked for by a ``PUT_RESERVE`` or a refill still in flight (so concurrent puts
-never make it hold more: one ``PUT_RESERVE`` per size is in flight at a time, the other
-puts of that size await it, and what comes back beyond the budget is given back with
-``PUT_RELEASE``). A put that does not fit the budget left first gives back the slots
-of every size that are out of time and then other sizes' idle slots, oldest first, until
-it fits (so one size never locks the others out); if it still does not fit (slots popped
-or asked for), it takes the usual path. The
-master grants spare slots only from a small share of a segment's free space
+The pool asks for what its puts use (up to twice the values of the put at hand, at least
+``REMOTE_POOL_MIN``) and holds at most ``remote_pool_slots`` slots of one size and
+``remote_pool_bytes`` across all sizes, counting the slots it holds, those popped by
+puts not yet committed and those asked for by a ``PUT_RESERVE`` or a refill still in
+flight (so concurrent puts never make it hold more: one ``PUT_RESERVE`` per size is in
+flight at a time, the other puts of that size await it, and what comes back beyond the
+budget is given back with ``PUT_RELEASE``). A put that does not fit the budget left
+first gives back the slots of every size that are out of time and then other sizes' idle
+slots, oldest first, until it fits (so one size never locks the others out); if it still
+does not fit (slots popped or asked for), it takes the usual path. The master grants
+spare slots only from a small share of a segment's free space
 (``slots.REMOTE_SPARE_SHARE``), so a pool never fills a segment up to its eviction
 watermark.
 
@@ -66,6 +67,10 @@ REMOTE_SLOT_USE = 0.5
 # conservative floor of the engine's bandwidth to a peer: a slow write is late anyway)
 REMOTE_SLOT_MIN_BW = 128e6
 REMOTE_SLOT_MARGIN_S = 0.1
+# a pool asks for slots of a size up to twice the values of the put at hand, and at
+# least this many (within its budget and ``max_slots``): a client putting one value at
+# a time holds ~32, one putting batches of 128 holds enough for the next batch too
+REMOTE_POOL_MIN = 32
 
 # (use by, data address, region, node, offset, token)
 RemoteSlot = tuple[float, str, int, str, int, int]
@@ -117,6 +122,17 @@ class RemotePool:
     def room(self, size: int) -> int:
         """How many more slots of ``size`` may be asked for."""
         return max(0, self.target(size) - self.held(size))
+
+    def want(self, size: int, n: int) -> int:
+        """How many slots of ``size`` (held, popped or asked for) a put of ``n`` values
+        asks the pool to hold: twice ``n``, at least ``REMOTE_POOL_MIN``, within the
+        target."""
+        return min(self.target(size), max(REMOTE_POOL_MIN, 2 * n))
+
+    def spare(self, size: int, n: int) -> int:
+        """How many more slots of ``size`` than it needs now a put of ``n`` values asks
+        for (reserving or refilling): up to :meth:`want`, within :meth:`room`."""
+        return max(0, min(self.room(size), self.want(size, n) - self.held(size)))
 
     def add_busy(self, size: int, n: int) -> None:
         self.busy[size] = self.busy.get(size, 0) + n

@@ -144,8 +144,8 @@ class RemotePuts:
             for (node, region), idx in by_seg.items():
                 rp.add_busy(size, -len(idx))  # resolved by this commit
                 busy -= len(idx)
-                want = rp.room(size) if rp.conn is conn else 0
-                refill = want if want > rp.target(size) // 2 else 0
+                want = rp.spare(size, n) if rp.conn is conn else 0
+                refill = want if want > rp.want(size, n) // 2 else 0
                 rp.add_busy(size, refill)  # asked for: counted while the call is out
                 sent = time.monotonic()
                 try:
@@ -235,7 +235,8 @@ class RemotePuts:
                     return None
                 await self._release_slots(conn, freed)
                 continue  # look again: other puts may have run meanwhile
-            if not await self._reserve(conn, size, count, room - count):
+            spare = max(0, min(room, rp.want(size, n) - rp.held(size)) - count)
+            if not await self._reserve(conn, size, count, spare):
                 return None
         return None
 
