@@ -235,8 +235,7 @@ class RemotePuts:
                     return None
                 await self._release_slots(conn, freed)
                 continue  # look again: other puts may have run meanwhile
-            spare = max(0, min(room, rp.want(size, n) - rp.held(size)) - count)
-            if not await self._reserve(conn, size, count, spare):
+            if not await self._reserve(conn, size, count, max(0, rp.spare(size, n) - count)):
                 return None
         return None
 
