@@ -99,7 +99,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "data_address", "model", "fingerprint", "kv_blocks_total", "kv_blocks_free", "queue_depth", "running", "computed_tokens_total", "cached_tokens_total", "fetched_tokens_total", "generated_tokens_total", "reachable", "metrics_address", "http_address")
+    __slots__ = ("node_id", "role", "grpc_address", "data_address", "model", "fingerprint", "kv_blocks_total", "kv_blocks_free", "queue_depth", "running", "computed_tokens_total", "cached_tokens_total", "fetched_tokens_total", "generated_tokens_total", "reachable", "metrics_address", "http_address", "cpu_budget_cores", "cpu_seconds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,8 @@ class NodeStatus(_message.Message):
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CPU_BUDGET_CORES_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     grpc_address: str
@@ -134,7 +136,9 @@ class NodeStatus(_message.Message):
     reachable: bool
     metrics_address: str
     http_address: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., data_address: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., computed_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., fetched_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., reachable: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...
+    cpu_budget_cores: float
+    cpu_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., data_address: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., computed_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., fetched_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., reachable: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ..., cpu_budget_cores: _Optional[float] = ..., cpu_seconds: _Optional[float] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("cluster", "nodes", "store_blocks", "store_bytes_used", "store_bytes_total", "requests_accepted", "requests_rejected", "rejected_by_reason", "slo_attainment", "window_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p90_ms", "tbt_p99_ms", "top_routes")

@@ -179,16 +179,22 @@ def format_status(s: pb.ClusterStatusResponse) -> str:
         )
     rows += [
         f"{'ROLE':<13} {'NODE':<28} {'GRPC':<22} {'KV FREE/TOTAL':>14} {'QUEUE':>6} "
-        f"{'RUN':>4} {'COMPUTED':>9} {'CACHED':>8} {'FETCHED':>8} {'DECODED':>8}"
+        f"{'RUN':>4} {'COMPUTED':>9} {'CACHED':>8} {'FETCHED':>8} {'DECODED':>8} "
+        f"{'CPU S @ BUDGET':>15}"
     ]
     for n in sorted(s.nodes, key=lambda n: (n.role, n.node_id)):
         kv = f"{n.kv_blocks_free}/{n.kv_blocks_total}" if n.kv_blocks_total else "-"
         state = "" if n.reachable else " (unreachable)"
+        cpu = (
+            f"{n.cpu_seconds:.1f} @ " + (f"{n.cpu_budget_cores:g}c" if n.cpu_budget_cores else "-")
+            if n.role in ("prefill", "decode") and n.reachable
+            else "-"
+        )
         rows.append(
             f"{n.role:<13} {n.node_id[:28]:<28} {n.grpc_address:<22} {kv:>14} "
             f"{n.queue_depth:>6} {n.running:>4} {n.computed_tokens_total:>9} "
             f"{n.cached_tokens_total:>8} {n.fetched_tokens_total:>8} "
-            f"{n.generated_tokens_total:>8}{state}"
+            f"{n.generated_tokens_total:>8} {cpu:>15}{state}"
         )
     return "\n".join(rows)
 

@@ -18,6 +18,7 @@ from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import TransferEngine
 from kvmesh.services.common.channels import bind_error, check_port, make_channel
 from kvmesh.services.common.config import parse_size
+from kvmesh.services.common.cpu_budget import CpuBudget, threads_for
 from kvmesh.services.common.node_events import EventHub
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.service import Service
@@ -95,7 +96,21 @@ class ModelNode(Service):
     def __init__(self, cfg: NodeConfig) -> None:
         super().__init__(cfg)
         self.cfg: NodeConfig = cfg
+        # the CPU budget first: every thread started after (torch's, the transfer
+        # engine's) is in the group too, and those before are moved with the process
+        self.cpu_budget: CpuBudget | None = None
+        if cfg.cpus > 0:
+            self.cpu_budget = CpuBudget.create(f"{cfg.cluster}-{self.node_id}", cfg.cpus)
+            self.cpu_budget.add()
+            log.info(
+                "CPU budget %.3g cores (cgroup v%d %s)",
+                cfg.cpus,
+                self.cpu_budget.version,
+                self.cpu_budget.dirs[0],
+            )
         threads = torch_threads(cfg.threads)
+        if cfg.cpus > 0 and cfg.threads <= 0:
+            threads = threads_for(cfg.cpus)
         if threads > 0:
             torch.set_num_threads(threads)
         self.dtype = resolve_dtype(cfg.dtype)
@@ -185,6 +200,7 @@ class ModelNode(Service):
             # writes only the blocks after a KVTarget's held_blocks (a decode node pins a
             # cached prefix for a disaggregated request only where every prefill node does)
             "kv_target_held_blocks": True,
+            "cpus": self.cfg.cpus,  # its CPU budget in cores (0 = none)
         }
 
     async def after_start(self) -> None:
@@ -243,7 +259,17 @@ class ModelNode(Service):
             fetched_tokens_total=c["fetched"],
             generated_tokens_total=c["generated"],
             reachable=True,
+            cpu_budget_cores=self.cfg.cpus,
+            cpu_seconds=self.cpu_seconds(),
         )
+
+    def cpu_seconds(self) -> float:
+        """CPU time this node has used: its budget cgroup's counter, else the process's."""
+        used = self.cpu_budget.usage_seconds() if self.cpu_budget is not None else None
+        if used is None:
+            t = os.times()
+            used = t.user + t.system
+        return used
 
     async def teardown(self) -> None:
         await self.membership.stop()
@@ -253,6 +279,8 @@ class ModelNode(Service):
             await self.segment.close()
         for ch in self._store_channels.values():
             await ch.close()
+        if self.cpu_budget is not None:
+            self.cpu_budget.close()
         await self.te.close()
         self.pool = None
         self.segment = None

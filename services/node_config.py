@@ -65,6 +65,13 @@ class NodeConfig(ServiceConfig):
         "torch intra-op threads (0 = the share of the cores kvmesh up gives each node, "
         "else torch's default, which OMP_NUM_THREADS sets)",
     )
+    cpus: float = option(
+        0.0,
+        "CPU budget in cores, a fraction allowed (0.375): the node runs in a cgroup of "
+        "its own whose CFS quota is cpus x a 10 ms period, with ceil(cpus) torch "
+        "threads unless --threads says otherwise; needs root or a delegated cgroup "
+        "(v1 cpu or v2 cpu.max), else a start-up error; 0 = no budget",
+    )
     te_poll_us: int = option(
         200,
         "busy-poll window in microseconds: after a request the "
@@ -114,6 +121,11 @@ class NodeConfig(ServiceConfig):
         check_data_plane_secret(self.secret, self.host)
         if not 0 <= self.data_port < 65536:
             raise ConfigError(f"data_port: {self.data_port} is not a TCP port")
+        if not 0 <= self.cpus <= 1024:
+            raise ConfigError(
+                f"cpus: {self.cpus} must be a number of cores between 0 (no budget) "
+                "and 1024, e.g. 0.375"
+            )
         if not 0 <= self.te_poll_us <= 5000:
             raise ConfigError(
                 f"te_poll_us: {self.te_poll_us} must be between 0 and 5000 "

@@ -368,8 +368,41 @@ class _StateCollector:
                     tier_capacity.add_metric([tier], capacity)
 
 
+class _CpuCollector:
+    """Each model node's CPU budget and the CPU it used (its cgroup's counter)."""
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        budget = GaugeMetricFamily(
+            "kvmesh_cpu_budget_cores", "the node's CPU budget in cores (0 = none)", labels=["node"]
+        )
+        used = CounterMetricFamily(
+            "kvmesh_cpu_seconds",
+            "CPU time the node used (its budget cgroup's counter)",
+            labels=["node"],
+        )
+        throttled = CounterMetricFamily(
+            "kvmesh_cpu_throttled_seconds",
+            "time the node's cgroup was held back by its CPU quota",
+            labels=["node"],
+        )
+        for s in list(_STATE.services):
+            seconds = getattr(s, "cpu_seconds", None)
+            if not callable(seconds):
+                continue
+            b = getattr(s, "cpu_budget", None)
+            budget.add_metric([s.node_id], b.cores if b is not None else 0.0)
+            used.add_metric([s.node_id], seconds())
+            if b is not None:
+                throttled.add_metric([s.node_id], b.throttling()[2])
+        return [budget, used, throttled]
+
+
 _STATE = _StateCollector()
 REGISTRY.register(_STATE)
+REGISTRY.register(_CpuCollector())
 
 
 def track(service: Any) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvmesh.services.common import channels, metrics, telemetry
+from kvmesh.services.common.cpu_budget import CpuBudgetError
 from kvmesh.services.common.election import LeaderElection
 from kvmesh.services.common.etcd import EtcdClient, EtcdError, etcd_credentials
 from kvmesh.services.common.health import Health
@@ -231,5 +232,5 @@ def run(factory: Callable[[], Service]) -> None:
 
     try:
         uvloop.run(main())
-    except channels.PortInUse as e:
+    except (channels.PortInUse, CpuBudgetError) as e:
         sys.exit(f"error: {e}")

@@ -24,6 +24,7 @@ import grpc
 
 from kvmesh.services.children import kill_all, spawn_tied, terminate_all
 from kvmesh.services.client import cluster_status
+from kvmesh.services.common.cpu_budget import CpuBudget, CpuBudgetError
 from kvmesh.services.common.etcd import EtcdClient, EtcdError, etcd_credentials
 from kvmesh.services.common.registry import node_key
 from kvmesh.services.common.settings import KNOWN_SECRETS, THREAD_SHARE_ENV
@@ -125,6 +126,8 @@ class LocalCluster:
         restart_window_s: float = 60.0,
         restart_backoff_s: float = 0.5,
         log: Callable[[str], None] | None = None,
+        cpus: float = 0.0,
+        control_cpus: float = 0.0,
     ) -> None:
         self._own_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvmesh-")
@@ -146,6 +149,14 @@ class LocalCluster:
             else "1"
         )
         self.expect_store = seg.strip() not in ("0", "0B", "0MiB")
+        # CPU budgets (services.common.cpu_budget): each model node its own cgroup of
+        # ``cpus`` cores (``--cpus``); etcd, the store-master(s) and the conductor(s) one
+        # cgroup of ``control_cpus`` together, made here; 0 = none
+        self.cpus = cpus
+        self.control_cpus = control_cpus
+        self._control_budget: CpuBudget | None = None
+        if cpus > 0:
+            self.node_args = [*self.node_args, "--cpus", f"{cpus:g}"]
         self.conductor_args = conductor_args or []
         self.store_args = store_args or []
         # store-master-0 leads; the others stand by (services.common.election)
@@ -291,10 +302,28 @@ class LocalCluster:
                 env={**self.env(), "KVMESH_LAUNCHER_PID": str(os.getpid())},
             )
             self.procs[name] = p
+            if role in ("conductor", "store-master"):
+                self._budget_control(p.pid)
             self._spawn_args[name] = (role, list(extra))
             self._stopped.discard(name)
             self._restart_due.pop(name, None)
             return p
+
+    def _budget_control(self, pid: int) -> None:
+        """Puts ``pid`` (etcd, a store-master, a conductor) in the control plane's budget."""
+        if self.control_cpus <= 0:
+            return
+        if self._control_budget is None:
+            self._control_budget = CpuBudget.create(f"{self.cluster}-control", self.control_cpus)
+        try:
+            self._control_budget.add(pid)
+        except CpuBudgetError as e:  # it exited already: its restart is placed again
+            self._log(f"control-plane CPU budget: {e}")
+
+    def control_cpu_seconds(self) -> float | None:
+        """CPU time the control plane's budget group has used (None without one)."""
+        b = self._control_budget
+        return b.usage_seconds() if b is not None else None
 
     def start(self, timeout: float = 90) -> LocalCluster:
         deadline = time.monotonic() + timeout
@@ -303,6 +332,8 @@ class LocalCluster:
             # root password, conductor address, nodes are gone)
             shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
             self.etcd.start()
+            if self.etcd.proc is not None:
+                self._budget_control(self.etcd.proc.pid)
             if self.etcd_password:
                 self.etcd.enable_auth(self.etcd_user, self.etcd_password)
         for i in range(self.n_store_masters):
@@ -397,6 +428,8 @@ class LocalCluster:
                 if name == "etcd" and self.etcd is not None:
                     self._restart_due.pop(name, None)
                     self.etcd.start()  # same ports, same data
+                    if self.etcd.proc is not None:
+                        self._budget_control(self.etcd.proc.pid)
                     pid = self.etcd.proc.pid if self.etcd.proc else "?"
                     self._log(f"restarted etcd (pid {pid})")
                     continue
@@ -560,6 +593,9 @@ class LocalCluster:
                 shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
             if self._own_dir:
                 shutil.rmtree(self.workdir, ignore_errors=True)
+            if self._control_budget is not None:
+                self._control_budget.close()
+                self._control_budget = None
 
     def _all_procs(self) -> list[subprocess.Popen]:
         """Every service process started, and any a caller put in :attr:`procs`."""

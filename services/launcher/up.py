@@ -23,6 +23,7 @@ import time
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.client import format_status, stream_completion
+from kvmesh.services.common import cpu_budget
 from kvmesh.services.common.channels import PortInUse, check_port
 from kvmesh.services.launcher.cluster import LocalCluster
 
@@ -60,6 +61,15 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "directory or hub id (org/name); default: demo with --demo, else tiny",
     )
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    p.add_argument(
+        "--cpus",
+        type=float,
+        default=0.0,
+        help="CPU budget of each prefill and decode node in cores, a fraction allowed "
+        "(0.375): each runs in a cgroup of its own with that CFS quota and ceil(cpus) "
+        "torch threads; where cgroups cannot be written (not root, no cpu controller) "
+        "a warning, and the nodes run unbudgeted; 0 = none",
+    )
     p.add_argument(
         "--workdir", default=None, help="where logs and etcd data go (default: a temp dir)"
     )
@@ -125,6 +135,15 @@ def up(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    cpus = float(getattr(args, "cpus", 0.0) or 0.0)
+    if cpus < 0:
+        print(f"error: --cpus {cpus:g} must be >= 0 (0 = no budget)", file=sys.stderr)
+        return 1
+    if cpus > 0:
+        why = cpu_budget.support()
+        if why:
+            print(f"warning: --cpus {cpus:g} ignored, nodes run unbudgeted: {why}", file=sys.stderr)
+            cpus = 0.0
     if args.port:  # before etcd starts: a second cluster must not share the port
         try:
             check_port(f"127.0.0.1:{args.port}")
@@ -146,6 +165,7 @@ def up(args: argparse.Namespace) -> int:
         max_restarts=getattr(args, "max_restarts", 5),
         restart_window_s=getattr(args, "restart_window", 60.0),
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
+        cpus=cpus,
     )
     client = " ".join(cluster.tls_args("client")) if cluster.tls_dir else ""
     client += f" --api-key {cluster.api_key}" if cluster.api_key else ""
