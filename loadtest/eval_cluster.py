@@ -56,6 +56,10 @@ class Setup:
     step_token_budget: int = 128  # decode nodes: running batch + prompt chunk per step
     colocate_below_tokens: int = 64  # kvmesh: shorter prompts prefilled on the decode node
     request_timeout_s: float = 120.0
+    # equal compute by CPU budgets (loadtest.capacity): every model node its own cgroup of
+    # ``cpus`` cores instead of a pinned core; the control plane one of ``control_cpus``
+    cpus: float = 0.0
+    control_cpus: float = 0.0
 
     def segment_memory(self) -> str:
         return f"{parse_size(self.kv_memory) * self.segment_per_pool // (1 << 20)}MiB"
@@ -136,6 +140,75 @@ def configs(s: Setup, *, store: bool | None = None) -> dict[str, dict]:
     }
 
 
+def budget_configs(s: Setup, nodes: int, ratios: list[tuple[int, int]]) -> dict[str, dict]:
+    """Configurations at equal node compute: ``nodes`` model nodes of ``s.cpus`` cores
+    each, no pinning. ``colocated``: ``nodes`` decode nodes that prefill and decode (plus
+    the idle prefill node the conductor needs, whose CPU use the report shows); for each
+    (P, D) of ``ratios``: ``kvmesh-PpDd`` (store segments, every route, early rejection)
+    and ``nostore-PpDd`` (every prompt on a prefill node, no store)."""
+    base = [
+        "--model", s.model, "--dtype", s.dtype, "--block-size", str(s.block_size),
+        "--kv-memory", s.kv_memory,
+    ]  # fmt: skip
+    if s.threads > 0:
+        base += ["--threads", str(s.threads)]
+    slo = ["--ttft-slo-ms", str(s.ttft_slo_ms), "--tbt-slo-ms", str(s.tbt_slo_ms)]
+    decode = ["--step-token-budget", str(s.step_token_budget)]
+    out = {
+        "colocated": dict(
+            prefill=1,
+            decode=nodes,
+            node_args=base + ["--segment-memory", "0"],
+            decode_args=decode,
+            conductor_args=[
+                "--colocate-below-tokens",
+                HUGE,
+                "--direct-share",
+                "1.0",
+                "--ttft-slo-ms",
+                HUGE,
+                "--tbt-slo-ms",
+                HUGE,
+            ],  # fmt: skip
+            send_slo=False,
+            pin={},
+            working=[f"decode-{i}" for i in range(nodes)],
+            note=f"{nodes} decode nodes of {s.cpus:g} cores prefill + decode their own "
+            "requests (local prefix cache only, chunked prefill, no admission control); "
+            "1 idle prefill node registered",
+        )
+    }
+    for p, d in ratios:
+        if p < 1 or d < 1 or p + d != nodes:
+            raise ValueError(f"ratio {p}:{d}: both >= 1 and summing to {nodes}")
+        working = [f"prefill-{i}" for i in range(p)] + [f"decode-{i}" for i in range(d)]
+        out[f"kvmesh-{p}p{d}d"] = dict(
+            prefill=p,
+            decode=d,
+            node_args=base + ["--segment-memory", s.segment_memory()],
+            decode_args=decode,
+            conductor_args=["--colocate-below-tokens", str(s.colocate_below_tokens), *slo],
+            send_slo=True,
+            pin={},
+            working=working,
+            note=f"{p} prefill + {d} decode of {s.cpus:g} cores, store segments "
+            f"{s.segment_memory()} per node, every route, early rejection",
+        )
+        out[f"nostore-{p}p{d}d"] = dict(
+            prefill=p,
+            decode=d,
+            node_args=base + ["--segment-memory", "0"],
+            decode_args=decode,
+            conductor_args=["--colocate-below-tokens", "0", "--direct-share", "1.0", *slo],
+            send_slo=True,
+            pin={},
+            working=working,
+            note=f"{p} prefill + {d} decode of {s.cpus:g} cores, no store, every prompt "
+            "on a prefill node, early rejection",
+        )
+    return out
+
+
 def pin_tree(pid: int, core: int) -> int:
     """Pins every thread of process ``pid`` to ``core``; returns how many were pinned."""
     n = 0
@@ -207,6 +280,8 @@ class ConfigCluster:
             http_port=-1,
             log_level=log_level,
             pin=cfg["pin"],
+            cpus=setup.cpus,
+            control_cpus=setup.control_cpus,
         )
         self.startup_s = 0.0
         self.affinity: dict[str, list[int]] = {}
@@ -269,6 +344,8 @@ class ConfigCluster:
             for n in nodes
         }
         rejected_before = c.status().requests_rejected
+        cpu_before = {n.node_id: n.cpu_seconds for n in nodes}
+        control_before = c.control_cpu_seconds()
         t0 = time.perf_counter()
         recs: list[Record] = asyncio.run(
             drive(
@@ -293,6 +370,29 @@ class ConfigCluster:
                     "fetched": n.fetched_tokens_total - b[2],
                 }
         summary = M.summarize(recs, ttft_slo_ms=s.ttft_slo_ms, tbt_slo_ms=s.tbt_slo_ms)
+        if s.cpus > 0:  # each node's CPU in this run against its budget over the run
+            summary["cpu"] = {
+                n.node_id: {
+                    "seconds": round(n.cpu_seconds - cpu_before.get(n.node_id, 0.0), 3),
+                    "budget_seconds": round(n.cpu_budget_cores * wall, 3),
+                    "share_of_budget": round(
+                        (n.cpu_seconds - cpu_before.get(n.node_id, 0.0))
+                        / max(1e-9, n.cpu_budget_cores * wall),
+                        4,
+                    ),
+                }
+                for n in st.nodes
+                if n.role in ("prefill", "decode") and n.cpu_budget_cores > 0
+            }
+            used = c.control_cpu_seconds()
+            if used is not None and control_before is not None:
+                summary["cpu"]["control-plane"] = {
+                    "seconds": round(used - control_before, 3),
+                    "budget_seconds": round(s.control_cpus * wall, 3),
+                    "share_of_budget": round(
+                        (used - control_before) / max(1e-9, s.control_cpus * wall), 4
+                    ),
+                }
         prompt = sum(len(i.token_ids) for i in items)
         computed = sum(v["computed"] for v in per_node.values())
         fetched = sum(v["fetched"] for v in per_node.values())
@@ -323,6 +423,15 @@ class ConfigCluster:
             "n": len(refused),
             "p50": M.rounded(M.quantile(refused, 0.5)),
             "p99": M.rounded(M.quantile(refused, 0.99)),
+        }
+        # the hand-off: a request's first token (prefill) to its second (decode)
+        first = [
+            r.token_times_ms[1] - r.token_times_ms[0] for r in recs if len(r.token_times_ms) > 1
+        ]
+        summary["first_gap_ms"] = {
+            "p50": M.rounded(M.quantile(first, 0.5)),
+            "p99": M.rounded(M.quantile(first, 0.99)),
+            "max": M.rounded(max(first)) if first else None,
         }
         summary["tbt_mean_p99_ms"] = M.rounded(
             M.quantile(

@@ -30,6 +30,10 @@ from dataclasses import dataclass, field
 
 PERIOD_US = 10_000  # CFS period: a throttled group waits at most this long
 MIN_QUOTA_US = 1_000  # the kernel's smallest quota
+# A budget is a cap and, as far as the scheduler's weights go, a promise: a budgeted group
+# weighs this many times a default process when the machine is contended, so work outside
+# every budget (a test run, a build) slows it little. It never gets more than its quota.
+WEIGHT = 4
 GROUP_DIR = "kvmesh"
 
 
@@ -168,6 +172,8 @@ class CpuBudget:
                 continue
             parent = os.path.join(mount, _own_group(ctrl), GROUP_DIR)
             os.makedirs(parent, exist_ok=True)
+            if ctrl == "cpu":  # the budgets' parent weighs as much as its busy children
+                _write(os.path.join(parent, "cpu.shares"), str(1024 * WEIGHT * 8))
             _sweep(parent)
             d = os.path.join(parent, leaf)
             os.makedirs(d, exist_ok=True)
@@ -176,6 +182,7 @@ class CpuBudget:
         cpu = dirs[0]
         _write(os.path.join(cpu, "cpu.cfs_period_us"), str(PERIOD_US))
         _write(os.path.join(cpu, "cpu.cfs_quota_us"), str(quota))
+        _write(os.path.join(cpu, "cpu.shares"), str(1024 * WEIGHT))
         b.stat_file = os.path.join(cpu, "cpu.stat")
         acct = next((d for d in dirs if os.path.exists(os.path.join(d, "cpuacct.usage"))), "")
         b.usage_file = os.path.join(acct, "cpuacct.usage") if acct else ""
@@ -197,10 +204,12 @@ class CpuBudget:
                             f"({e.strerror}); a cgroup with processes of its own cannot "
                             "delegate it: run kvmesh from a cgroup that can"
                         ) from None
+        _write(os.path.join(parent, "cpu.weight"), str(100 * WEIGHT * 8))
         _sweep(parent)
         d = os.path.join(parent, leaf)
         os.makedirs(d, exist_ok=True)
         _write(os.path.join(d, "cpu.max"), f"{quota} {PERIOD_US}")
+        _write(os.path.join(d, "cpu.weight"), str(100 * WEIGHT))
         stat = os.path.join(d, "cpu.stat")
         return cls(cores, 2, [d], stat, stat)
 
@@ -240,9 +249,8 @@ class CpuBudget:
             t = int(kv.get("throttled_usec", 0)) / 1e6
         return int(kv.get("nr_periods", 0)), int(kv.get("nr_throttled", 0)), t
 
-    def close(self) -> None:
-        """Moves this process out (to the group it came from) and removes the group;
-        a group other processes still hold stays (the next sweep removes it)."""
+    def leave(self) -> None:
+        """Moves this process out of the group, back to the group the group was made in."""
         for d in self.dirs:
             parent = os.path.dirname(os.path.dirname(d))
             with contextlib.suppress(OSError):
@@ -250,6 +258,12 @@ class CpuBudget:
                     mine = str(os.getpid()) in f.read().split()
                 if mine:
                     _write(os.path.join(parent, "cgroup.procs"), str(os.getpid()))
+
+    def close(self) -> None:
+        """Leaves the group (:meth:`leave`) and removes it; a group other processes
+        still hold stays (the next sweep removes it)."""
+        self.leave()
+        for d in self.dirs:
             with contextlib.suppress(OSError):
                 os.rmdir(d)
 
