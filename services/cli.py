@@ -5,6 +5,7 @@ kvmesh conductor|store-master|prefill|decode [--help]   one service
 kvmesh generate "text"         stream a completion from a running cluster
 kvmesh status [--once|--watch] [--json]   the nodes, load and latency (live on a TTY)
 kvmesh health HOST:PORT        exit 0 when that service's gRPC health is SERVING
+kvmesh plan --workload FILE --nodes N --cpus F   the prefill:decode split to run
 """
 
 from __future__ import annotations
@@ -310,6 +311,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     h.add_argument("-q", "--quiet", action="store_true")
     add_client_arguments(h, api_key=False)
+    pl = sub.add_parser("plan", help="predict each prefill:decode split's capacity, pick one")
+    if argv and argv[0] == "plan":
+        from kvmesh.services.planner.command import add_plan_arguments
+
+        add_plan_arguments(pl)
     args = parser.parse_args(argv)
     if hasattr(args, "tls_ca"):
         try:
@@ -326,6 +332,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(asyncio.run(_generate(args)))
     if args.cmd == "health":
         sys.exit(asyncio.run(_health(args)))
+    if args.cmd == "plan":
+        from kvmesh.services.planner.command import run as run_plan
+
+        sys.exit(run_plan(args))
     try:
         sys.exit(asyncio.run(_status(args)))
     except KeyboardInterrupt:
