@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:  # smaller defaults; what the command line gives explicitly stays
         quick = dict(
             probe_requests=12, probes=2, repeats=1, sessions=1, turns=4, model="tiny",
-            nodes=3, cpus=0.5, decode_output_min=8, decode_output_max=16,
+            nodes=3, cpus=0.5, decode_output_min=24, decode_output_max=48,
             long_documents=3, long_scale=0.1, trace_share=0.015,
         )  # fmt: skip
         for k, v in quick.items():
