@@ -16,4 +16,4 @@ ln -s "$ROOT/kvmesh/__init__.py" "$STAGE/kvmesh/__init__.py"
 for d in services rdma protos loadtest; do ln -s "$ROOT/$d" "$STAGE/kvmesh/$d"; done
 (cd "$STAGE" && mypy --config-file "$ROOT/pyproject.toml" \
     -p kvmesh.rdma -p kvmesh.services.common -p kvmesh.services.conductor \
-    -p kvmesh.services.store_master)
+    -p kvmesh.services.store_master -p kvmesh.services.planner)
