@@ -5,7 +5,8 @@ real engine (the calls a model node makes: ``forward_prefill`` on a :class:`KVPo
 Prefill passes of a few lengths, with and without a cached prefix, are fitted to
 ``f + n * (p0 + p1 * (s + n / 2))``; decode steps of a few batch sizes and context lengths
 to ``a + b * B + c * C``, both by least squares with non-negative coefficients (medians of
-``reps`` runs after a warm-up).
+``reps`` runs after a warm-up). Times are this process's CPU seconds over the cores a node
+gets (see :func:`measure_costs`), so a machine shared with other work measures the same.
 """
 
 from __future__ import annotations
@@ -82,10 +83,14 @@ def _median_time(fn: Callable[[int, int], float], point: tuple[int, int], reps: 
     return statistics.median(fn(*point) for _ in range(reps))
 
 
-def measure_transfer(block_bytes: int, total: int = TRANSFER_BYTES, reps: int = 3) -> float:
+def measure_transfer(
+    block_bytes: int, cpus: float | None = None, total: int = TRANSFER_BYTES, reps: int = 3
+) -> float:
     """Bytes/s of WRITEs of ``block_bytes`` slices between two transfer engines in this
     process over loopback TCP (the path a KV hand-off takes between two nodes of one
-    machine), median of ``reps`` batches of ``total`` bytes after a warm-up."""
+    machine), after a warm-up: ``total`` bytes over the fastest of ``reps`` batches. With
+    ``cpus``, each side held to that budget: at most ``total / (CPU seconds per side /
+    cpus)``, CPU seconds per side being half this process's (both engines run here)."""
     from kvmesh.rdma import Slice, TransferEngine
 
     async def run() -> float:
@@ -100,14 +105,18 @@ def measure_transfer(block_bytes: int, total: int = TRANSFER_BYTES, reps: int = 
             step = max(1, min(block_bytes, total))
             sl = [Slice(rs, o, rd, o, min(step, total - o)) for o in range(0, total, step)]
             await a.write(b.address, sl)  # warm-up: connections, page faults
-            rates = []
+            walls, cpu = [], []
             for _ in range(reps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 await a.write(b.address, sl)
-                rates.append(total / (time.perf_counter() - t0))
+                walls.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             if not np.array_equal(src, dst):
                 raise RuntimeError("transfer measurement: the bytes moved differ")
-            return statistics.median(rates)
+            rate = total / min(walls)
+            if cpus is not None:
+                rate = min(rate, total / (statistics.median(cpu) / 2 / cpus))
+            return rate
         finally:
             await a.close()
             await b.close()
@@ -136,13 +145,17 @@ def measure_costs(
     holds. ``bandwidth`` (bytes/s) skips the transfer measurement; ``transfer_on_cpu``
     False says the transfers use RDMA (not the nodes' CPU).
 
-    **Scaling.** When ``cpus`` is a budget below the cores this process measured with
-    (``threads``, or fewer where this process's own cgroup quota or CPU affinity allows
-    fewer) and the process is not itself held to that budget, every time is multiplied by
-    ``cores measured with / cpus`` (and the bandwidth divided by it): a node at 0.375 of a
-    core does the same work in 1 / 0.375 of the time. Pass ``budgeted=True`` when this
-    process already runs under the budget (detected from its own cgroup quota when None),
-    and nothing is scaled. ``cpus`` None: the costs at the cores measured with.
+    **Scaling.** Unless this process is itself held to the budget, every time is the
+    CPU time the work took (this process's, all threads: what a CFS quota counts, and
+    what other processes on a shared machine do not inflate) divided by the cores it
+    gets, ``min(cpus, cores measured with)``: a node at 0.375 of a core does a CPU-second
+    of work in 1 / 0.375 seconds. "Cores measured with" is ``threads``, or fewer where
+    this process's CPU affinity or own cgroup quota allows fewer: more budget than
+    threads does not make a node faster. The bandwidth is capped the same way (each
+    side's CPU seconds over ``cpus``) when transfers use the CPU. Pass ``budgeted=True``
+    when this process already runs under the budget (detected from its own cgroup quota
+    when None): the times are then wall-clock times, throttling included, unscaled.
+    ``cpus`` None: the costs at the cores measured with.
     """
     import torch
 
@@ -160,7 +173,8 @@ def measure_costs(
     if budgeted is None:
         budgeted = cpus is not None and quota is not None and quota <= cpus * 1.05
     budget = used if cpus is None else cpus
-    scale = 1.0 if budgeted or budget >= used else used / budget
+    divisor = 1.0 if budgeted else min(budget, used)  # times = clock seconds / divisor
+    clock = time.perf_counter if budgeted else time.process_time
 
     dt = resolve_dtype(dtype)
     m = load_model(model, dtype=dt, seed=seed).model
@@ -181,9 +195,9 @@ def measure_costs(
                         torch.randint(0, c.vocab_size, (s,), generator=g), 0, pool, table
                     )
                 toks = torch.randint(0, c.vocab_size, (n,), generator=g)
-                t0 = time.perf_counter()
+                t0 = clock()
                 m.forward_prefill(toks, s, pool, table)
-                return time.perf_counter() - t0
+                return (clock() - t0) / divisor
             finally:
                 pool.free(table)
 
@@ -191,9 +205,9 @@ def measure_costs(
             tables = [pool.allocate(ctx // block_size + 1) for _ in range(batch)]
             try:
                 toks = torch.randint(0, c.vocab_size, (batch,), generator=g)
-                t0 = time.perf_counter()
+                t0 = clock()
                 m.forward_decode(toks, [ctx] * batch, tables, pool)
-                return time.perf_counter() - t0
+                return (clock() - t0) / divisor
             finally:
                 for t in tables:
                     pool.free(t)
@@ -206,15 +220,18 @@ def measure_costs(
     f, p0, p1 = fit_nonnegative([(1.0, n, n * (s + n / 2)) for n, s in PREFILL_POINTS], pf)
     a, b, cc = fit_nonnegative([(1.0, bb, bb * x) for bb, x in DECODE_POINTS], ds)
     kv = c.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.finfo(dt).bits // 8
-    bw = bandwidth if bandwidth is not None else measure_transfer(block_bytes)
-    if bandwidth is None and transfer_on_cpu:
-        bw /= scale
+    if bandwidth is None:
+        held = None if budgeted or not transfer_on_cpu else budget
+        bw = measure_transfer(block_bytes, held)
+    else:
+        bw = bandwidth
     pool_blocks = parse_size(kv_memory) // KVPool.block_bytes(c, block_size, dt)
     raw: dict[str, Any] = {
         "prefill_points": [[n, s, t] for (n, s), t in zip(PREFILL_POINTS, pf)],
         "decode_points": [[bb, x, t] for (bb, x), t in zip(DECODE_POINTS, ds)],
         "measured_cores": used,
-        "scale": scale,
+        "clock": "wall" if budgeted else "cpu",
+        "divisor": divisor,
         "budgeted": budgeted,
         "bandwidth_measured": bandwidth is None,
         "kv_memory": kv_memory,
@@ -224,12 +241,12 @@ def measure_costs(
         dtype=dtype_name(dt),
         block_size=block_size,
         cpus=budget,
-        prefill_fixed_s=f * scale,
-        prefill_s_per_token=p0 * scale,
-        prefill_s_per_token_ctx=p1 * scale,
-        decode_step_s=a * scale,
-        decode_step_s_per_seq=b * scale,
-        decode_step_s_per_ctx_token=cc * scale,
+        prefill_fixed_s=f,
+        prefill_s_per_token=p0,
+        prefill_s_per_token_ctx=p1,
+        decode_step_s=a,
+        decode_step_s_per_seq=b,
+        decode_step_s_per_ctx_token=cc,
         kv_bytes_per_token=int(kv),
         transfer_bytes_per_s=float(bw),
         pool_tokens=int(pool_blocks * block_size),
