@@ -171,23 +171,39 @@ def _guess(costs: dict, items: list[W.Item], nodes: int, cpus: float, block: int
     return max(0.05, 0.5 * nodes * cpus / max(1e-6, per_req_s))
 
 
-def _predict(a, costs: dict, items: list[W.Item], ratios, setup: Setup) -> dict | None:
-    """The planner's predicted capacity per configuration (None without the planner)."""
-    try:
-        from kvmesh.services.planner import plan_for_items
-    except ImportError:
-        return None
-    return plan_for_items(
-        costs,
+def _predict(a, items: list[W.Item], setup: Setup, measured: dict) -> dict | None:
+    """The planner's (:mod:`kvmesh.services.planner`) predicted capacity of every
+    configuration on ``items``, and its pick. Its costs are measured once (``measured``
+    keeps them) in this process with the real engine at the node budget."""
+    from kvmesh.services.common.config import parse_size
+    from kvmesh.services.planner import WorkloadStats, plan
+    from kvmesh.services.planner.measure import measure_costs
+
+    if "costs" not in measured:
+        measured["costs"] = measure_costs(
+            setup.model, setup.dtype, setup.block_size, cpus=a.cpus, kv_memory=setup.kv_memory
+        )
+    costs = measured["costs"]
+    kv_per_token = costs.kv_bytes_per_token or 1
+    stats = WorkloadStats.from_workload_items(
         items,
-        nodes=a.nodes,
-        cpus=a.cpus,
-        ratios=ratios,
-        ttft_slo_s=setup.ttft_slo_ms / 1000,
-        tbt_slo_s=setup.tbt_slo_ms / 1000,
         block_size=setup.block_size,
-        kv_memory=setup.kv_memory,
+        local_cache_tokens=parse_size(setup.kv_memory) // kv_per_token,
     )
+    args = (costs, stats, a.nodes, a.cpus, setup.ttft_slo_ms / 1000, setup.tbt_slo_ms / 1000)
+    with_store = plan(*args, step_token_budget=setup.step_token_budget)
+    no_store = plan(*args, step_token_budget=setup.step_token_budget, shared_store=False)
+    predicted = {"colocated": round(with_store.colocated.capacity_rps, 3)}
+    for r, n in zip(with_store.ratios, no_store.ratios, strict=True):
+        predicted[f"kvmesh-{r.prefill_nodes}p{r.decode_nodes}d"] = round(r.capacity_rps, 3)
+        predicted[f"nostore-{n.prefill_nodes}p{n.decode_nodes}d"] = round(n.capacity_rps, 3)
+    p, d = with_store.pick
+    return {
+        "predicted_rps": predicted,
+        "pick": f"kvmesh-{p}p{d}d",
+        "table": with_store.format_table(),
+        "costs": costs.to_dict(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=30)
     p.add_argument("--max-context", type=int, default=2500)
     p.add_argument("--probe-requests", type=int, default=150, help="requests per probe")
-    p.add_argument("--probes", type=int, default=4, help="probes per capacity search")
+    p.add_argument("--probes", type=int, default=5, help="probes per capacity search")
     p.add_argument("--repeats", type=int, default=3, help="searches of the headline pair")
     p.add_argument("--ratios", default="", help="P:D,... (default: every split of --nodes)")
     p.add_argument("--out", default=str(RESULTS))
@@ -318,10 +334,12 @@ def main(argv: list[str] | None = None) -> int:
                 **W.summarize(items),
                 "ideal_hit_ratio": round(W.ideal_hit_ratio(items, a.block_size), 3),
             }
-        plans = {}
+        plans: dict[str, dict | None] = {}
         if "plan" in phases:
+            measured: dict = {}
             for w in names:
-                plans[w] = _predict(a, costs, samples[w], ratios, setup)
+                plans[w] = _predict(a, samples[w], setup, measured)
+                log(f"plan for {w}:\n{plans[w]['table']}")
             res["plans"] = plans
         save()
 
