@@ -399,3 +399,38 @@ def test_kvmesh_plan_says_what_is_wrong(tmp_path):
     assert out.returncode == 1 and "nope.jsonl" in out.stderr and "Traceback" not in out.stderr
     out = _kvmesh_plan("--workload", "x", "--nodes", "1", "--cpus", "1")
     assert out.returncode == 2 and "at least 2" in out.stderr
+
+
+def test_kvmesh_up_splits_nodes_by_a_given_ratio_or_the_planners_pick(tmp_path):
+    import argparse
+
+    from kvmesh.services.launcher.up import node_split
+
+    def ns(**kw):
+        base = dict(nodes=0, ratio="", workload="", cpus=0.5, block_size=16)
+        return argparse.Namespace(**{**base, **kw})
+
+    assert node_split(ns(), "tiny") is None  # --prefill/--decode as before
+    assert node_split(ns(nodes=4, ratio="1:3"), "tiny") == (1, 3)
+    for bad, why in [
+        (ns(ratio="1:1"), "needs --nodes"),
+        (ns(nodes=1, ratio="1:0"), "at least 2"),
+        (ns(nodes=4, ratio="2:3"), "P \\+ D = --nodes"),
+        (ns(nodes=4, ratio="two"), "give P:D"),
+        (ns(nodes=4), "needs --workload"),
+        (ns(nodes=4, ratio="auto", workload=str(tmp_path / "missing.jsonl")), "missing"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            node_split(bad, "tiny")
+    # auto: long prompts with no reuse and one-token outputs are prefill-bound -> 3P:1D
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {"timestamp": 100 * i, "input_length": 512, "output_length": 1,
+                 "hash_ids": [10 * i + k for k in range(32)]}
+            ) + "\n"
+            for i in range(40)
+        )
+    )  # fmt: skip
+    assert node_split(ns(nodes=4, ratio="auto", workload=str(trace)), "tiny") == (3, 1)

@@ -60,6 +60,25 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         help="model of every node: a preset (tiny, small, medium, demo), a Hugging Face model "
         "directory or hub id (org/name); default: demo with --demo, else tiny",
     )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=0,
+        help="model nodes in all, split into prefill and decode by --ratio (instead of "
+        "--prefill/--decode)",
+    )
+    p.add_argument(
+        "--ratio",
+        default="",
+        help="with --nodes: P:D (e.g. 2:2), or auto: the planner's pick for --workload "
+        "at --cpus per node and SLOs of TTFT 2 s / TBT 150 ms (kvmesh plan; the model's "
+        "costs are measured first)",
+    )
+    p.add_argument(
+        "--workload",
+        default="",
+        help="Mooncake-format trace (JSON Lines) that --ratio auto plans for",
+    )
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     p.add_argument(
         "--cpus",
@@ -126,6 +145,45 @@ def _http_port(port: int) -> int:
         return 0
 
 
+def node_split(args: argparse.Namespace, model: str) -> tuple[int, int] | None:
+    """(prefill, decode) nodes from ``--nodes`` and ``--ratio`` (None without ``--nodes``):
+    ``P:D`` as given, ``auto`` the planner's pick for ``--workload`` (printed with its
+    table). Raises ValueError saying what to fix."""
+    nodes = getattr(args, "nodes", 0) or 0
+    ratio = (getattr(args, "ratio", "") or "").strip()
+    if not nodes:
+        if ratio:
+            raise ValueError("--ratio needs --nodes N (the model nodes to split)")
+        return None
+    if nodes < 2:
+        raise ValueError(f"--nodes {nodes}: a split needs at least 2 (one prefill, one decode)")
+    if ratio in ("", "auto") and not getattr(args, "workload", ""):
+        raise ValueError("--nodes with --ratio auto (the default) needs --workload FILE")
+    if ratio and ratio != "auto":
+        try:
+            p, d = (int(x) for x in ratio.split(":"))
+        except ValueError:
+            raise ValueError(f"--ratio {ratio!r}: give P:D (e.g. 2:2) or auto") from None
+        if p < 1 or d < 1 or p + d != nodes:
+            raise ValueError(f"--ratio {ratio}: P and D >= 1 with P + D = --nodes ({nodes})")
+        return p, d
+    from kvmesh.services.planner import WorkloadStats, plan
+    from kvmesh.services.planner.measure import measure_costs
+
+    cpus = float(getattr(args, "cpus", 0.0) or 0.0) or 1.0
+    print(f"planning the split: measuring {model} at {cpus:g} cores ...", flush=True)
+    costs = measure_costs(model, "float32", args.block_size, cpus=cpus, kv_memory="256MiB")
+    try:
+        stats = WorkloadStats.from_trace(
+            args.workload, block_size=args.block_size, local_cache_tokens=costs.pool_tokens
+        )
+    except (OSError, KeyError) as e:
+        raise ValueError(f"--workload {args.workload}: {e}") from None
+    result = plan(costs, stats, nodes, cpus, 2.0, 0.15)
+    print(result.format_table(), flush=True)
+    return result.pick
+
+
 def up(args: argparse.Namespace) -> int:
     model = getattr(args, "model", None) or ("tiny" if args.demo is None else "demo")
     try:  # a bad --model fails before etcd starts; a hub id is downloaded once, here
@@ -144,6 +202,13 @@ def up(args: argparse.Namespace) -> int:
         if why:
             print(f"warning: --cpus {cpus:g} ignored, nodes run unbudgeted: {why}", file=sys.stderr)
             cpus = 0.0
+    try:
+        split = node_split(args, model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if split is not None:
+        args.prefill, args.decode = split
     if args.port:  # before etcd starts: a second cluster must not share the port
         try:
             check_port(f"127.0.0.1:{args.port}")

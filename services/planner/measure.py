@@ -181,9 +181,14 @@ def measure_costs(
     c = m.config
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    # a model of few positions (demo: 1024) is measured at points scaled into them
+    fit = min(1.0, (c.max_position_embeddings - 2) / max(n + s for n, s in PREFILL_POINTS))
+    prefill_points = [(max(1, int(n * fit)), int(s * fit)) for n, s in PREFILL_POINTS]
+    fit = min(1.0, (c.max_position_embeddings - 2) / max(x for _, x in DECODE_POINTS))
+    decode_points = [(b, max(1, int(x * fit))) for b, x in DECODE_POINTS]
     try:
-        longest = max(n + s for n, s in PREFILL_POINTS)
-        most = max(b * (ctx + 2) for b, ctx in DECODE_POINTS)
+        longest = max(n + s for n, s in prefill_points)
+        most = max(b * (ctx + 2) for b, ctx in decode_points)
         pool = KVPool(c, (max(longest, most) // block_size) * 2 + 64, block_size, dtype=dt)
         g = torch.Generator().manual_seed(seed)
 
@@ -212,13 +217,13 @@ def measure_costs(
                 for t in tables:
                     pool.free(t)
 
-        pf = [_median_time(prefill, point, reps) for point in PREFILL_POINTS]
-        ds = [_median_time(step, point, reps) for point in DECODE_POINTS]
+        pf = [_median_time(prefill, point, reps) for point in prefill_points]
+        ds = [_median_time(step, point, reps) for point in decode_points]
         block_bytes = pool.block_nbytes
     finally:
         torch.set_num_threads(old_threads)
-    f, p0, p1 = fit_nonnegative([(1.0, n, n * (s + n / 2)) for n, s in PREFILL_POINTS], pf)
-    a, b, cc = fit_nonnegative([(1.0, bb, bb * x) for bb, x in DECODE_POINTS], ds)
+    f, p0, p1 = fit_nonnegative([(1.0, n, n * (s + n / 2)) for n, s in prefill_points], pf)
+    a, b, cc = fit_nonnegative([(1.0, bb, bb * x) for bb, x in decode_points], ds)
     kv = c.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.finfo(dt).bits // 8
     if bandwidth is None:
         held = None if budgeted or not transfer_on_cpu else budget
@@ -227,8 +232,8 @@ def measure_costs(
         bw = bandwidth
     pool_blocks = parse_size(kv_memory) // KVPool.block_bytes(c, block_size, dt)
     raw: dict[str, Any] = {
-        "prefill_points": [[n, s, t] for (n, s), t in zip(PREFILL_POINTS, pf)],
-        "decode_points": [[bb, x, t] for (bb, x), t in zip(DECODE_POINTS, ds)],
+        "prefill_points": [[n, s, t] for (n, s), t in zip(prefill_points, pf)],
+        "decode_points": [[bb, x, t] for (bb, x), t in zip(decode_points, ds)],
         "measured_cores": used,
         "clock": "wall" if budgeted else "cpu",
         "divisor": divisor,
