@@ -199,6 +199,24 @@ def test_a_window_of_a_size_counts_only_once_it_holds_enough_ratios():
     assert tail.near_value == pytest.approx(1.02)
 
 
+def test_a_sized_tail_is_no_higher_than_the_tail_of_all():
+    """A few late near-SLO estimates (the queue behind one long prefill) must not keep
+    scaling near-SLO estimates once every recent request has come on time: that factor
+    refuses the near-SLO requests whose ratios would move their window, so before the cap
+    it held until 50 more of them got in (in the paper-scale simulation, the whole last
+    third of the trace at 2.8x)."""
+    tail = ErrorTail(window=10, least=3, least_sized=3)
+    for _ in range(3):
+        tail.add(500, 1500, limit=1000)  # near the SLO, 3x late
+    assert tail.near_value == pytest.approx(3.0) and tail.factor(600, 950) == 3.0
+    for _ in range(10):  # then ten shorter ones on time: the late ones leave the window
+        tail.add(100, 100, limit=1000)
+    assert tail.value == pytest.approx(1.0) and tail.mid_value == pytest.approx(1.0)
+    assert tail.near_value == pytest.approx(1.0) and tail.factor(600, 950) == 1.0
+    tail.add(500, 1000, limit=1000)  # a late near one counts while it is recent
+    assert tail.value == pytest.approx(2.0) and tail.factor(600, 950) == pytest.approx(2.0)
+
+
 def test_admission_scales_a_near_slo_estimate_by_the_near_tail():
     s = make()
     et = ErrorTail(least=1, least_sized=1)

@@ -104,10 +104,12 @@ cdef class ErrorTail:
     cdef public double value
     cdef public double mid_value
     cdef public double near_value
+    cdef public double _mid_tail
+    cdef public double _near_tail
 
     @cython.locals(r=list, last=Py_ssize_t, i=Py_ssize_t, q=double)
     cdef double _tail(self, RollingWindow ratios) except? -1.0
     @cython.locals(ratios=RollingWindow, mid=RollingWindow, near=RollingWindow, ratio=double,
-                   sz=double, to_mid=bint, to_near=bint)
+                   sz=double, to_mid=bint, to_near=bint, v=double)
     cpdef add(self, object estimated, object actual, double limit=*, object size=*)
     cpdef double factor(self, double estimate, double limit)
