@@ -18,9 +18,11 @@ What is simulated (times from :class:`CostModel`):
   prefills between two steps, stalling its batch for that time.
 
 The scheduler sees exactly what the real conductor sees: its own bookings (``commit``,
-``prefill_done``, ``request_done``), periodic KV reports and block events in the index.
-Its time models start with the true coefficients (a calibrated cluster) and keep
-refitting from the observed times, as in production.
+``prefill_done`` with the node's queue and slot times, ``request_done``), periodic KV
+reports, block events in the index, and the prefill nodes' samples of their compute and
+of their store fetches, each for its own model. Its time models start with the true
+coefficients (a calibrated cluster) and keep refitting from the observed times, as in
+production.
 """
 
 from __future__ import annotations
@@ -318,7 +320,9 @@ class Simulation:
         handoff += max(0.0, prefix_ms - compute)
         rq.start = self.now
         self.cache[p].touch(r.hashes[:local])
-        self._push(self.now + fetch_ms + compute, "prefill_end", (p, rq, compute, handoff))
+        self._push(
+            self.now + fetch_ms + compute, "prefill_end", (p, rq, fetch_ms, compute, handoff)
+        )
 
     def _insert(self, node: str, hashes: list[bytes]) -> None:
         new, out = self.cache[node].add(hashes)
@@ -330,7 +334,7 @@ class Simulation:
             self.index.store_removed(out)
 
     def _on_prefill_end(self, arg) -> None:
-        p, rq, compute, handoff = arg
+        p, rq, fetch_ms, compute, handoff = arg
         r, d, bs = rq.r, rq.decision, self.cfg.block_size
         self.pbusy[p] = None
         self.pqueued_ms[p] = max(
@@ -339,7 +343,24 @@ class Simulation:
         self._insert(p, r.hashes[: r.n_tokens // bs])
         rq.prefill_end = self.now
         ttft = self.now + handoff - rq.arrival
-        self.sched.prefill_done(r, d, rq.new, rq.cached + rq.fetched, self.now - rq.start, ttft)
+        # what the real conductor learns (feeds.py, server.py): the node's report of its
+        # compute alone and of its store fetch, each to its own model, and with the first
+        # token the node's queue and slot times (fetch, compute, handoff). The compute
+        # model taking the fetch's time too made every later estimate of a fetching
+        # request long (only ``kvmesh`` fetches: its refusals, not the others')
+        ps = self.sched.prefill[p]
+        if rq.fetched:
+            ps.store_fetch.observe(rq.fetched // bs * self.block_nbytes, fetch_ms)
+        self.sched.prefill_done(
+            r,
+            d,
+            rq.new,
+            rq.cached + rq.fetched,
+            compute,
+            ttft,
+            node_ms=fetch_ms + compute + handoff,
+            node_queue_ms=rq.start - rq.arrival,
+        )
         rq.first_token = self.now + handoff
         rq.produced = 1
         if self.pqueue[p]:
@@ -380,7 +401,16 @@ class Simulation:
             rq.new, rq.cached = r.n_tokens, 0
             ms = c.prefill_ms(rq.new, 0)
             stall += ms
-            self.sched.prefill_done(r, rq.decision, rq.new, 0, ms, self.now + stall - rq.arrival)
+            self.sched.prefill_done(
+                r,
+                rq.decision,
+                rq.new,
+                0,
+                ms,
+                self.now + stall - rq.arrival,
+                node_ms=ms,
+                node_queue_ms=rq.start - rq.arrival,
+            )
             rq.first_token = self.now + stall
             rq.prefill_end = rq.first_token
             rq.produced = 1
