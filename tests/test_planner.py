@@ -336,7 +336,9 @@ def test_costs_round_trip_and_reject_what_cannot_be_a_node(tmp_path):
 def test_measure_costs_with_the_real_engine():
     """The tiny model, in this process: every cost positive, the fit close to the points
     it was fitted on (CPU seconds at half a core: each point's CPU time x 2)."""
-    c = NodeCosts.measure("tiny", cpus=0.5, reps=3, kv_memory="1MiB")
+    from kvmesh.services.planner.measure import measure_costs
+
+    c = measure_costs("tiny", cpus=0.5, reps=3, kv_memory="1MiB")
     assert c.cpus == 0.5 and c.threads == 1
     assert c.raw["clock"] == "cpu" and c.raw["divisor"] == 0.5
     assert c.kv_bytes_per_token == 4 * 2 * 2 * 16 * 4  # layers, K+V, kv heads, dim, fp32

@@ -1,13 +1,13 @@
 """The P:D ratio planner: how many of ``N`` nodes should prefill and how many decode.
 
 Prefill and decode are separate pools so that each can be sized for its own bottleneck
-(DESIGN.md section 3, "Pools sized for the workload"). The planner predicts each split's
+(docs/architecture.md). The planner predicts each split's
 capacity (requests/s inside both SLOs) from a node's measured costs and a workload's token
 statistics and prefix reuse, and names the split to run::
 
     from kvmesh.services.planner import NodeCosts, WorkloadStats, plan
 
-    costs = NodeCosts.measure("medium", "float32", block_size=16, cpus=0.375)  # or .load()
+    costs = measure_costs("medium", "float32", block_size=16, cpus=0.375)  # or NodeCosts.load()
     stats = WorkloadStats.from_trace("trace.jsonl", block_tokens=16, max_input=1536)
     p = plan(costs, stats, nodes=4, cpus=0.375, ttft_slo_s=2.0, tbt_slo_s=0.15)
     p.pick            # (P, D)

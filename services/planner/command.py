@@ -94,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
             costs = NodeCosts.load(args.costs)
         else:
             print(f"measuring {args.model} {args.dtype} ...", file=sys.stderr)
-            costs = NodeCosts.measure(
+            from kvmesh.services.planner.measure import measure_costs
+
+            costs = measure_costs(
                 args.model,
                 args.dtype,
                 block_size=args.block_size,

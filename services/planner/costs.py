@@ -16,7 +16,7 @@ A :class:`NodeCosts` holds, for one model, dtype and block size at one CPU budge
 - ``kv_bytes_per_token`` (all layers, K and V), the transfer engine's bandwidth in bytes/s
   and the KV pool's size in tokens.
 
-:func:`kvmesh.services.planner.measure.measure_costs` (also :meth:`NodeCosts.measure`)
+:func:`kvmesh.services.planner.measure.measure_costs`
 measures them with the real engine; :meth:`NodeCosts.save` / :meth:`NodeCosts.load` keep
 them as JSON so that a plan (or the evaluation) can reuse one measurement.
 """
@@ -183,10 +183,3 @@ class NodeCosts:
     @classmethod
     def load(cls, path: str | Path) -> NodeCosts:
         return cls.from_dict(json.loads(Path(path).read_text()))
-
-    @classmethod
-    def measure(cls, model: str = "medium", dtype: str = "float32", **kwargs: Any) -> NodeCosts:
-        """:func:`kvmesh.services.planner.measure.measure_costs` (needs torch)."""
-        from kvmesh.services.planner.measure import measure_costs
-
-        return measure_costs(model, dtype, **kwargs)
