@@ -374,6 +374,15 @@ def main(argv: list[str] | None = None) -> int:
                             "cpu": cpu,
                             "invalid": bool(over),
                             "routes": _routes(r),
+                            # admission's calibration: (status, estimated, actual TTFT ms)
+                            "ttft": [
+                                [
+                                    x["status"][:2],
+                                    x.get("estimated_ttft_ms") or 0.0,
+                                    x.get("ttft_ms"),
+                                ]
+                                for x in r["records"]
+                            ],  # fmt: skip
                         }
                     )
                     log(f"  {rate:7.3f} rps: inside {100 * (s['slo_attainment'] or 0):5.1f}% "

@@ -112,6 +112,8 @@ async def _one(
                 rec.reject_reason = v
             elif k == "retry-after-ms":
                 rec.retry_after_ms = float(v)
+            elif k == "kvmesh-estimated-ttft-ms":  # what admission refused it on
+                rec.estimated_ttft_ms = float(v)
     return rec
 
 
