@@ -614,7 +614,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., prefix_pinned: _Optional[bool] = ..., reserve_seq: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token", "max_tokens", "sampling", "stop_token_ids", "prefill_here", "prompt_token_ids", "block_hashes")
+    __slots__ = ("request_id", "first_token", "max_tokens", "sampling", "stop_token_ids", "prefill_here", "prompt_token_ids", "block_hashes", "report_join")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -623,6 +623,7 @@ class DecodeRequest(_message.Message):
     PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REPORT_JOIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     max_tokens: int
@@ -631,19 +632,22 @@ class DecodeRequest(_message.Message):
     prefill_here: bool
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_here: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    report_join: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_here: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., report_join: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "prefill", "logprobs")
+    __slots__ = ("token_ids", "finish_reason", "prefill", "logprobs", "joined")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     prefill: PrefillResponse
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    joined: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., joined: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -8,14 +8,29 @@ cached prefix is matched, the remainder recomputed (chunked), and decoding goes 
 the same position with the same next token, so no token changes.
 
 One model computation runs at a time (``compute``, a FIFO lock): a decode step, or one
-chunk of a prompt being computed here (colocated route, decode-direct, resume). A chunk
-holds at most ``step_token_budget`` minus the running batch's tokens (and at most
-``prefill_chunk_tokens``), so running decodes never wait for more than one chunk.
+chunk of a prompt being computed here (colocated route, decode-direct, resume). Prompts
+take their turn one at a time (``_prompt_turn``, FIFO; a resume goes past them), so at
+most one chunk waits for the compute beside the batch's next step and the two alternate:
+a running request never waits for more than one chunk between two steps, however many
+prompts are queued (with every queued chunk in one FIFO, a burst of short prompts
+computed here stalled the running batch for all of them: issue 31's hand-off gap). A
+chunk holds at most ``step_token_budget`` minus the running batch's tokens (and at most
+``prefill_chunk_tokens``), and, with ``chunk_ms``, about that many ms of compute by the
+node's measured prefill speed (:class:`ChunkClock`): that bounds what a prompt computed
+here adds to the running requests' time between tokens, and how long a request whose KV
+has landed waits to join the batch.
+
+A request joins the running batch at once (``admit``) and is in the next step; with
+``join_signal`` its queue gets :data:`JOINED` as the first step holding it begins, so
+the node (or the conductor) can hold its first token until then: the first-to-second-
+token gap is then one step, like every later gap (DESIGN.md section 3, "The hand-off is a
+TBT, not a TTFT").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -36,6 +51,58 @@ from kvmesh.services.model_node import to_the_end
 
 log = logging.getLogger(__name__)
 _seq = itertools.count()
+
+# put in a ``join_signal`` request's queue as the first step that holds it begins (or as
+# it is preempted before one: its first token is held no longer)
+JOINED = "joined"
+
+
+class ChunkClock:
+    """How many prompt tokens one chunk computed here may hold to take about ``chunk_ms``:
+    ms per token modelled as ``(a + b x context) x factor``, ``a`` and ``b`` fitted to
+    the node's start-up profile (``(new, cached, ms)`` points, context = cached + new/2),
+    ``factor`` the recent measured / modelled ratio of its chunks (load, other threads).
+    Without a profile the first chunk measured sets ``a``. ``chunk_ms`` <= 0: no bound."""
+
+    def __init__(self, chunk_ms: float, points: list | None = None) -> None:
+        self.chunk_ms = chunk_ms
+        self.a, self.b, self.factor = 0.0, 0.0, 1.0
+        pts = [(c + n / 2, ms / n) for n, c, ms in points or () if n > 0 and ms > 0]
+        if pts:
+            mx = sum(x for x, _ in pts) / len(pts)
+            my = sum(y for _, y in pts) / len(pts)
+            var = sum((x - mx) ** 2 for x, _ in pts)
+            b = sum((x - mx) * (y - my) for x, y in pts) / var if var > 0 else 0.0
+            self.b = max(0.0, b)
+            self.a = max(my - self.b * mx, my * 0.1)
+
+    def ms(self, tokens: int, pos: int) -> float:
+        """Predicted ms of a chunk of ``tokens`` starting at position ``pos``."""
+        return tokens * (self.a + self.b * (pos + tokens / 2)) * self.factor
+
+    def tokens(self, pos: int, most: int, bs: int) -> int:
+        """Tokens of the next chunk from ``pos``: at most ``most``, in whole blocks of
+        ``bs`` (at least one), within ``chunk_ms`` by the model."""
+        if self.chunk_ms <= 0 or self.a <= 0 or most <= bs:
+            return most
+        # the largest c with c x (a + b x (pos + c / 2)) x factor <= chunk_ms
+        budget = self.chunk_ms / self.factor
+        lin, quad = self.a + self.b * pos, self.b / 2
+        if quad > 0:
+            c = (-lin + (lin * lin + 4 * quad * budget) ** 0.5) / (2 * quad)
+        else:
+            c = budget / lin
+        return max(bs, min(most, int(c) // bs * bs))
+
+    def observe(self, tokens: int, pos: int, ms: float) -> None:
+        """A chunk of ``tokens`` from ``pos`` took ``ms``."""
+        if tokens <= 0 or ms <= 0:
+            return
+        if self.a <= 0:
+            self.a = ms / tokens
+            return
+        ratio = ms / max(1e-9, self.ms(tokens, pos) / self.factor)
+        self.factor = min(20.0, max(0.05, 0.7 * self.factor + 0.3 * ratio))
 
 
 @dataclass(eq=False)
@@ -91,6 +158,14 @@ class Running:
     seq: int = field(default_factory=lambda: next(_seq))  # admission order: youngest = max
     preemptions: int = 0
     left: bool = False  # its client went away (leave)
+    join_signal: bool = False  # put JOINED in ``out`` as its first step begins
+    joined: bool = False  # a step holding it has begun (or JOINED was put anyway)
+
+    def signal_join(self) -> None:
+        if not self.joined:
+            self.joined = True
+            if self.join_signal:
+                self.out.put_nowait(JOINED)
 
 
 class BatchScheduler:
@@ -108,6 +183,8 @@ class BatchScheduler:
         prefill_chunk: int | None = None,
         cuda_graphs: bool = True,
         kv_mirror: bool = True,
+        chunk_ms: float = 0.0,
+        profile: list | None = None,
     ) -> None:
         self.model, self.pool, self.bs = model, pool, block_size
         self.max_batch, self.budget = max_batch, step_token_budget
@@ -118,6 +195,8 @@ class BatchScheduler:
         self.running: list[Running] = []
         self.waiting: deque[Running] = deque()
         self.compute = asyncio.Lock()
+        self._prompt_turn = asyncio.Lock()  # one prompt computed at a time, FIFO
+        self.clock = ChunkClock(chunk_ms, profile)
         self.preemptions = 0
         self._wake = asyncio.Event()
         self._in_step: list[Running] = []
@@ -133,27 +212,50 @@ class BatchScheduler:
             self.mirror = KVMirror.for_pool(pool.config, pool.num_blocks, block_size)
 
     # -- prompt computation ----------------------------------------------------------------
-    async def compute_prompt(self, tokens: list[int], start: int, table: list[int]):
-        """KV of ``tokens[start:]`` into ``table``, chunk by chunk; logits of the last."""
-        logits, pos, n = None, start, len(tokens)
+    async def compute_prompt(
+        self,
+        tokens: list[int],
+        start: int,
+        table: list[int],
+        times: dict | None = None,
+        queue: bool = True,
+    ):
+        """KV of ``tokens[start:]`` into ``table``, chunk by chunk; logits of the last.
+        Waits for the prompts queued before it (``queue``; a resume does not), then each
+        chunk waits for the compute, so the batch steps between two chunks. ``times``,
+        when given, gets ``queue_ms`` (the wait for its turn) and ``compute_ms`` (its
+        forwards alone)."""
         t0 = time.perf_counter()
-        while pos < n:
-            chunk = min(self.prefill_chunk, max(self.bs, self.budget - len(self.running)))
-            end = min(n, pos + chunk)
-            async with self.compute:
-                # a cancelled request (the client went away) frees its blocks only once
-                # the forward writing them has ended, and the slot passes on only then
-                logits = await to_the_end(
-                    asyncio.to_thread(
-                        self.model.forward_prefill,
-                        torch.tensor(tokens[pos:end], dtype=torch.long),
-                        pos,
-                        self.pool,
-                        table,
+        async with self._prompt_turn if queue else contextlib.nullcontext():
+            t_turn = time.perf_counter()
+            logits, pos, n, compute_ms = None, start, len(tokens), 0.0
+            while pos < n:
+                async with self.compute:
+                    # sized as it starts: by the batch running now and the node's speed
+                    most = min(self.prefill_chunk, max(self.bs, self.budget - len(self.running)))
+                    end = min(n, pos + self.clock.tokens(pos, most, self.bs))
+                    tc = time.perf_counter()
+                    # a cancelled request (the client went away) frees its blocks only once
+                    # the forward writing them has ended, and the slot passes on only then
+                    logits = await to_the_end(
+                        asyncio.to_thread(
+                            self.model.forward_prefill,
+                            torch.tensor(tokens[pos:end], dtype=torch.long),
+                            pos,
+                            self.pool,
+                            table,
+                        )
                     )
-                )
-            pos = end
-        self.on_prompt(n - start, start, (time.perf_counter() - t0) * 1000)
+                    ms = (time.perf_counter() - tc) * 1000
+                self.clock.observe(end - pos, pos, ms)
+                compute_ms += ms
+                pos = end
+        # the node's compute time on it (what the conductor's time model fits); the waits
+        # for its turn and for the steps between its chunks are the node's rate and queue
+        self.on_prompt(n - start, start, compute_ms)
+        if times is not None:
+            times["queue_ms"] = (t_turn - t0) * 1000
+            times["compute_ms"] = compute_ms
         return logits
 
     def match_prefix(self, tokens: list[int], hashes: list[bytes]) -> list[int]:
@@ -232,6 +334,7 @@ class BatchScheduler:
 
     def _preempt(self, victim: Running) -> None:
         self.running.remove(victim)
+        victim.signal_join()  # (not joined: its first token is held no longer)
         self.free(victim.res)
         victim.preemptions += 1
         self.preemptions += 1
@@ -254,7 +357,7 @@ class BatchScheduler:
         r.res.blocks = table
         self._resuming = r  # a free() meanwhile waits for the compute (it writes the blocks)
         try:
-            await self.compute_prompt(tokens, len(local) * self.bs, table)
+            await self.compute_prompt(tokens, len(local) * self.bs, table, queue=False)
         finally:
             self._resuming = None
             self._free_deferred()
@@ -311,20 +414,25 @@ class BatchScheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = self._grow(self.running[: self.max_batch])
-            if batch:
-                await self._step(batch)
+            await self._step()
             # round-robin so a batch larger than max_batch shares steps fairly
             if len(self.running) > self.max_batch:
                 self.running = self.running[self.max_batch :] + self.running[: self.max_batch]
 
-    async def _step(self, batch: list[Running]) -> None:
-        tokens = torch.tensor([r.token for r in batch], dtype=torch.long)
-        positions = [r.position for r in batch]
-        tables = [r.res.blocks for r in batch]
-        self._in_step = batch
-        try:
-            async with self.compute:
+    async def _step(self) -> None:
+        async with self.compute:
+            # the batch as the step begins, not as it began to wait for the compute (a
+            # prompt's chunk): a request admitted meanwhile is in this step
+            batch = self._grow(self.running[: self.max_batch])
+            if not batch:
+                return
+            tokens = torch.tensor([r.token for r in batch], dtype=torch.long)
+            positions = [r.position for r in batch]
+            tables = [r.res.blocks for r in batch]
+            self._in_step = batch
+            try:
+                for r in batch:  # the step that computes its next token begins
+                    r.signal_join()
                 tc = time.perf_counter()
                 if self.decoder is None:
                     kw = {}
@@ -338,17 +446,17 @@ class BatchScheduler:
                 self.on_step(
                     len(batch), sum(positions) + len(batch), (time.perf_counter() - tc) * 1000
                 )
-        except Exception as e:
-            # the batch loop must outlive a failed step (a bug, not a client's mistake):
-            # logged with its traceback, it fails only the requests of this step
-            log.exception("decode step failed")
-            for r in batch:
-                r.out.put_nowait(e)
-                self.leave(r)
-            return
-        finally:
-            self._in_step = []
-            self._free_deferred()
+            except Exception as e:
+                # the batch loop must outlive a failed step (a bug, not a client's mistake):
+                # logged with its traceback, it fails only the requests of this step
+                log.exception("decode step failed")
+                for r in batch:
+                    r.out.put_nowait(e)
+                    self.leave(r)
+                return
+            finally:
+                self._in_step = []
+                self._free_deferred()
         if self.decoder is None:  # CPU: row by row (batched ops are not faster there,
             # loadtest/bench_sampler.py), the same tokens as the batch sampler
             drawn = [

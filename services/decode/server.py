@@ -18,7 +18,10 @@ A request's life here:
   3. ``Decode`` (server stream): once KV_READY the prompt's full blocks enter the
      prefix cache (a request sharing the prefix pins them from then on, while this one
      still decodes) and the request joins the running batch of
-     the :class:`~services.decode.batch.BatchScheduler` between two steps -> RUNNING;
+     the :class:`~services.decode.batch.BatchScheduler` at once: the next step holds
+     it -> RUNNING; with ``report_join`` the caller hears (a message with ``joined``
+     set; on the local routes, the first token's own message) as that step begins, so
+     it can hold the first token until then and the second follows one step later;
      every step decodes one token for each running request; blocks are added as a
      request grows, and when the pool runs out the youngest request is preempted and
      later recomputed (see ``batch.py``);
@@ -47,7 +50,7 @@ from kvmesh.services.common.ownership import CONDUCTOR_MD, INCARNATION_MD, WRITE
 from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.telemetry import record_span
-from kvmesh.services.decode.batch import BatchScheduler, Reservation, Running
+from kvmesh.services.decode.batch import JOINED, BatchScheduler, Reservation, Running
 from kvmesh.services.decode.early_release import EarlyReleases
 from kvmesh.services.engine.kv_pool import OutOfBlocks
 from kvmesh.services.engine.sampling import sample_with_logprob
@@ -87,6 +90,14 @@ class DecodeConfig(NodeConfig):
         "most tokens one model step computes: the running "
         "batch plus a chunk of a prompt computed here",
     )
+    prefill_chunk_ms: float = option(
+        50.0,
+        "most ms of compute in one chunk of a prompt computed here (colocated, "
+        "decode-direct, resume), by the node's measured prefill speed: the batch steps "
+        "between two chunks, so this bounds what such prompts add to the running "
+        "requests' time between tokens and to a handed-off request's wait to join the "
+        "batch (0 = chunks bounded by tokens only)",
+    )
 
     cuda_graphs: bool = option(
         True,
@@ -108,6 +119,8 @@ class DecodeConfig(NodeConfig):
             raise ConfigError("max_batch: must be >= 1")
         if self.step_token_budget < self.block_size:
             raise ConfigError("step_token_budget: must be >= block_size")
+        if self.prefill_chunk_ms < 0:
+            raise ConfigError("prefill_chunk_ms: must be >= 0")
 
 
 class DecodeServicer(pbg.DecodeNodeServicer):
@@ -240,14 +253,19 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                     "kvmesh.cached_tokens": presp.cached_tokens + presp.fetched_tokens,
                 },
             )
-            yield pb.DecodeResponse(
+            held = pb.DecodeResponse(
                 token_ids=[first],
                 prefill=presp,
                 finish_reason="" if req.max_tokens > 1 else "length",
             )
             if req.max_tokens <= 1:
+                yield held
                 return
+            if not req.report_join:
+                yield held
+                held = None
         else:
+            held = None  # (the caller holds the prefill node's first token)
             if res.pinned and (err := node.check_pinned(res)):
                 res.prompt_ids, res.hashes = [], []  # (nothing of it may enter the cache)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, err)
@@ -275,12 +293,24 @@ class DecodeServicer(pbg.DecodeNodeServicer):
             step,
             sampling,
             frozenset(req.stop_token_ids) | sampling.stop_token_ids,
+            join_signal=True,  # (its span; a message only where report_join asks)
         )
         node.batch.admit(r)
         yield r
         try:
             while True:
                 item = await r.out.get()
+                if item is JOINED:  # its first step begins: the first token may go
+                    # from its admission to the first step holding it
+                    record_span(
+                        "decode.join",
+                        t_decode,
+                        attributes={"kvmesh.prefill_here": bool(req.prefill_here)},
+                    )
+                    if req.report_join:
+                        yield held if held is not None else pb.DecodeResponse(joined=True)
+                    held = None
+                    continue
                 if isinstance(item, MemoryError):
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
                 if isinstance(item, Exception):
@@ -358,6 +388,15 @@ class DecodeNode(ModelNode):
         # the conductors' owner keys: an incarnation that ends takes its reservations
         self.owners = Owners(self.etcd, cfg.cluster, self._owner_ended)
 
+    def node_info(self) -> dict:
+        return {
+            **super().node_info(),
+            # Decode answers report_join: a first token may be held until the request
+            # is in the running batch
+            "reports_join": True,
+            "prefill_chunk_ms": self.cfg.prefill_chunk_ms,
+        }
+
     @property
     def running(self) -> list[Running]:
         return self.batch.running if self.batch else []
@@ -377,6 +416,8 @@ class DecodeNode(ModelNode):
             prefill_chunk=self.cfg.prefill_chunk,
             cuda_graphs=self.cfg.cuda_graphs,
             kv_mirror=self.cfg.kv_mirror,
+            chunk_ms=self.cfg.prefill_chunk_ms,
+            profile=self.profile.get("prefill"),
         )
         self.te.add_notify_handler(self._on_notify)
         pbg.add_DecodeNodeServicer_to_server(DecodeServicer(self), self.server)
@@ -551,17 +592,22 @@ class DecodeNode(ModelNode):
         if covered > k:
             res.blocks[k:k] = self.pool.allocate(covered - k)
         start = k * bs
-        logits = await self.batch.compute_prompt(tokens, start, res.blocks)
+        times: dict = {}
+        logits = await self.batch.compute_prompt(tokens, start, res.blocks, times)
         res.kv_ready.set()
         first, first_lp = sample_with_logprob(logits, sampling, step=0)
         self.counters["computed"] += n - start
         self.counters["cached"] += start
+        # queue: the wait for the prompts computed here before it; prefill: the rest,
+        # the steps of the running batch between its chunks included
+        queue_ms = times.get("queue_ms", 0.0)
         return first, pb.PrefillResponse(
             first_token=first,
             computed_tokens=n - start,
             cached_tokens=start,
             first_logprob=first_lp if sampling.logprobs else 0.0,
-            prefill_ms=(time.perf_counter() - t0) * 1000,
+            prefill_ms=(time.perf_counter() - t0) * 1000 - queue_ms,
+            queue_ms=queue_ms,
         )
 
     def retire(self, r: Running) -> None:
