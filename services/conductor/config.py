@@ -39,6 +39,14 @@ class ConductorConfig(ServiceConfig):
         "that the requests booked there free as they end, where it still meets its SLOs "
         "(--no-wait-for-kv: refused at once with reason kv)",
     )
+    hold_first_token: bool = option(
+        True,
+        "hold a request's first token until its decode node has it in the running batch "
+        "(the first step holding it has begun), at most until its TTFT SLO is up: the "
+        "gap to its second token is then one step, inside the TBT SLO, and the wait to "
+        "join counts in the TTFT admission learns from (--no-hold-first-token: the "
+        "prefill node's first token goes out at once)",
+    )
     report_interval_ms: float = option(200.0, "period of the nodes' load reports")
     request_timeout_s: float = option(300.0, "longest a request may run end to end")
     max_prompt_tokens: int = option(

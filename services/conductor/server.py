@@ -10,10 +10,14 @@ A request's life here (``Generate``, server-streaming):
      once, before any work starts (``rejected``);
   4. reserve KV blocks on the least-loaded decode node (``Reserve``);
   5. ``Prefill`` on the chosen node, which streams KV layer by layer into the reservation
-     (``prefilling``; the node's predicted time counts in its queue meanwhile); the first
-     token goes to the client at once;
-  6. ``Decode`` on the decode node; tokens are relayed as they come (``decoding``); the
-     last message carries finish_reason and usage.
+     (``prefilling``; the node's predicted time counts in its queue meanwhile);
+  6. ``Decode`` on the decode node; the first token goes to the client once the decode
+     node says the request is in its running batch (``hold_first_token``: the first step
+     holding it has begun, so the second token is one step behind; a colocated request's
+     decode node holds its own first token so; at most until the TTFT SLO is up); tokens
+     are relayed as they come (``decoding``); the last message carries finish_reason
+     and usage. The first token's time, the hold included, is the TTFT the route's
+     learned overhead and error tail see: admission counts the wait to join.
 A node that fails before the first token is skipped for the next candidate; one that
 fails afterwards ends the stream with UNAVAILABLE (the client retries).
 """
@@ -434,6 +438,12 @@ class Conductor(Service):
             prompt_token_ids=tokens,
             block_hashes=r.hashes,
         )
+        # the first token waits until the decode node has the request in its batch
+        hold = self.cfg.hold_first_token and bool(dnode.raw.get("reports_join"))
+        dreq.report_join = hold
+        first: pb.GenerateResponse | None = None
+        presp: pb.PrefillResponse | None = None
+        retried = False
         if d.route == DISAGG:
             # the node re-checks admission's own rule at the start of the work, with
             # fresh facts: the first token within the margin's share of what was left
@@ -452,22 +462,47 @@ class Conductor(Service):
             route.prefill_node = pnode.node_id
             dreq.first_token = presp.first_token
             retried = pnode.node_id != d.prefill_node
-            self._first_token_seen(r, d, presp, t_arrival, record, learn=not retried)
             first = generate_response(
                 out_rid, [presp.first_token], decoder, usage, presp, route, req, eos_ids
             )
-            yield first  # the caller releases the reservation if this is the last
-            if first.finish_reason:
-                return
+            if not hold or first.finish_reason:
+                self._first_token_seen(r, d, presp, t_arrival, record, learn=not retried)
+                yield first  # the caller releases the reservation if this is the last
+                if first.finish_reason:
+                    return
+                first = None
         else:
             dreq.prefill_here = True
         stream = self.view.decode_stub(dnode).Decode(dreq, timeout=self.cfg.request_timeout_s)
+        messages = stream.__aiter__()
+        nxt: asyncio.Future | None = None
         held = not att.hashes
         try:
-            async for msg in stream:
+            if first is not None:
+                # held until the decode node's first message (joined: its first step has
+                # begun; an error; a token from a node that does not report joins), at
+                # most until the TTFT SLO is up; then it goes, whatever came
+                t_hold = time.perf_counter()
+                nxt = asyncio.ensure_future(messages.__anext__())
+                slo_end = t_arrival + (r.ttft_spent_ms + r.ttft_slo_ms) / 1000
+                await asyncio.wait({nxt}, timeout=max(0.0, slo_end - t_hold))
+                record["join_hold_ms"] = (time.perf_counter() - t_hold) * 1000
+                self._first_token_seen(r, d, presp, t_arrival, record, learn=not retried)
+                yield first
+            while True:
+                try:
+                    if nxt is not None:
+                        fut, nxt = nxt, None
+                        msg = await fut
+                    else:
+                        msg = await messages.__anext__()
+                except StopAsyncIteration:
+                    break
                 if not held:  # the node cached the prompt's blocks before its first message
                     held = True
                     self.sched.prompt_held(r, d)
+                if msg.joined and not msg.token_ids and not msg.finish_reason:
+                    continue  # (the hold above ended with it)
                 if msg.HasField("prefill"):
                     self._first_token_seen(r, d, msg.prefill, t_arrival, record)
                     resp = generate_response(
@@ -508,6 +543,10 @@ class Conductor(Service):
                 f"retry the request",
             ) from None
         finally:
+            if nxt is not None:  # (the client went away while the first token was held)
+                if nxt.done() and not nxt.cancelled():
+                    nxt.exception()  # (retrieved: the stream's end is no news now)
+                nxt.cancel()
             stream.cancel()
 
     def _first_token_seen(self, r, d, presp, t_arrival, record, learn: bool = True) -> None:
