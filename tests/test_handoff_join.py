@@ -3,7 +3,8 @@ token must follow its first within the TBT SLO, bursts included.
 
 With a fake model (no processes): the decode node's BatchScheduler lets the batch step
 between any two chunks of the prompts it computes, however many are queued; a request
-admitted while a chunk runs is in the very next step; a ``join_signal`` request hears
+admitted while a chunk runs, or whose prompt just ended here, is in the very next step,
+before the next chunk of a queued prompt; a ``join_signal`` request hears
 ``JOINED`` as the step computing its next token begins, before that token; chunks are
 sized by time (``ChunkClock``).
 
@@ -193,6 +194,27 @@ async def test_a_request_admitted_while_a_chunk_runs_is_in_the_next_step_and_hea
     after = model.calls[n_before:]
     assert after[0] == ("prefill", 99, 8)
     assert after[1][0] == "decode" and 23 in after[1][1], after[:3]  # b's first step
+
+
+async def test_a_prompt_that_ends_here_joins_a_step_before_the_next_prompts_chunk():
+    """Two prompts computed here, sent at once, nothing decoding yet: the first one's
+    request is in a step before the second prompt's first chunk runs (its first token is
+    held until that step, so the hold is one step, not a chunk and a step)."""
+    model = SlowModel(prefill_s=0.01)
+    s = scheduler(model)
+    loop = asyncio.create_task(s.run())
+
+    async def colocated(rid: str, prompt: list[int]) -> list:
+        r = await start(s, rid, prompt, max_tokens=3, join=True)
+        s.admit(r)  # (as the Decode call does, as soon as its prompt is computed)
+        return await collect(s, r)
+
+    try:
+        p, q = await asyncio.gather(colocated("p", [10] + [5] * 7), colocated("q", [20] + [5] * 7))
+    finally:
+        loop.cancel()
+    assert p[0] is JOINED and q[0] is JOINED
+    assert model.calls[:3] == [("prefill", 10, 8), ("decode", (6,)), ("prefill", 20, 8)]
 
 
 async def test_a_preempted_request_that_never_stepped_hears_joined_so_its_hold_ends():

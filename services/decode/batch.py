@@ -13,7 +13,8 @@ take their turn one at a time (``_prompt_turn``, FIFO; a resume goes past them),
 most one chunk waits for the compute beside the batch's next step and the two alternate:
 a running request never waits for more than one chunk between two steps, however many
 prompts are queued (with every queued chunk in one FIFO, a burst of short prompts
-computed here stalled the running batch for all of them: issue 31's hand-off gap). A
+computed here stalled the running batch for all of them: issue 31's hand-off gap); and a
+request just admitted, not yet in a step, goes before the next chunk of a queued prompt. A
 chunk holds at most ``step_token_budget`` minus the running batch's tokens (and at most
 ``prefill_chunk_tokens``), and, with ``chunk_ms``, about that many ms of compute by the
 node's measured prefill speed (:class:`ChunkClock`): that bounds what a prompt computed
@@ -196,6 +197,7 @@ class BatchScheduler:
         self.waiting: deque[Running] = deque()
         self.compute = asyncio.Lock()
         self._prompt_turn = asyncio.Lock()  # one prompt computed at a time, FIFO
+        self._stepped = asyncio.Event()  # a step began: the requests in it have joined
         self.clock = ChunkClock(chunk_ms, profile)
         self.preemptions = 0
         self._wake = asyncio.Event()
@@ -230,6 +232,11 @@ class BatchScheduler:
             t_turn = time.perf_counter()
             logits, pos, n, compute_ms = None, start, len(tokens), 0.0
             while pos < n:
+                # a request just admitted (its KV landed, or its prompt just ended here)
+                # goes first: the next step holds it before this prompt's next chunk
+                while queue and any(not r.joined for r in self.running):
+                    self._stepped.clear()
+                    await self._stepped.wait()
                 async with self.compute:
                     # sized as it starts: by the batch running now and the node's speed
                     most = min(self.prefill_chunk, max(self.bs, self.budget - len(self.running)))
@@ -433,6 +440,7 @@ class BatchScheduler:
             try:
                 for r in batch:  # the step that computes its next token begins
                     r.signal_join()
+                self._stepped.set()
                 tc = time.perf_counter()
                 if self.decoder is None:
                     kw = {}
