@@ -59,6 +59,25 @@ def _cpu_rows(res: dict) -> list[str]:
     return rows
 
 
+def _q(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _calibration(run: dict) -> str:
+    """``ratio p50 / p90 / max | refused estimate p50 / min`` of one probe's records."""
+    rows = run.get("ttft") or []
+    ratios = [a / e for st, e, a in rows if st == "OK" and e and a]
+    refused = [e for st, e, _ in rows if st == "RE" and e]
+    return (
+        f"{_fmt(_q(ratios, 0.5))} / {_fmt(_q(ratios, 0.9))} / "
+        f"{_fmt(max(ratios) if ratios else None)} | "
+        f"{_fmt(_q(refused, 0.5), 0)} / {_fmt(min(refused) if refused else None, 0)}"
+    )
+
+
 def render(res: dict) -> str:
     a = res["args"]
     out = [
@@ -128,14 +147,19 @@ def render(res: dict) -> str:
                 f"| {s['workload']} | {s['config']} | {r['rate']:.2f} | "
                 f"{sm['rejected']}/{sm['requests']} | "
                 f"{100 * (sm['slo_attainment_accepted'] or 0):.1f}% | "
-                f"{_fmt((sm.get('reject_ms') or {}).get('p99'), 1)} |"
+                f"{_fmt((sm.get('reject_ms') or {}).get('p99'), 1)} | {_calibration(r)} |"
             )
     out += [
         "",
         "## Admission (kvmesh probes)",
         "",
-        "| workload | config | rate | refused | accepted inside both SLOs | refusal p99 ms |",
-        "|---|---|---|---|---|---|",
+        "The estimate's calibration per probe: actual / estimated TTFT of the accepted "
+        "requests (p50, p90, max) and the estimates the refused ones were refused on "
+        "(p50, min), against the TTFT SLO.",
+        "",
+        "| workload | config | rate | refused | accepted inside both SLOs | refusal p99 ms "
+        "| accepted actual/estimate p50 / p90 / max | refused estimate p50 / min ms |",
+        "|---|---|---|---|---|---|---|---|",
         *refusals,
         "",
         "## CPU against budget",
