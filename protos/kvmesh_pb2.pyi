@@ -614,7 +614,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., prefix_pinned: _Optional[bool] = ..., reserve_seq: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token", "max_tokens", "sampling", "stop_token_ids", "prefill_here", "prompt_token_ids", "block_hashes", "report_join")
+    __slots__ = ("request_id", "first_token", "max_tokens", "sampling", "stop_token_ids", "prefill_here", "prompt_token_ids", "block_hashes", "report_join", "tbt_slo_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -624,6 +624,7 @@ class DecodeRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     REPORT_JOIN_FIELD_NUMBER: _ClassVar[int]
+    TBT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     max_tokens: int
@@ -633,7 +634,8 @@ class DecodeRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     report_join: bool
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_here: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., report_join: _Optional[bool] = ...) -> None: ...
+    tbt_slo_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_here: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., report_join: _Optional[bool] = ..., tbt_slo_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "prefill", "logprobs", "joined")

@@ -6,7 +6,7 @@ between any two chunks of the prompts it computes, however many are queued; a re
 admitted while a chunk runs, or whose prompt just ended here, is in the very next step,
 before the next chunk of a queued prompt; a ``join_signal`` request hears
 ``JOINED`` as the step computing its next token begins, before that token; chunks are
-sized by time (``ChunkClock``).
+sized by time (``ChunkClock``) to leave the running requests' TBT SLOs room.
 
 Through a real cluster (etcd, separate processes, the tiny model): a burst of concurrent
 requests on both routes gets exactly the single-process reference's tokens, and every
@@ -74,7 +74,9 @@ class SlowModel:
         return torch.stack([one_hot(t) for t in ids])
 
 
-def scheduler(model, budget: int = 64, chunk_ms: float = 0.0, profile=None) -> BatchScheduler:
+def scheduler(
+    model, budget: int = 64, chunk_ms: float = 0.0, profile=None, tbt_share: float = 0.0
+) -> BatchScheduler:
     return BatchScheduler(
         model,
         KVPool(CFG, 256, BS),
@@ -88,6 +90,7 @@ def scheduler(model, budget: int = 64, chunk_ms: float = 0.0, profile=None) -> B
         prefill_chunk=8,  # a prompt of 24 tokens is 3 chunks
         chunk_ms=chunk_ms,
         profile=profile,
+        tbt_share=tbt_share,
     )
 
 
@@ -231,37 +234,52 @@ async def test_a_preempted_request_that_never_stepped_hears_joined_so_its_hold_e
 def test_the_chunk_clock_sizes_chunks_by_time():
     # 1 ms per token at no context, + 0.001 ms per token of context
     pts = [[n, c, n * (1.0 + 0.001 * (c + n / 2))] for n in (16, 64, 256) for c in (0, 256)]
-    clock = ChunkClock(50.0, pts)
+    clock = ChunkClock(pts)
     assert clock.a == pytest.approx(1.0, rel=1e-6) and clock.b == pytest.approx(0.001, rel=1e-6)
-    n = clock.tokens(0, 512, 16)
+    n = clock.tokens(0, 512, 16, 50.0)
     assert n % 16 == 0 and clock.ms(n, 0) <= 50.0 < clock.ms(n + 16, 0)
-    later = clock.tokens(2000, 512, 16)  # longer context: fewer tokens in the same time
+    later = clock.tokens(2000, 512, 16, 50.0)  # longer context: fewer tokens, same time
     assert 16 <= later < n and clock.ms(later, 2000) <= 50.0
-    assert clock.tokens(0, 32, 16) == 32  # never above what the token budget allows
-    assert ChunkClock(0.0, pts).tokens(0, 512, 16) == 512  # no bound
-    assert ChunkClock(50.0).tokens(0, 512, 16) == 512  # unmeasured: by tokens until...
-    fresh = ChunkClock(50.0)
+    assert clock.tokens(0, 32, 16, 50.0) == 32  # never above what the token budget allows
+    assert clock.tokens(0, 512, 16, float("inf")) == 512  # no bound
+    assert clock.tokens(0, 512, 16, -5.0) == 16  # no time left: one block
+    assert ChunkClock().tokens(0, 512, 16, 50.0) == 512  # unmeasured: by tokens until...
+    fresh = ChunkClock()
     fresh.observe(100, 0, 200.0)  # ... the first chunk: 2 ms per token
-    assert fresh.tokens(0, 512, 16) == 16
+    assert fresh.tokens(0, 512, 16, 50.0) == 16
     # twice as slow as modelled, repeatedly (a loaded machine): chunks shrink to match
     for _ in range(20):
         clock.observe(n, 0, 2 * clock.ms(n, 0) / clock.factor)
     assert clock.factor == pytest.approx(2.0, rel=0.01)
-    assert clock.ms(clock.tokens(0, 512, 16), 0) <= 50.0
-    assert clock.tokens(0, 512, 16) <= n // 2 + 16
+    assert clock.ms(clock.tokens(0, 512, 16, 50.0), 0) <= 50.0
+    assert clock.tokens(0, 512, 16, 50.0) <= n // 2 + 16
 
 
-async def test_prompt_chunks_here_take_about_chunk_ms():
-    """With ``chunk_ms`` and a start-up profile, a long prompt computed here is cut into
-    chunks of about that many ms (by the token budget alone it would be one chunk)."""
-    model = SlowModel(prefill_s=0.0)
+async def test_prompt_chunks_here_leave_the_running_requests_tbt_slo_room():
+    """While a request with a TBT SLO of 40 ms decodes, a long prompt computed here is cut
+    into chunks of the SLO's share (0.5: 20 ms, 20 tokens at the profile's 1 ms per token)
+    less the last step's time, or of ``chunk_ms`` where that is tighter; with nothing
+    decoding it is one chunk (by the token budget alone: no one waits on it)."""
     pts = [[n, 0, n * 1.0] for n in (16, 64, 256)]  # 1 ms per token
-    s = scheduler(model, budget=512, chunk_ms=20.0, profile=pts)
-    s.prefill_chunk = 512
-    await s.compute_prompt(list(range(1, 61)), 0, s.pool.allocate(16))
-    sizes = [c[2] for c in model.calls]
-    # the first by the profile; the next ones by what the first measured (faster here)
-    assert sizes[0] == 20 and len(sizes) >= 2 and sum(sizes) == 60, sizes
+
+    async def first_chunk(chunk_ms: float, slo: float | None, step_ms: float = 0.0) -> int:
+        model = SlowModel(prefill_s=0.0)
+        s = scheduler(model, budget=512, chunk_ms=chunk_ms, profile=pts, tbt_share=0.5)
+        s.prefill_chunk, s.step_ms = 512, step_ms
+        if slo is not None:
+            r = await start(s, "r", [1, 2, 3], max_tokens=4)
+            r.tbt_slo_ms, r.joined = slo, True  # (decoding; no step runs in this test)
+            s.running.append(r)
+            model.calls.clear()
+            s.clock.factor = 1.0  # (its own prompt, computed at once, taught it nothing)
+        await s.compute_prompt(list(range(1, 61)), 0, s.pool.allocate(16))
+        return model.calls[0][2]
+
+    assert await first_chunk(0.0, 40.0) == 20
+    assert await first_chunk(0.0, 40.0, step_ms=8.0) == 12  # 20 ms less an 8 ms step
+    assert await first_chunk(12.0, 40.0) == 12  # the fixed bound is tighter
+    assert await first_chunk(0.0, 0.0) == 60  # no SLO given, no fixed bound: by tokens
+    assert await first_chunk(12.0, None) == 60  # nothing decoding: by tokens
 
 
 # -- through a real cluster ------------------------------------------------------------------

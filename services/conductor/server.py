@@ -437,6 +437,7 @@ class Conductor(Service):
             sampling=req.sampling,
             prompt_token_ids=tokens,
             block_hashes=r.hashes,
+            tbt_slo_ms=r.tbt_slo_ms,  # (the decode node's prompt chunks leave room for it)
         )
         # the first token waits until the decode node has the request in its batch
         hold = self.cfg.hold_first_token and bool(dnode.raw.get("reports_join"))

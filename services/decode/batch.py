@@ -16,10 +16,15 @@ prompts are queued (with every queued chunk in one FIFO, a burst of short prompt
 computed here stalled the running batch for all of them: issue 31's hand-off gap); and a
 request just admitted, not yet in a step, goes before the next chunk of a queued prompt. A
 chunk holds at most ``step_token_budget`` minus the running batch's tokens (and at most
-``prefill_chunk_tokens``), and, with ``chunk_ms``, about that many ms of compute by the
-node's measured prefill speed (:class:`ChunkClock`): that bounds what a prompt computed
-here adds to the running requests' time between tokens, and how long a request whose KV
-has landed waits to join the batch.
+``prefill_chunk_tokens``); while requests decode, also at most the ms of compute (by the
+node's measured prefill speed, :class:`ChunkClock`) that keep the next step within
+``tbt_share`` of the tightest TBT SLO among them (``Running.tbt_slo_ms``: the SLO less the
+last step's time), and at most ``chunk_ms`` where that is set: a prompt computed here
+adds no more to the running requests' time between tokens than their SLOs leave, and no
+more than that to how long a request whose KV has landed waits to join the batch. With
+nothing decoding, chunks are bounded by tokens alone (no one waits on them between
+tokens), and so they are where the SLOs are loose: a node computing every prompt keeps
+its prefill rate (a fixed 50 ms bound halved it where steps were long).
 
 A request joins the running batch at once (``admit``) and is in the next step; with
 ``join_signal`` its queue gets :data:`JOINED` as the first step holding it begins, so
@@ -59,14 +64,13 @@ JOINED = "joined"
 
 
 class ChunkClock:
-    """How many prompt tokens one chunk computed here may hold to take about ``chunk_ms``:
-    ms per token modelled as ``(a + b x context) x factor``, ``a`` and ``b`` fitted to
-    the node's start-up profile (``(new, cached, ms)`` points, context = cached + new/2),
-    ``factor`` the recent measured / modelled ratio of its chunks (load, other threads).
-    Without a profile the first chunk measured sets ``a``. ``chunk_ms`` <= 0: no bound."""
+    """How many prompt tokens one chunk computed here may hold to take at most a given
+    number of ms: ms per token modelled as ``(a + b x context) x factor``, ``a`` and
+    ``b`` fitted to the node's start-up profile (``(new, cached, ms)`` points, context =
+    cached + new/2), ``factor`` the recent measured / modelled ratio of its chunks (load,
+    a CPU budget's throttling). Without a profile the first chunk measured sets ``a``."""
 
-    def __init__(self, chunk_ms: float, points: list | None = None) -> None:
-        self.chunk_ms = chunk_ms
+    def __init__(self, points: list | None = None) -> None:
         self.a, self.b, self.factor = 0.0, 0.0, 1.0
         pts = [(c + n / 2, ms / n) for n, c, ms in points or () if n > 0 and ms > 0]
         if pts:
@@ -81,13 +85,15 @@ class ChunkClock:
         """Predicted ms of a chunk of ``tokens`` starting at position ``pos``."""
         return tokens * (self.a + self.b * (pos + tokens / 2)) * self.factor
 
-    def tokens(self, pos: int, most: int, bs: int) -> int:
+    def tokens(self, pos: int, most: int, bs: int, budget_ms: float) -> int:
         """Tokens of the next chunk from ``pos``: at most ``most``, in whole blocks of
-        ``bs`` (at least one), within ``chunk_ms`` by the model."""
-        if self.chunk_ms <= 0 or self.a <= 0 or most <= bs:
+        ``bs`` (at least one), within ``budget_ms`` by the model (``inf``: ``most``)."""
+        if budget_ms == float("inf") or self.a <= 0 or most <= bs:
             return most
-        # the largest c with c x (a + b x (pos + c / 2)) x factor <= chunk_ms
-        budget = self.chunk_ms / self.factor
+        if budget_ms <= 0:
+            return bs
+        # the largest c with c x (a + b x (pos + c / 2)) x factor <= budget_ms
+        budget = budget_ms / self.factor
         lin, quad = self.a + self.b * pos, self.b / 2
         if quad > 0:
             c = (-lin + (lin * lin + 4 * quad * budget) ** 0.5) / (2 * quad)
@@ -159,6 +165,7 @@ class Running:
     seq: int = field(default_factory=lambda: next(_seq))  # admission order: youngest = max
     preemptions: int = 0
     left: bool = False  # its client went away (leave)
+    tbt_slo_ms: float = 0.0  # its TBT SLO (0: none given): prompt chunks here respect it
     join_signal: bool = False  # put JOINED in ``out`` as its first step begins
     joined: bool = False  # a step holding it has begun (or JOINED was put anyway)
 
@@ -186,6 +193,7 @@ class BatchScheduler:
         kv_mirror: bool = True,
         chunk_ms: float = 0.0,
         profile: list | None = None,
+        tbt_share: float = 0.0,
     ) -> None:
         self.model, self.pool, self.bs = model, pool, block_size
         self.max_batch, self.budget = max_batch, step_token_budget
@@ -198,7 +206,9 @@ class BatchScheduler:
         self.compute = asyncio.Lock()
         self._prompt_turn = asyncio.Lock()  # one prompt computed at a time, FIFO
         self._stepped = asyncio.Event()  # a step began: the requests in it have joined
-        self.clock = ChunkClock(chunk_ms, profile)
+        self.clock = ChunkClock(profile)
+        self.chunk_ms, self.tbt_share = chunk_ms, tbt_share  # (see the module docstring)
+        self.step_ms = 0.0  # the last decode step's time
         self.preemptions = 0
         self._wake = asyncio.Event()
         self._in_step: list[Running] = []
@@ -240,7 +250,8 @@ class BatchScheduler:
                 async with self.compute:
                     # sized as it starts: by the batch running now and the node's speed
                     most = min(self.prefill_chunk, max(self.bs, self.budget - len(self.running)))
-                    end = min(n, pos + self.clock.tokens(pos, most, self.bs))
+                    budget = self.chunk_budget_ms()
+                    end = min(n, pos + self.clock.tokens(pos, most, self.bs, budget))
                     tc = time.perf_counter()
                     # a cancelled request (the client went away) frees its blocks only once
                     # the forward writing them has ended, and the slot passes on only then
@@ -264,6 +275,19 @@ class BatchScheduler:
             times["queue_ms"] = (t_turn - t0) * 1000
             times["compute_ms"] = compute_ms
         return logits
+
+    def chunk_budget_ms(self) -> float:
+        """The most ms the next prompt chunk may take (``inf``: no bound by time): with
+        nothing decoding, none; else ``chunk_ms`` where set, and ``tbt_share`` of the
+        tightest TBT SLO of the running requests less the last step's time."""
+        if not self.running:
+            return float("inf")
+        budget = self.chunk_ms if self.chunk_ms > 0 else float("inf")
+        if self.tbt_share > 0:
+            slos = [r.tbt_slo_ms for r in self.running if r.tbt_slo_ms > 0]
+            if slos:
+                budget = min(budget, self.tbt_share * min(slos) - self.step_ms)
+        return budget
 
     def match_prefix(self, tokens: list[int], hashes: list[bytes]) -> list[int]:
         """Blocks of the longest cached prefix (referenced), leaving >= 1 token to compute."""
@@ -451,9 +475,8 @@ class BatchScheduler:
                     )
                 else:
                     logits = await asyncio.to_thread(self.decoder.step, tokens, positions, tables)
-                self.on_step(
-                    len(batch), sum(positions) + len(batch), (time.perf_counter() - tc) * 1000
-                )
+                self.step_ms = (time.perf_counter() - tc) * 1000
+                self.on_step(len(batch), sum(positions) + len(batch), self.step_ms)
             except Exception as e:
                 # the batch loop must outlive a failed step (a bug, not a client's mistake):
                 # logged with its traceback, it fails only the requests of this step

@@ -91,12 +91,20 @@ class DecodeConfig(NodeConfig):
         "batch plus a chunk of a prompt computed here",
     )
     prefill_chunk_ms: float = option(
-        50.0,
+        0.0,
         "most ms of compute in one chunk of a prompt computed here (colocated, "
-        "decode-direct, resume), by the node's measured prefill speed: the batch steps "
-        "between two chunks, so this bounds what such prompts add to the running "
-        "requests' time between tokens and to a handed-off request's wait to join the "
-        "batch (0 = chunks bounded by tokens only)",
+        "decode-direct, resume) while requests decode, by the node's measured prefill "
+        "speed (0 = no fixed bound; --prefill-chunk-tbt-share bounds chunks by the "
+        "requests' TBT SLOs)",
+    )
+    prefill_chunk_tbt_share: float = option(
+        0.8,
+        "while requests decode, a chunk of a prompt computed here is cut so that the "
+        "next step ends within this share of the tightest TBT SLO among them (the SLO "
+        "times the share, less the last step's time; one block at least): such prompts "
+        "add to the running requests' time between tokens only what their SLOs leave; "
+        "with nothing decoding, or loose SLOs, chunks are bounded by tokens alone "
+        "(0 = not by the SLOs)",
     )
 
     cuda_graphs: bool = option(
@@ -121,6 +129,8 @@ class DecodeConfig(NodeConfig):
             raise ConfigError("step_token_budget: must be >= block_size")
         if self.prefill_chunk_ms < 0:
             raise ConfigError("prefill_chunk_ms: must be >= 0")
+        if not 0 <= self.prefill_chunk_tbt_share <= 1:
+            raise ConfigError("prefill_chunk_tbt_share: must be between 0 and 1")
 
 
 class DecodeServicer(pbg.DecodeNodeServicer):
@@ -293,6 +303,7 @@ class DecodeServicer(pbg.DecodeNodeServicer):
             step,
             sampling,
             frozenset(req.stop_token_ids) | sampling.stop_token_ids,
+            tbt_slo_ms=req.tbt_slo_ms,
             join_signal=True,  # (its span; a message only where report_join asks)
         )
         node.batch.admit(r)
@@ -395,6 +406,7 @@ class DecodeNode(ModelNode):
             # is in the running batch
             "reports_join": True,
             "prefill_chunk_ms": self.cfg.prefill_chunk_ms,
+            "prefill_chunk_tbt_share": self.cfg.prefill_chunk_tbt_share,
         }
 
     @property
@@ -418,6 +430,7 @@ class DecodeNode(ModelNode):
             kv_mirror=self.cfg.kv_mirror,
             chunk_ms=self.cfg.prefill_chunk_ms,
             profile=self.profile.get("prefill"),
+            tbt_share=self.cfg.prefill_chunk_tbt_share,
         )
         self.te.add_notify_handler(self._on_notify)
         pbg.add_DecodeNodeServicer_to_server(DecodeServicer(self), self.server)
