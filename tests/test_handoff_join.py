@@ -253,6 +253,15 @@ def test_the_chunk_clock_sizes_chunks_by_time():
     assert clock.factor == pytest.approx(2.0, rel=0.01)
     assert clock.ms(clock.tokens(0, 512, 16, 50.0), 0) <= 50.0
     assert clock.tokens(0, 512, 16, 50.0) <= n // 2 + 16
+    # a forward's own cost (5 ms here) is fitted apart: a small chunk is not taken for a
+    # slow one, and the time left after it is what the tokens get
+    pts = [[n, c, 5.0 + n * (1.0 + 0.001 * (c + n / 2))] for n in (16, 64, 256) for c in (0, 256)]
+    clock = ChunkClock(pts)
+    assert clock.c0 == pytest.approx(5.0, abs=1e-6) and clock.a == pytest.approx(1.0, rel=1e-6)
+    assert clock.tokens(0, 512, 16, 50.0) == 32  # 5 + 32 x 1.016 <= 50 < 5 + 48 x 1.024
+    assert clock.tokens(0, 512, 16, 4.0) == 16  # less than a forward's cost: one block
+    clock.observe(2, 0, 5.0 + 2 * 1.001)
+    assert clock.factor == pytest.approx(1.0, rel=1e-3)
 
 
 async def test_prompt_chunks_here_leave_the_running_requests_tbt_slo_room():

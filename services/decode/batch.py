@@ -65,35 +65,47 @@ JOINED = "joined"
 
 class ChunkClock:
     """How many prompt tokens one chunk computed here may hold to take at most a given
-    number of ms: ms per token modelled as ``(a + b x context) x factor``, ``a`` and
-    ``b`` fitted to the node's start-up profile (``(new, cached, ms)`` points, context =
-    cached + new/2), ``factor`` the recent measured / modelled ratio of its chunks (load,
-    a CPU budget's throttling). Without a profile the first chunk measured sets ``a``."""
+    number of ms: a chunk of ``n`` tokens from position ``pos`` modelled as ``(c0 + n x
+    (a + b x context)) x factor`` (context = pos + n/2; ``c0`` a forward's own cost),
+    ``c0``, ``a`` and ``b`` fitted to the node's start-up profile (``(new, cached, ms)``
+    points), ``factor`` the recent measured / modelled ratio of its chunks (load, a CPU
+    budget's throttling). Without a profile the first chunk measured sets ``a``."""
 
     def __init__(self, points: list | None = None) -> None:
-        self.a, self.b, self.factor = 0.0, 0.0, 1.0
-        pts = [(c + n / 2, ms / n) for n, c, ms in points or () if n > 0 and ms > 0]
-        if pts:
-            mx = sum(x for x, _ in pts) / len(pts)
-            my = sum(y for _, y in pts) / len(pts)
-            var = sum((x - mx) ** 2 for x, _ in pts)
-            b = sum((x - mx) * (y - my) for x, y in pts) / var if var > 0 else 0.0
+        self.c0, self.a, self.b, self.factor = 0.0, 0.0, 0.0, 1.0
+        pts = [(float(n), c + n / 2, float(ms)) for n, c, ms in points or () if n > 0 and ms > 0]
+        if len(pts) >= 3:  # least squares over (1, n, n x context)
+            x = torch.tensor([[1.0, n, n * ctx] for n, ctx, _ in pts], dtype=torch.float64)
+            y = torch.tensor([[ms] for _, _, ms in pts], dtype=torch.float64)
+            try:
+                c0, a, b = (float(v) for v in torch.linalg.lstsq(x, y).solution.flatten())
+            except RuntimeError:
+                c0 = a = b = -1.0
+            if c0 >= 0 and a > 0 and b >= 0:
+                self.c0, self.a, self.b = c0, a, b
+                return
+        per_token = [(ctx, ms / n) for n, ctx, ms in pts]  # else per token, no c0
+        if per_token:
+            mx = sum(x for x, _ in per_token) / len(per_token)
+            my = sum(y for _, y in per_token) / len(per_token)
+            var = sum((x - mx) ** 2 for x, _ in per_token)
+            b = sum((x - mx) * (y - my) for x, y in per_token) / var if var > 0 else 0.0
             self.b = max(0.0, b)
             self.a = max(my - self.b * mx, my * 0.1)
 
     def ms(self, tokens: int, pos: int) -> float:
         """Predicted ms of a chunk of ``tokens`` starting at position ``pos``."""
-        return tokens * (self.a + self.b * (pos + tokens / 2)) * self.factor
+        return (self.c0 + tokens * (self.a + self.b * (pos + tokens / 2))) * self.factor
 
     def tokens(self, pos: int, most: int, bs: int, budget_ms: float) -> int:
         """Tokens of the next chunk from ``pos``: at most ``most``, in whole blocks of
         ``bs`` (at least one), within ``budget_ms`` by the model (``inf``: ``most``)."""
         if budget_ms == float("inf") or self.a <= 0 or most <= bs:
             return most
-        if budget_ms <= 0:
+        # the largest c with c0 + c x (a + b x (pos + c / 2)) <= budget_ms / factor
+        budget = budget_ms / self.factor - self.c0
+        if budget <= 0:
             return bs
-        # the largest c with c x (a + b x (pos + c / 2)) x factor <= budget_ms
-        budget = budget_ms / self.factor
         lin, quad = self.a + self.b * pos, self.b / 2
         if quad > 0:
             c = (-lin + (lin * lin + 4 * quad * budget) ** 0.5) / (2 * quad)
