@@ -90,13 +90,17 @@ def test_a_prefill_at_a_quarter_core_takes_about_four_times_as_long():
     # time (plus a period); noise on a busy machine only makes walls longer
     assert q_cpu == pytest.approx(full_cpu, rel=0.35)
     assert q_cpu <= 0.25 * q_wall * 1.1 + 0.01, (q_wall, q_cpu)
-    assert 2.5 <= q_wall / full_wall <= 8, (q_wall, full_wall)
+    # about 4x the time the same work takes on a whole core (its CPU time there: the
+    # 1-core run's wall time also counts other work on a busy machine)
+    assert 3.0 <= q_wall / full_cpu <= 8, (q_wall, full_wall, full_cpu)
 
 
 @needs_cgroups
 def test_a_clusters_nodes_and_control_plane_run_under_their_budgets(tmp_path):
+    name = f"budget-test-{os.getpid()}"  # (another cluster on the machine has its own)
     c = LocalCluster(
         str(tmp_path),
+        cluster=name,
         node_args=NODE_ARGS,
         http_port=-1,
         cpus=0.5,
@@ -105,30 +109,29 @@ def test_a_clusters_nodes_and_control_plane_run_under_their_budgets(tmp_path):
     with c:
         groups = {
             os.path.basename(d).rsplit(".", 1)[0]: d
-            for d in glob.glob("/sys/fs/cgroup/cpu/kvmesh/default-*")
-            + glob.glob("/sys/fs/cgroup/*/kvmesh/default-*")
+            for d in glob.glob(f"/sys/fs/cgroup/*/kvmesh/{name}-*")
             if os.path.isfile(os.path.join(d, "cgroup.procs"))
         }
-        for name in ("prefill-0", "decode-0"):
-            d = groups[f"default-{name}"]
-            assert str(c.procs[name].pid) in open(os.path.join(d, "cgroup.procs")).read().split()
+        for node in ("prefill-0", "decode-0"):
+            d = groups[f"{name}-{node}"]
+            assert str(c.procs[node].pid) in open(os.path.join(d, "cgroup.procs")).read().split()
             quota = os.path.join(d, "cpu.cfs_quota_us")
             if os.path.exists(quota):  # v1
                 assert open(quota).read().strip() == "5000"
             else:  # v2
                 assert open(os.path.join(d, "cpu.max")).read().split() == ["5000", "10000"]
-        control = open(os.path.join(groups["default-control"], "cgroup.procs")).read().split()
-        for name in ("conductor-0", "store-master-0"):
-            assert str(c.procs[name].pid) in control
+        control = open(os.path.join(groups[f"{name}-control"], "cgroup.procs")).read().split()
+        for node in ("conductor-0", "store-master-0"):
+            assert str(c.procs[node].pid) in control
         assert c.etcd is not None and c.etcd.proc is not None
         assert str(c.etcd.proc.pid) in control
 
         before = {n.node_id: n for n in status(c.conductor).nodes}
         assert generate(c.conductor, "hello budget " * 20, max_tokens=8).finish_reason
         after = {n.node_id: n for n in status(c.conductor).nodes}
-        for name in ("prefill-0", "decode-0"):
-            assert after[name].cpu_budget_cores == pytest.approx(0.5)
-            assert after[name].cpu_seconds > before[name].cpu_seconds > 0
+        for node in ("prefill-0", "decode-0"):
+            assert after[node].cpu_budget_cores == pytest.approx(0.5)
+            assert after[node].cpu_seconds > before[node].cpu_seconds > 0
         # the node's metrics say the same
         addr = after["decode-0"].metrics_address
         text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
@@ -136,7 +139,7 @@ def test_a_clusters_nodes_and_control_plane_run_under_their_budgets(tmp_path):
         assert 'kvmesh_cpu_seconds_total{node="decode-0"}' in text
         assert (c.control_cpu_seconds() or 0) > 0
     # every group is gone with the cluster
-    assert not [d for d in glob.glob("/sys/fs/cgroup/*/kvmesh/default-*.*") if os.path.isdir(d)]
+    assert not [d for d in glob.glob(f"/sys/fs/cgroup/*/kvmesh/{name}-*") if os.path.isdir(d)]
 
 
 def test_a_negative_budget_is_a_usage_error_naming_cpus():
