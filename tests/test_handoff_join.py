@@ -1,4 +1,4 @@
-"""The hand-off is a TBT, not a TTFT (DESIGN.md section 3; issue 31): a request's second
+"""The hand-off is a TBT, not a TTFT (issue 31): a request's second
 token must follow its first within the TBT SLO, bursts included.
 
 With a fake model (no processes): the decode node's BatchScheduler lets the batch step

@@ -29,8 +29,7 @@ its prefill rate (a fixed 50 ms bound halved it where steps were long).
 A request joins the running batch at once (``admit``) and is in the next step; with
 ``join_signal`` its queue gets :data:`JOINED` as the first step holding it begins, so
 the node (or the conductor) can hold its first token until then: the first-to-second-
-token gap is then one step, like every later gap (DESIGN.md section 3, "The hand-off is a
-TBT, not a TTFT").
+token gap is then one step, like every later gap (the hand-off is a TBT, not a TTFT).
 """
 
 from __future__ import annotations
