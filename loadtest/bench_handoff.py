@@ -2,8 +2,8 @@
 
 The first token of a disaggregated request is sampled by the prefill node, the second by
 the decode node; the client sees the gap between them as a time between tokens (aiperf's
-``time_to_second_token``), so it must stay inside the TBT SLO, bursts included (DESIGN.md
-section 3, "The hand-off is a TBT, not a TTFT"; issue 31).
+``time_to_second_token``), so it must stay inside the TBT SLO, bursts included (the
+hand-off is a TBT, not a TTFT; issue 31).
 
 The run: a local cluster as ``kvmesh up`` starts it (1 prefill + 1 decode node, etcd,
 store-master, conductor; ``--model``, block size 64, every other option at its default),
@@ -58,10 +58,11 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS: dict[str, tuple[list[str], list[str]]] = {
     "default": ([], []),
     # the conductor sends the prefill node's first token at once (the decode node still
-    # steps between the chunks of the prompts it computes, each of about 50 ms)
+    # steps between the chunks of the prompts it computes, cut to leave the running
+    # requests' TBT SLO room)
     "no-hold": (["--no-hold-first-token"], []),
     # ... and the decode node's prompt chunks are bounded by tokens only (512)
-    "no-hold-no-chunk-ms": (["--no-hold-first-token"], ["--prefill-chunk-ms", "0"]),
+    "no-hold-tokens-only": (["--no-hold-first-token"], ["--prefill-chunk-tbt-share", "0"]),
 }
 
 
@@ -243,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", help="run these configurations only")
     ap.add_argument("--keep-records", action="store_true", help="per-request records in the JSON")
     ap.add_argument("--records", default="", help="per-request records to this JSON file")
+    ap.add_argument(
+        "--from-records",
+        default="",
+        help="report the records of an earlier run (a --records file) instead of running",
+    )
+    ap.add_argument("--tree", default="", help="with --from-records: the tree they were run on")
     ap.add_argument("--out", default=str(RESULTS / "handoff.json"))
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -260,22 +267,27 @@ def main(argv: list[str] | None = None) -> int:
     names = args.config or (list(CONFIGS) if args.compare else ["default"])
     runs: dict[str, tuple[list[str], list[str], str]] = {}
     tree = ""
-    if args.baseline:
+    if args.baseline and not args.from_records:
         tree, path = baseline_tree(args.baseline)
         runs["baseline"] = ([], [], path)
     runs.update({n: (*CONFIGS[n], "") for n in names})
     recs: dict[str, list[dict]] = {n: [] for n in runs}
+    if args.from_records:
+        recs = json.loads(Path(args.from_records).read_text())
+        runs = {n: (*CONFIGS.get(n, ([], [])), "") for n in recs}
+        args.rounds = 1 + max((r.get("round", 0) for v in recs.values() for r in v), default=0)
     try:
-        for k in range(args.rounds):
+        for k in range(0 if args.from_records else args.rounds):
             for name, (cargs, dargs, path) in runs.items():
                 print(
                     f"[round {k + 1}/{args.rounds}: {name}] conductor {cargs} decode {dargs}",
                     file=sys.stderr,
                     flush=True,
                 )
+                load1 = os.getloadavg()[0]  # (the machine may be shared: said per round)
                 got = run_config(cargs, dargs, prompts, args, path)
                 for g in got:
-                    g["round"] = k
+                    g["round"], g["load1"] = k, round(load1, 2)
                 recs[name].extend(got)
     finally:
         if tree:
@@ -284,7 +296,22 @@ def main(argv: list[str] | None = None) -> int:
     for name, (cargs, dargs, _) in runs.items():
         rep = report(recs[name])
         rep["conductor_args"], rep["decode_args"] = cargs, dargs
-        if name == "baseline":
+        rep["by_round"] = []
+        for k in range(args.rounds):
+            mine = [r for r in recs[name] if r.get("round", 0) == k]
+            if not mine:
+                continue
+            rk = report(mine)
+            rep["by_round"].append(
+                {
+                    "round": k,
+                    "load1_at_start": mine[0].get("load1"),
+                    "gap_ms": rk["gap_ms"],
+                    "ttft_ms": rk["ttft_ms"],
+                    "later_gaps_ms": rk["later_gaps_ms"],
+                }
+            )
+        if name == "baseline" and args.baseline:  # (the revision, as this repository names it)
             rep["revision"] = subprocess.run(
                 ["git", "rev-parse", "--short", args.baseline],
                 cwd=REPO,
@@ -314,9 +341,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{fmt(t['max']):>8}  {fmt(r['burst_last_ttft_ms']['p50']):>19}"
         )
     out = {
-        "setup": {k: v for k, v in vars(args).items() if k not in ("out", "config", "records")},
-        "load_average": os.getloadavg(),  # (1, 5, 15 min, as the run ended; 2 cores)
-        "tree": subprocess.run(
+        "setup": {
+            k: v for k, v in vars(args).items() if k not in ("out", "config", "records", "tree")
+        },
+        # (1, 5, 15 min, as the run ended; 2 cores; unknown for --from-records)
+        "load_average": None if args.from_records else os.getloadavg(),
+        "tree": args.tree
+        or subprocess.run(
             ["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True
         ).stdout.strip(),
         "results": results,
