@@ -39,10 +39,11 @@ from kvmesh.services.launcher import LocalCluster
 
 HUGE = "1000000000"
 # colocated chunks its prompts by tokens alone (--step-token-budget), as vLLM's chunked
-# prefill does: the decode node's time bound per chunk (--prefill-chunk-ms, made for the
-# few short prompts kvmesh computes on its decode nodes) halves a node's prefill rate when
-# every prompt is computed there (on 7cec403 colocated held 8.8 rps on the trace, with the
-# bound 0 rps at 1.9), so the baseline runs without it: its strongest setting
+# prefill does. A fixed time bound per chunk (--prefill-chunk-ms, 50 ms by default in
+# fd71fb0, off by default since 616bc59) halved a node's prefill rate when every prompt is
+# computed there (colocated's trace capacity fell from 8.8 rps to below 1.9); the flag
+# keeps the baseline at its strongest setting whatever the default. (Its requests carry
+# no TBT SLO, so the decode node's SLO-cut chunks do not apply either.)
 COLOCATED_CHUNKS = ["--prefill-chunk-ms", "0"]
 CONFIGS = ("colocated", "disagg-nostore", "kvmesh")
 
