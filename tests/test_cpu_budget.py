@@ -86,13 +86,13 @@ def test_a_prefill_at_a_quarter_core_takes_about_four_times_as_long():
     # the cgroup's counter agrees with the process's own CPU time
     for cpu, counted in ((full_cpu, full_counted), (q_cpu, q_counted)):
         assert counted == pytest.approx(cpu, rel=0.1, abs=0.01)
-    # the same work, so the same CPU; at 0.25 cores it gets at most a quarter of the wall
-    # time (plus a period); noise on a busy machine only makes walls longer
-    assert q_cpu == pytest.approx(full_cpu, rel=0.35)
+    # at 0.25 cores it gets at most a quarter of the wall time (plus a period); noise on a
+    # busy machine only makes walls longer. (The same work costs more CPU when throttled
+    # every 2.5 ms, seen up to 1.45x: caches go cold, so CPU times are not compared.)
     assert q_cpu <= 0.25 * q_wall * 1.1 + 0.01, (q_wall, q_cpu)
     # about 4x the time the same work takes on a whole core (its CPU time there: the
     # 1-core run's wall time also counts other work on a busy machine)
-    assert 3.0 <= q_wall / full_cpu <= 8, (q_wall, full_wall, full_cpu)
+    assert 3.0 <= q_wall / full_cpu <= 10, (q_wall, full_wall, full_cpu)
 
 
 @needs_cgroups
