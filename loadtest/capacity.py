@@ -280,20 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"error: the evaluation needs CPU budgets: {why}", file=sys.stderr)
         return 2
-    setup = Setup(
-        model=a.model,
-        dtype=a.dtype,
-        block_size=a.block_size,
-        kv_memory=a.kv_memory,
-        segment_per_pool=a.segment_per_pool,
-        ttft_slo_ms=a.ttft_slo_ms,
-        tbt_slo_ms=a.tbt_slo_ms,
-        step_token_budget=a.step_token_budget,
-        colocate_below_tokens=a.colocate_below_tokens,
-        threads=0,  # ceil(cpus), from the budget
-        cpus=a.cpus,
-        control_cpus=a.control_cpus,
-    )
+    # threads 0: ceil(cpus), from the budget
+    setup = Setup.from_args(a, threads=0, cpus=a.cpus, control_cpus=a.control_cpus)
     cfgs = budget_configs(setup, a.nodes, ratios)
     wl = CapacityWorkloads(a)
     out = Path(a.out)

@@ -309,17 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         if ph not in PHASES:
             p.error(f"--phases: unknown phase {ph!r}; known: {', '.join(PHASES)}")
     loads = [float(x) for x in a.loads.split(",")]
-    setup = Setup(
-        model=a.model,
-        dtype=a.dtype,
-        block_size=a.block_size,
-        kv_memory=a.kv_memory,
-        segment_per_pool=a.segment_per_pool,
-        ttft_slo_ms=a.ttft_slo_ms,
-        tbt_slo_ms=a.tbt_slo_ms,
-        step_token_budget=a.step_token_budget,
-        colocate_below_tokens=a.colocate_below_tokens,
-    )
+    setup = Setup.from_args(a)
     wl = Workloads(a)
     t_start = time.monotonic()
     res: dict = {

@@ -45,6 +45,11 @@ HUGE = "1000000000"
 # keeps the baseline at its strongest setting whatever the default. (Its requests carry
 # no TBT SLO, so the decode node's SLO-cut chunks do not apply either.)
 COLOCATED_CHUNKS = ["--prefill-chunk-ms", "0"]
+# colocated's conductor: every prompt on its decode node, SLOs too large to refuse anything
+COLOCATED_CONDUCTOR = [
+    "--colocate-below-tokens", HUGE, "--direct-share", "1.0",
+    "--ttft-slo-ms", HUGE, "--tbt-slo-ms", HUGE,
+]  # fmt: skip
 CONFIGS = ("colocated", "disagg-nostore", "kvmesh")
 
 
@@ -67,6 +72,13 @@ class Setup:
     # ``cpus`` cores instead of a pinned core; the control plane one of ``control_cpus``
     cpus: float = 0.0
     control_cpus: float = 0.0
+
+    @classmethod
+    def from_args(cls, a, **kw) -> Setup:
+        """The setup an evaluation's parsed command line gives; ``kw`` overrides."""
+        names = ("model", "dtype", "block_size", "kv_memory", "segment_per_pool",
+                 "ttft_slo_ms", "tbt_slo_ms", "step_token_budget", "colocate_below_tokens")  # fmt: skip
+        return cls(**{n: getattr(a, n) for n in names}, **kw)
 
     def segment_memory(self) -> str:
         return f"{parse_size(self.kv_memory) * self.segment_per_pool // (1 << 20)}MiB"
@@ -107,16 +119,7 @@ def configs(s: Setup, *, store: bool | None = None) -> dict[str, dict]:
             decode=2,
             node_args=base + ["--segment-memory", "0"],
             decode_args=decode + COLOCATED_CHUNKS,
-            conductor_args=[
-                "--colocate-below-tokens",
-                HUGE,
-                "--direct-share",
-                "1.0",
-                "--ttft-slo-ms",
-                HUGE,
-                "--tbt-slo-ms",
-                HUGE,
-            ],
+            conductor_args=COLOCATED_CONDUCTOR,
             send_slo=False,
             pin={"decode-0": a, "decode-1": b, "prefill-0": a},
             note="2 decode nodes prefill + decode their own requests (local prefix cache "
@@ -167,16 +170,7 @@ def budget_configs(s: Setup, nodes: int, ratios: list[tuple[int, int]]) -> dict[
             decode=nodes,
             node_args=base + ["--segment-memory", "0"],
             decode_args=decode + COLOCATED_CHUNKS,
-            conductor_args=[
-                "--colocate-below-tokens",
-                HUGE,
-                "--direct-share",
-                "1.0",
-                "--ttft-slo-ms",
-                HUGE,
-                "--tbt-slo-ms",
-                HUGE,
-            ],  # fmt: skip
+            conductor_args=COLOCATED_CONDUCTOR,
             send_slo=False,
             pin={},
             working=[f"decode-{i}" for i in range(nodes)],
