@@ -571,6 +571,35 @@ def test_client_certificate_reaches_the_public_api_only(cluster):
             )
         )
         assert "'decode'" in msg and "/kvmesh.v1.Conductor/ClusterStatus" in msg, msg
+    # every refusal is counted, and the cluster's own calls (the conductor's to the nodes
+    # and the store, the nodes' to the store, over gRPC and the fast path) met none
+    want = {
+        "decode": {
+            ("/kvmesh.v1.DecodeNode/Reserve", "client"),
+            ("/kvmesh.v1.DecodeNode/Release", "client"),
+            ("/kvmesh.v1.DecodeNode/Status", "client"),
+            ("/kvmesh.v1.DecodeNode/Reserve", "none"),
+            ("/kvmesh.v1.DecodeNode/Reserve", "prefill"),
+        },
+        "prefill": {("/kvmesh.v1.PrefillNode/Prefill", "client")},
+        "store-master": {("/kvmesh.v1.StoreMaster/PutStart", "client")},
+        "conductor": {("/kvmesh.v1.Conductor/ClusterStatus", "decode")},
+    }
+    for n in st.nodes:
+        assert _denials(n.metrics_address) == want[n.role], n.role
+
+
+def _denials(metrics_address: str) -> set[tuple[str, str]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {
+        (s.labels["method"], s.labels["role"])
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "kvmesh_rpc_denied_total" and s.value > 0
+    }
 
 
 def test_data_plane_refuses_wrong_secret(cluster):

@@ -38,11 +38,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterable, Mapping
 
 import grpc
+from prometheus_client import Counter
 
 from kvmesh.services.common.interceptors import wrap_handler
+from kvmesh.services.common.metrics import REGISTRY
+
+log = logging.getLogger(__name__)
+
+DENIED = Counter(
+    "kvmesh_rpc_denied_total",
+    "gRPC calls refused (PERMISSION_DENIED) because the caller's certificate role may not "
+    "make them, by RPC and role ('none': the certificate names no role)",
+    ["method", "role"],
+    registry=REGISTRY,
+)
 
 CONDUCTOR = "conductor"
 STORE_MASTER = "store-master"
@@ -199,10 +212,23 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):
         async def check(ctx):
             roles = peer_roles(ctx)
             if roles is not None and not may_call(method, roles):
-                await ctx.abort(grpc.StatusCode.PERMISSION_DENIED, refusal_message(method, roles))
+                await ctx.abort(grpc.StatusCode.PERMISSION_DENIED, _denied(method, roles))
             yield
 
         return wrap_handler(handler, check)
+
+
+_logged: set[tuple[str, frozenset[str]]] = set()
+
+
+def _denied(method: str, roles: frozenset[str]) -> str:
+    """Counts a refusal, logs the first of each (RPC, roles) pair, returns its message."""
+    message = refusal_message(method, roles)
+    DENIED.labels(method, "+".join(sorted(roles)) or "none").inc()
+    if (method, roles) not in _logged and len(_logged) < 1024:
+        _logged.add((method, roles))
+        log.warning("refused a call (further ones are only counted): %s", message)
+    return message
 
 
 def matrix_markdown() -> str:

@@ -216,7 +216,9 @@ class FastPathServer:
             denied = [m for m in FAST_RPCS if not may_call(m, roles)]
             if denied:  # its client then tries gRPC, and is refused there too
                 STORE_FAST_REFUSED.inc()
-                log.warning("fast path: %s", refusal_message(denied[0], roles))
+                log.warning(
+                    "fast path: refused a connection: %s", refusal_message(denied[0], roles)
+                )
                 sock.close()
                 return
         self._serve(sock)
