@@ -98,6 +98,22 @@ def test_no_role_unknown_roles_and_several_roles():
         roles.role_uri("admin")
 
 
+def test_a_service_certificate_without_its_role_is_reported(tmp_path):
+    ca = DevCA(str(tmp_path / "ca"))
+    good = ca.issue("decode-0", roles=[DECODE])
+    shared = ca.issue("shared", roles=[CONDUCTOR, DECODE, PREFILL, STORE_MASTER])
+    bare = ca.issue("bare")
+    assert roles.roles_of_cert_file(shared.cert) == {CONDUCTOR, DECODE, PREFILL, STORE_MASTER}
+    assert roles.check_own_role(good.cert, DECODE) == ""
+    assert roles.check_own_role(shared.cert, PREFILL) == ""
+    assert roles.check_own_role(bare.cert, CLIENT) == ""  # not a service
+    msg = roles.check_own_role(bare.cert, DECODE)
+    assert "no role" in msg and "kvmesh://role/decode" in msg
+    assert "names prefill" in roles.check_own_role(
+        ca.issue("p", roles=[PREFILL]).cert, STORE_MASTER
+    )
+
+
 def test_launcher_names_map_to_roles():
     assert role_of_name("store-master-0") == STORE_MASTER
     assert role_of_name("decode-1") == DECODE

@@ -153,6 +153,38 @@ def roles_of_peercert(peercert: Mapping | None) -> frozenset[str]:
     return roles_from_uris(v for k, v in sans if k == "URI")
 
 
+def roles_of_cert_file(path: str) -> frozenset[str]:
+    """The roles a PEM certificate file names (its first certificate's SAN URIs)."""
+    from cryptography import x509
+
+    with open(path, "rb") as f:
+        cert = x509.load_pem_x509_certificate(f.read())
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return frozenset()
+    return roles_from_uris(san.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+def check_own_role(cert_path: str, role: str) -> str:
+    """A warning (or "") for a service whose own certificate does not name its ``role``:
+    under mutual TLS its peers will refuse its internal calls."""
+    if role not in SERVICE_ROLES:
+        return ""
+    try:
+        mine = roles_of_cert_file(cert_path)
+    except (OSError, ValueError) as e:
+        return f"cannot read the roles of {cert_path}: {e}"
+    if role in mine:
+        return ""
+    named = ", ".join(sorted(mine)) or "no role (a client's)"
+    return (
+        f"this {role}'s certificate {cert_path} names {named}, not {role_uri(role)}: "
+        "its peers will refuse its internal calls (PERMISSION_DENIED); issue it with that "
+        "URI in its subject alternative names (docs/operations.md, Roles)"
+    )
+
+
 def effective(roles: frozenset[str]) -> frozenset[str]:
     """A certificate without a role is a client's (see the module doc)."""
     return roles or frozenset({CLIENT})

@@ -30,7 +30,7 @@ from kvmesh.services.common.election import LeaderElection
 from kvmesh.services.common.etcd import EtcdClient, EtcdError, etcd_credentials
 from kvmesh.services.common.health import Health
 from kvmesh.services.common.registry import Registration, node_key
-from kvmesh.services.common.roles import RoleInterceptor
+from kvmesh.services.common.roles import RoleInterceptor, check_own_role
 from kvmesh.services.common.settings import ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class Service:
         )
         if channels.current().mutual:  # every caller shows a certificate: check its role
             interceptors.append(RoleInterceptor())
+            if warning := check_own_role(channels.current().cert, self.role):
+                log.warning("%s", warning)
         interceptors += self.server_interceptors()
         self.server = channels.make_server(interceptors)  # refuses a port in use
         self.health = Health(self.server, self.role)
