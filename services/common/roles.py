@@ -67,7 +67,6 @@ ROLES = (CONDUCTOR, STORE_MASTER, PREFILL, DECODE, STORE_NODE, CLIENT)
 SERVICE_ROLES = ROLES[:-1]  # the kvmesh processes (every role but client)
 
 ROLE_URI_PREFIX = "kvmesh://role/"
-ANY = frozenset(ROLES)  # health and reflection: every certificate of the cluster's CA
 
 _MODEL_NODES = frozenset({PREFILL, DECODE})  # store clients (StoreClient)
 _LENDERS = _MODEL_NODES | {STORE_NODE}  # segment hosts (SegmentHost)
@@ -117,7 +116,7 @@ RPC_ROLES: dict[str, frozenset[str]] = {
     ),
 }
 
-# Services every role may call (whole services, any method).
+# Services every certificate of the cluster's CA may call (whole services, any method).
 OPEN_SERVICES = (
     "grpc.health.v1.Health",
     "grpc.reflection.v1alpha.ServerReflection",
@@ -193,10 +192,14 @@ def effective(roles: frozenset[str]) -> frozenset[str]:
 def may_call(method: str, roles: frozenset[str]) -> bool:
     """Whether a caller holding ``roles`` (as :func:`effective` reads them) may call the
     full gRPC ``method`` (``/package.Service/Method``)."""
-    service = method.split("/")[1] if method.count("/") >= 2 else ""
-    if service in OPEN_SERVICES:
+    if _open(method):
         return True
     return bool(RPC_ROLES.get(method, frozenset()) & effective(roles))
+
+
+def _open(method: str) -> bool:
+    """Whether ``method`` belongs to one of :data:`OPEN_SERVICES`."""
+    return method.count("/") >= 2 and method.split("/")[1] in OPEN_SERVICES
 
 
 def describe(roles: frozenset[str]) -> str:
@@ -237,7 +240,7 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = details.method
-        if method.split("/")[1:2] and method.split("/")[1] in OPEN_SERVICES:
+        if _open(method):
             return handler
 
         @contextlib.asynccontextmanager
