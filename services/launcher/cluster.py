@@ -262,16 +262,21 @@ class LocalCluster:
         return ["--etcd-ca", a[5], "--etcd-cert", a[1], "--etcd-key", a[3]]
 
     def tls_args(self, name: str) -> list[str]:
-        """``--tls-cert/--tls-key/--tls-ca`` of ``name`` ("client" for CLIs); [] without TLS."""
+        """``--tls-cert/--tls-key/--tls-ca`` of ``name`` ("client" for CLIs); [] without TLS.
+        The certificate carries the role ``name`` starts with (``decode-1``: decode; see
+        ``services/common/roles.py``); etcd's carries none."""
         if not self.tls_dir:
             return []
+        from kvmesh.services.common.roles import CLIENT, role_of_name
+
         if not self._pki:
             from kvmesh.services.common.pki import DevCA
 
             self._ca = DevCA(self.tls_dir)
-            self._pki["client"] = self._ca.issue("client")
+            self._pki["client"] = self._ca.issue("client", roles=[CLIENT])
         if name not in self._pki:
-            self._pki[name] = self._ca.issue(name)
+            role = role_of_name(name)
+            self._pki[name] = self._ca.issue(name, roles=[role] if role else [])
         ident = self._pki[name]
         return ["--tls-cert", ident.cert, "--tls-key", ident.key, "--tls-ca", ident.ca]
 
