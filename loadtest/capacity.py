@@ -213,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="every phase, small (a few minutes)")
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument(
+        "--configs",
+        default="",
+        help="only these configurations (comma-separated, e.g. colocated,kvmesh-2p2d)",
+    )
+    p.add_argument(
         "--workloads",
         default=",".join(SWEPT + OTHERS),
         help="the workloads the sweep, others and repeat phases measure",
@@ -340,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
             res["plans"] = plans
         save()
 
-        def measure(cfg_name: str, w: str, repeat: int = 0) -> dict:
+        def measure(cfg_name: str, w: str, repeat: int = 0) -> dict | None:
+            if a.configs and cfg_name not in a.configs.split(","):
+                return None
             cfg = cfgs[cfg_name]
             make = wl.maker(w)
             predicted = ((plans.get(w) or {}).get("predicted_rps") or {}).get(cfg_name)
@@ -402,10 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         if "sweep" in phases:
             for w in [w for w in SWEPT if w in chosen]:
                 measure("colocated", w)
-                kv = [measure(f"kvmesh-{p_}p{d}d", w) for p_, d in ratios]
-                top = max(kv, key=lambda f: f["capacity_rps"])
-                best[w] = top["config"]
-                measure(top["config"].replace("kvmesh-", "nostore-"), w)
+                kv = [f for p_, d in ratios if (f := measure(f"kvmesh-{p_}p{d}d", w))]
+                if kv:
+                    top = max(kv, key=lambda f: f["capacity_rps"])
+                    best[w] = top["config"]
+                    measure(top["config"].replace("kvmesh-", "nostore-"), w)
         if "others" in phases:
             for w in [w for w in OTHERS if w in chosen]:
                 pick = (

@@ -142,6 +142,13 @@ PREFILL_REFUSED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+PREFILL_WARMS = Counter(
+    "kvmesh_prefill_warms_total",
+    "warm-ups of a refused prompt's shared blocks a prefill node was asked for, by outcome "
+    "(done; busy: the slot was taken; yielded: stopped for a request)",
+    ["outcome"],
+    registry=REGISTRY,
+)
 TRANSFER_BYTES = Counter(
     "kvmesh_transfer_bytes_total",
     "KV bytes moved by the transfer engine, by path "
