@@ -18,13 +18,13 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvmesh.loadtest.faults_slowloris import SlowClients, threads_of
 from kvmesh.rdma import Slice, TransferEngine
 from kvmesh.rdma.tcp import TcpTransport
 from kvmesh.rdma.wire import client_handshake, split_address
@@ -51,62 +51,6 @@ PEER = textwrap.dedent("""
 """)
 
 
-def _threads(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no thread count for {pid}")
-
-
-class SlowClients:
-    """``n`` connections that each send one byte per second (never the whole handshake
-    in time), driven by one thread; records when the server closed each."""
-
-    def __init__(self, address: str, n: int) -> None:
-        host, port = split_address(address)
-        self.socks: list[socket.socket] = []
-        for _ in range(n):
-            s = socket.create_connection((host, port), timeout=5)
-            s.setblocking(False)
-            self.socks.append(s)
-        self.t0 = time.monotonic()
-        self.closed_at: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for i, s in enumerate(self.socks):
-                if i in self.closed_at:
-                    continue
-                try:
-                    while s.recv(4096):  # the server's hello; b"" = closed
-                        pass
-                    self.closed_at[i] = time.monotonic() - self.t0
-                    continue
-                except BlockingIOError:
-                    pass
-                except OSError:
-                    self.closed_at[i] = time.monotonic() - self.t0
-                    continue
-                try:
-                    s.send(b"x")
-                except OSError:
-                    self.closed_at[i] = time.monotonic() - self.t0
-            self._stop.wait(1.0)
-
-    def held(self) -> int:
-        return len(self.socks) - len(self.closed_at)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for s in self.socks:
-            s.close()
-
-
 @pytest.fixture
 def peer():
     env = dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", ""))
@@ -131,7 +75,7 @@ def peer():
 
 async def test_slow_clients_are_closed_at_the_deadline_and_cost_no_threads(peer):
     pid, address, rid = peer
-    base = _threads(pid)
+    base = threads_of(pid)
     slow = await asyncio.to_thread(SlowClients, address, 200)
     eng = TransferEngine(SECRET, transport="tcp")
     await eng.start()
@@ -142,7 +86,7 @@ async def test_slow_clients_are_closed_at_the_deadline_and_cost_no_threads(peer)
         peak, t0 = base, time.monotonic()
         wrote = False
         while time.monotonic() - t0 < 8.0:
-            peak = max(peak, _threads(pid))
+            peak = max(peak, threads_of(pid))
             if not wrote and time.monotonic() - t0 > 1.0:
                 # a legitimate peer, while the slow clients hold their connections
                 n = local.numel()
