@@ -227,3 +227,24 @@ def test_the_starting_line_counts_conductors_and_store_masters(tmp_path):
         assert starting_line(c).startswith("starting etcd, store-master, conductor, 1 prefill")
     finally:
         c.stop(grace=1)
+
+
+SERVICE_BAD = [
+    (["store-master", "--fast-port", "99999"], "fast_port: 99999 is not a TCP port"),
+    (["conductor", "--http-port", "70000"], "http_port: 70000 is not a TCP port"),
+    (["conductor", "--grace-s", "nan"], "grace_s: 'nan' is not a finite number"),
+    (["conductor", "--ttft-slo-ms", "inf"], "ttft_slo_ms: 'inf' is not a finite number"),
+]
+
+
+@pytest.mark.parametrize(("args", "hint"), SERVICE_BAD, ids=[" ".join(a) for a, _ in SERVICE_BAD])
+def test_bad_service_numbers_are_refused_at_start_with_the_reason(args, hint):
+    """The services check their options after merging flags, KVMESH_* and the config file:
+    a bad number is their start-up error naming it (exit 1), before etcd is dialled; the
+    fast port was an OverflowError traceback from bind(), the HTTP port and a NaN were
+    taken (etcd then timed out)."""
+    out = subprocess.run(
+        [*CLI, *args, "--etcd", "127.0.0.1:1"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and hint in out.stderr, out.stderr
