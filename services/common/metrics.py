@@ -407,9 +407,43 @@ class _CpuCollector:
         return [budget, used, throttled]
 
 
+class _DataPortCollector:
+    """Connections each node's transfer-engine data port refused, by reason, read from
+    its transport's counters (:mod:`kvmesh.rdma.tcp_accept`) at scrape time."""
+
+    # reason label -> the transport's counter
+    REASONS = {
+        "limit": "conns_over_limit",
+        "deadline": "handshake_timeouts",
+        "auth": "auth_rejected",
+        "error": "handshake_errors",
+    }
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        refused = CounterMetricFamily(
+            "kvmesh_data_port_refused_total",
+            "connections the transfer engine's data port closed before serving them, by "
+            "reason: limit (te_max_conns connections were open), deadline (handshake not "
+            "finished in time), auth (wrong cluster secret), error (closed mid-handshake)",
+            labels=["node", "reason"],
+        )
+        for s in list(_STATE.services):
+            te = getattr(s, "te", None)
+            stats = getattr(te, "stats", None)
+            if not isinstance(stats, dict):
+                continue
+            for reason, key in self.REASONS.items():
+                refused.add_metric([s.node_id, reason], stats.get(key, 0))
+        return [refused]
+
+
 _STATE = _StateCollector()
 REGISTRY.register(_STATE)
 REGISTRY.register(_CpuCollector())
+REGISTRY.register(_DataPortCollector())
 
 
 def track(service: Any) -> None:

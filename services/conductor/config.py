@@ -84,6 +84,8 @@ class ConductorConfig(ServiceConfig):
     def validate(self) -> None:
         super().validate()
         ApiKeys.from_config(self.api_keys, self.api_keys_file)  # ConfigError on a bad entry
+        if not -1 <= self.http_port < 65536:
+            raise ConfigError(f"http_port: {self.http_port} is not a TCP port (or -1 = off)")
         if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0:
             raise ConfigError("ttft_slo_ms and tbt_slo_ms must be > 0")
         if self.policy not in POLICIES:
