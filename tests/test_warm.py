@@ -1,7 +1,8 @@
 """Warm-ups (conductor/warm.py, PrefillRequest.warm): a refused prompt that shares its
-start with an earlier refused one is computed into the store by the idle prefill node,
-so that the next request sharing that prefix is accepted and computes only its own
-tokens, and its tokens are still exactly the single-process reference's."""
+start with an earlier refused one, or that no node could compute in time, is computed
+into the store by the idle prefill node, so that the next request sharing that prefix
+is accepted and computes only its own tokens, and its tokens are still exactly the
+single-process reference's."""
 
 from __future__ import annotations
 
@@ -67,14 +68,12 @@ def test_a_refused_shared_prefix_is_warmed_for_the_next_request(cluster):
     done_before = warms(cluster, "done")
     computed_before = node(cluster.conductor, "prefill-0").computed_tokens_total
 
-    # a unique prompt refused is not warmed (nothing computes it)
-    refused(cluster, text(1500), slo_ms)
-    # the first of the group: not warmed yet (nothing says its start is shared)
-    refused(cluster, prompts[0], slo_ms)
-    time.sleep(1.0)
-    assert warms(cluster, "done") == done_before
-    # the second refused with the same start: warmed on the idle prefill node
-    refused(cluster, prompts[1], slo_ms)
+    # the first of the group: warmed on the idle prefill node if refused as infeasible,
+    # else (refused for the load of the moment) once a second one with its start is
+    if refused(cluster, prompts[0], slo_ms) == "ttft":
+        time.sleep(1.0)
+        assert warms(cluster, "done") == done_before  # nothing says its start is shared
+        refused(cluster, prompts[1], slo_ms)
     deadline = time.monotonic() + 30
     while warms(cluster, "done") == done_before:
         assert time.monotonic() < deadline, "no warm-up done"
@@ -97,3 +96,48 @@ def test_a_refused_shared_prefix_is_warmed_for_the_next_request(cluster):
     ids = TOK.encode(prompts[2])
     assert got.tokens == model.reference_generate(ids, 8, eos_id=TOK.eos_id)
     assert any(n.role == "prefill" for n in status(cluster.conductor).nodes)
+
+
+def test_which_refusals_are_warmed():
+    """The rule alone (a unit test of logic): a prompt refused for load is warmed only
+    once its start is shared (part of it cached, or a refused prompt began with it); one
+    refused as infeasible at once; one all cached, or one already being warmed, never; at
+    most one warm-up per idle prefill node."""
+    from kvmesh.services.conductor.candidates import Candidate, Decision, Request
+    from kvmesh.services.conductor.nodes import PrefillNodeState
+    from kvmesh.services.conductor.policy import DISAGG, INFEASIBLE, Scheduler
+    from kvmesh.services.conductor.warm import Warmer
+
+    class Calls:
+        def __init__(self):
+            self.sent = []
+
+        def spawn(self, coro):
+            coro.close()  # (not run: no node to call)
+            self.sent.append(coro)
+
+    sched = Scheduler()
+    for i in range(2):
+        sched.prefill[f"p{i}"] = PrefillNodeState(f"p{i}", 16, 1000, 10)
+    calls = Calls()
+    warmer = Warmer(sched, None, calls)  # type: ignore[arg-type]
+    tokens = list(range(160))
+
+    def refusal(start: int, reason: str = "ttft", held: int = 0) -> tuple[Request, Decision]:
+        hashes = [bytes([start, i]) for i in range(10)]
+        r = Request(f"r{start}-{reason}-{held}", 160, hashes, 4, 100.0, 100.0)
+        best = Candidate(DISAGG, "p0", 500.0, cached_blocks=held)
+        return r, Decision(False, estimate=best, reason=reason)
+
+    assert not warmer.refused(*refusal(1), tokens, 16)  # unique, refused for load
+    r, d = refusal(1)
+    r.hashes = [bytes([1, 0]), *[bytes([1, 9, i]) for i in range(9)]]  # same start
+    assert warmer.refused(r, d, tokens, 16)  # a refused prompt began with it
+    assert warmer.refused(*refusal(3, held=2), tokens, 16)  # part of it cached
+    assert not warmer.refused(*refusal(4, INFEASIBLE), tokens, 16)  # both nodes warming
+    warmer.pending.clear()
+    assert not warmer.refused(*refusal(3, held=2), tokens, 16)  # warmed lately
+    assert not warmer.refused(*refusal(5, held=9), tokens, 16)  # all it can use cached
+    assert not warmer.refused(*refusal(6, "tbt"), tokens, 16)  # not refused for its TTFT
+    assert warmer.refused(*refusal(7, INFEASIBLE), tokens, 16)  # infeasible: at once
+    assert len(calls.sent) == warmer.sent == 3

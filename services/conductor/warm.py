@@ -12,10 +12,13 @@ as a warm-up (``PrefillRequest.warm``): the node computes those blocks into its 
 cache and the store only while no request waits for its compute slot, and stops for the
 first that does. The refusal stands; the KV is there for whoever shares the prefix.
 
-Only a prompt that shares its start with another is worth it: one whose first blocks
-are cached somewhere (a part of its prefix), or whose first block began a prompt
-refused before. A unique prompt refused is not computed at all (early rejection's
-point), and a group's second refused request is the one warmed.
+Only a prompt others may share is worth it: one whose first blocks are cached
+somewhere (a part of its prefix), or whose first block began a prompt refused before,
+or one refused as infeasible (no node could ever compute it in time: without a warm-up
+no request sharing its prefix could ever be served, and the same prompt sent again is
+served from the cache). A unique prompt refused for the load of the moment is not
+computed at all (early rejection's point): of a group refused for load, the second
+refused request is the one warmed.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class Warmer:
         if held >= (len(tokens) - 1) // block_size:
             return False  # all it could use is cached: nothing to warm
         start = r.hashes[0]
-        shared = held > 0 or start in self._starts
+        shared = held > 0 or start in self._starts or d.reason == INFEASIBLE
         self._starts[start] = None
         self._starts.move_to_end(start)
         if len(self._starts) > _RECENT:
