@@ -141,3 +141,27 @@ def test_which_refusals_are_warmed():
     assert not warmer.refused(*refusal(6, "tbt"), tokens, 16)  # not refused for its TTFT
     assert warmer.refused(*refusal(7, INFEASIBLE), tokens, 16)  # infeasible: at once
     assert len(calls.sent) == warmer.sent == 3
+
+
+def test_a_warm_up_yields_the_prefill_node_to_a_request(cluster):
+    """A warm-up holds the compute slot only while no request waits for it: a request
+    that comes while a long prompt is being warmed takes the slot at the warm-up's next
+    chunk (the warm-up stops, ``yielded``), and its tokens are the reference's."""
+    rng = random.Random(5)
+    long_prompt = "".join(rng.choice("qrstuvwxyz ") for _ in range(3500))
+    yielded, done = warms(cluster, "yielded"), warms(cluster, "done")
+    # an SLO no node can meet: refused as infeasible, warmed at once
+    assert refused(cluster, long_prompt, 1.0) == "infeasible"
+    time.sleep(0.3)  # (the warm-up on its way to the node)
+    prompt = "".join(rng.choice("abc ") for _ in range(200))
+    t0 = time.perf_counter()
+    got = generate(cluster.conductor, prompt, max_tokens=4, cache_salt="yield")
+    ttft_s = time.perf_counter() - t0
+    deadline = time.monotonic() + 30
+    while warms(cluster, "yielded") == yielded:
+        assert time.monotonic() < deadline, "the warm-up did not yield"
+        time.sleep(0.1)
+    assert warms(cluster, "done") == done  # it stopped, not finished
+    model = LlamaModel.from_preset("tiny", seed=0)
+    assert got.tokens == model.reference_generate(TOK.encode(prompt), 4, eos_id=TOK.eos_id)
+    assert ttft_s < 30, ttft_s
