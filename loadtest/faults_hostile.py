@@ -13,7 +13,7 @@ import asyncio
 from kvmesh.loadtest.fault_harness import Load, Plan, run_fault
 from kvmesh.loadtest.hostile_body import KINDS, measure
 
-BASELINE_S = 2.0  # each kind's stream runs this long before its bodies are sent
+BASELINE_S = 3.0  # each kind's stream runs this long before its bodies are sent
 
 
 def hostile_body(cluster, prompts, expect, plan: Plan) -> dict:

@@ -52,7 +52,7 @@ def api(tmp_path_factory):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_live_streams_token_gaps_stay_bounded_under_hostile_bodies(api, kind):
     cluster, addr = api
-    res = measure(addr, kind, KEY, baseline_s=2.0, pid=cluster.procs["conductor-0"].pid)
+    res = measure(addr, kind, KEY, pid=cluster.procs["conductor-0"].pid)
     print(json.dumps(res))
     assert res["gaps_counted"] >= 5 and res["stream_ran_through"], res
     assert res["worst_gap_s"] <= res["bound_s"], res
