@@ -44,14 +44,16 @@ def split_frames(buf: bytearray, data: bytes) -> tuple[list[tuple[int, int, byte
     Linear in the bytes received: a frame arriving in many reads is appended to ``buf``
     once per read and copied out once when whole (never the whole buffer per read, which
     made a 63 MiB frame cost ~8 s of the loop: issue 34)."""
+    view: bytes | memoryview
     if buf:
         buf += data
         src: bytes | bytearray = buf
-    else:
-        src = data
+        view = memoryview(buf)  # bodies are copied out of it once; released below
+    else:  # the usual case: whole frames in one read, sliced straight out of it
+        src = view = data
     frames: list[tuple[int, int, bytes]] = []
     pos, end, oversized = 0, len(src), 0
-    with memoryview(src) as view:  # released before ``buf`` is cut below
+    try:
         while end - pos >= HEAD_SIZE:
             n, rid, code = HEAD.unpack_from(src, pos)
             if n > MAX_FRAME:
@@ -62,11 +64,12 @@ def split_frames(buf: bytearray, data: bytes) -> tuple[list[tuple[int, int, byte
             start = pos + HEAD_SIZE
             frames.append((rid, code, bytes(view[start : start + n])))
             pos = start + n
-    if oversized:
-        del buf[:]
-    elif src is buf:
-        del buf[:pos]  # from the front: CPython moves only the start of a bytearray
-    elif pos < end:
+    finally:
+        if src is buf:
+            view.release()  # type: ignore[union-attr]
+    if src is buf:
+        del buf[: end if oversized else pos]  # from the front: no copy of the rest
+    elif pos < end and not oversized:
         buf += data[pos:]
     return frames, oversized
 
