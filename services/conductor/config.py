@@ -73,6 +73,11 @@ class ConductorConfig(ServiceConfig):
         "OpenAI-compatible HTTP API port on --host (0 = any free port, "
         'advertised in etcd as "http"; -1 = off)',
     )
+    http_idle_timeout_s: float = option(
+        10.0,
+        "the HTTP API closes a connection idle this long: a keep-alive connection between "
+        "requests, or one that has not finished sending its request headers",
+    )
     api_keys: str = option(
         "",
         "client API keys, comma-separated entries KEY, KEY:TENANT or "
@@ -86,6 +91,10 @@ class ConductorConfig(ServiceConfig):
         ApiKeys.from_config(self.api_keys, self.api_keys_file)  # ConfigError on a bad entry
         if not -1 <= self.http_port < 65536:
             raise ConfigError(f"http_port: {self.http_port} is not a TCP port (or -1 = off)")
+        if not self.http_idle_timeout_s > 0:
+            raise ConfigError(
+                f"http_idle_timeout_s must be > 0 (seconds), got {self.http_idle_timeout_s}"
+            )
         if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0:
             raise ConfigError("ttft_slo_ms and tbt_slo_ms must be > 0")
         if self.policy not in POLICIES:

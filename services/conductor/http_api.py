@@ -20,9 +20,10 @@ ignore_eos, cache_salt, request_id, ttft_slo_ms, tbt_slo_ms. Each choice also ca
 best_of, suffix, tools) are refused with 400.
 
 Errors follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: bad input
--> 400 ``invalid_request_error`` (what is checked: ``http_request``), a body over 16 MiB
--> 413, unknown paths 404 and methods 405 (the same shape); early rejection (the TTFT SLO cannot be met, or no KV
-room) -> 429 with ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``;
+-> 400 ``invalid_request_error`` (what is checked: ``http_request``, ``http_body``), a body
+over 16 MiB, also once inflated (gzip or deflate; other encodings 415) -> 413, unknown
+paths 404 and methods 405 (a reply that leaves the body unread closes the connection);
+early rejection (the TTFT SLO cannot be met, or no KV room) -> 429 with ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``;
 no node for the model -> 503; a failure after streaming began ends the SSE stream with
 an ``error`` event. With conductor ``--api-keys`` every /v1 endpoint wants
 ``Authorization: Bearer <key>`` (missing or wrong -> 401 ``authentication_error``); the
@@ -60,12 +61,8 @@ from kvmesh.services.common import telemetry
 from kvmesh.services.common.auth import Unauthenticated, current_principal
 from kvmesh.services.common.channels import TlsFiles, bind_error
 from kvmesh.services.conductor.frontend import ConductorApi, Rejected, client_id
-from kvmesh.services.conductor.http_request import (
-    MAX_BODY_BYTES,
-    ApiError,
-    build,
-    read_body,
-)
+from kvmesh.services.conductor.http_body import close_unread, read_body
+from kvmesh.services.conductor.http_request import MAX_BODY_BYTES, ApiError, build
 from kvmesh.services.conductor.observe import observed
 
 try:
@@ -224,13 +221,21 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
 
 
 class HttpApi:
-    """The HTTP server (module docstring) over the conductor ``conductor``."""
+    """The HTTP server (module docstring) over the conductor ``conductor``; a connection
+    idle for ``idle_timeout_s`` (no request yet, or none since the last reply) is
+    closed."""
 
     def __init__(
-        self, conductor: ConductorApi, host: str, port: int, tls: TlsFiles | None = None
+        self,
+        conductor: ConductorApi,
+        host: str,
+        port: int,
+        tls: TlsFiles | None = None,
+        idle_timeout_s: float = 10.0,
     ) -> None:
         self.c = conductor
         self.host, self.port = host, port
+        self.idle_timeout_s = idle_timeout_s
         self.tls = tls if tls is not None and tls.cert else None
         self.scheme = "https" if self.tls else "http"
         self.address = ""
@@ -249,7 +254,9 @@ class HttpApi:
         return ctx
 
     async def start(self) -> str:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
+        app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[close_unread, openai_errors]
+        )
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -261,6 +268,13 @@ class HttpApi:
             # a client that closes its connection cancels its handler, so a non-streamed
             # completion stops and frees its KV at once (aiohttp's default runs it on)
             handler_cancellation=True,
+            # bodies are inflated by http_body, only when read and with a cap; an unread
+            # one is not drained after the reply (close_unread closes the connection)
+            auto_decompress=False,
+            lingering_time=0,
+            # idle keep-alive connections, and ones that never finish their headers,
+            # are closed after this long (aiohttp's default holds them for an hour)
+            keepalive_timeout=self.idle_timeout_s,
             logger=QuietClientErrors(logging.getLogger("aiohttp.server"), {}),
         )
         await runner.setup()
@@ -334,11 +348,15 @@ class HttpApi:
         ):
             try:
                 self._authenticate(request)
-                body = await read_body(request)
+                body = await read_body(request, self._largest_context)
                 req, opts = build(body, chat, self._render)
                 return await self._run(request, req, opts, chat)
             except ApiError as e:
                 return e.response()
+
+    def _largest_context(self) -> int:
+        """The largest context, in tokens, of the models served (0: none known yet)."""
+        return max((int(n.raw.get("max_context") or 0) for n in self.c.view.nodes()), default=0)
 
     def _model_path(self, model: str) -> str:
         for n in self.c.view.nodes():

@@ -7,8 +7,10 @@ message that does not fit raises deep inside protobuf. So every refusal here is 
 :class:`ApiError` (HTTP 4xx in OpenAI's error shape) that names the field and says what
 to send instead:
 
-- the body: at most :data:`MAX_BODY_BYTES` (413), UTF-8 JSON without NaN/Infinity, an
-  object, nested at most as deep as the parser goes (a RecursionError is a 400);
+- the body (read by ``http_body``, without unbounded work on the event loop): at most
+  :data:`MAX_BODY_BYTES` (413), also once inflated, UTF-8 JSON without NaN/Infinity, an
+  object, nested at most as deep as the parser goes (a RecursionError is a 400), with
+  a bounded number of values and of keys per object;
 - integers within their wire type (``max_tokens``, ``top_k``, token ids: int32; ``seed``:
   64 bits), numbers finite (and within float32 for the SLOs), booleans JSON booleans
   (``"stream": "no"`` is refused, not taken as true);
@@ -17,7 +19,6 @@ to send instead:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -72,40 +73,6 @@ class ApiError(Exception):
 def _show(v: Any) -> str:
     r = repr(v)
     return r if len(r) <= 40 else r[:37] + "..."
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-async def read_body(request: web.Request) -> dict:
-    """The request's JSON object; ApiError 413 or 400 otherwise."""
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(
-            413,
-            f"the request body is larger than the {MAX_BODY_BYTES >> 20} MiB limit; "
-            f"send a shorter prompt",
-            code="request_too_large",
-        ) from None
-    except ConnectionError:  # the client stopped short of its Content-Length, and left
-        raise ApiError(
-            400, "the connection closed before the whole body (its Content-Length) arrived"
-        ) from None
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except UnicodeDecodeError:
-        raise ApiError(400, "the request body must be JSON in UTF-8") from None
-    except RecursionError:
-        raise ApiError(
-            400, "the request body nests arrays or objects too deeply to be a request"
-        ) from None
-    except ValueError as e:
-        raise ApiError(400, f"the request body must be JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
 
 
 def utf8(s: str, where: str) -> str:

@@ -140,7 +140,13 @@ class Conductor(Service):
         pbg.add_ConductorServicer_to_server(ConductorServicer(self), self.server)
         if self.cfg.http_port >= 0:
             # HTTPS with the gRPC port's certificate when TLS is on
-            self.http = HttpApi(self, self.cfg.host, self.cfg.http_port, channels.current())
+            self.http = HttpApi(
+                self,
+                self.cfg.host,
+                self.cfg.http_port,
+                channels.current(),
+                idle_timeout_s=self.cfg.http_idle_timeout_s,
+            )
             self.http_address = await self.http.start()
             self.membership.add_listener(self.http.on_member)
         self.membership.add_listener(self.feeds.on_member)
