@@ -50,7 +50,7 @@ from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.engine.cuda_graphs import DecodeRunner
 from kvmesh.services.engine.kv_mirror import KVMirror
 from kvmesh.services.engine.kv_pool import OutOfBlocks
-from kvmesh.services.engine.sampler_device import sample_batch
+from kvmesh.services.engine.sampler_device import History, sample_batch
 from kvmesh.services.engine.sampling import sample_with_logprob
 from kvmesh.services.model_node import to_the_end
 
@@ -437,6 +437,13 @@ class BatchScheduler:
                         self._preempt(victim)
         return [r for r in batch if r in self.running]
 
+    def history(self, r: Running) -> History:
+        """What request ``r``'s logits processing reads: its own prompt and output (the
+        same on any node), and the model's EOS ids. Empty when it processes none."""
+        if not r.sampling.processes_logits:
+            return History()
+        return History(r.res.prompt_ids, r.res.generated, self.eos_ids)
+
     # -- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
@@ -502,10 +509,16 @@ class BatchScheduler:
         if self.decoder is None:  # CPU: row by row (batched ops are not faster there,
             # loadtest/bench_sampler.py), the same tokens as the batch sampler
             drawn = [
-                sample_with_logprob(logits[i], r.sampling, r.step) for i, r in enumerate(batch)
+                sample_with_logprob(logits[i], r.sampling, r.step, self.history(r))
+                for i, r in enumerate(batch)
             ]
         else:  # GPU: the whole batch sampled on the device, one host sync (sampler_device)
-            drawn = sample_batch(logits, [r.sampling for r in batch], [r.step for r in batch])
+            drawn = sample_batch(
+                logits,
+                [r.sampling for r in batch],
+                [r.step for r in batch],
+                [self.history(r) for r in batch],
+            )
         for r, (tok, lp) in zip(batch, drawn, strict=True):
             if r not in self.running:  # left (client gone) while the step ran
                 continue

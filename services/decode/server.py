@@ -53,6 +53,7 @@ from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.decode.batch import JOINED, BatchScheduler, Reservation, Running
 from kvmesh.services.decode.early_release import EarlyReleases
 from kvmesh.services.engine.kv_pool import OutOfBlocks
+from kvmesh.services.engine.sampler_device import History
 from kvmesh.services.engine.sampling import sample_with_logprob
 from kvmesh.services.model_node import ModelNode, parse_drop
 from kvmesh.services.node_config import NodeConfig
@@ -608,7 +609,8 @@ class DecodeNode(ModelNode):
         times: dict = {}
         logits = await self.batch.compute_prompt(tokens, start, res.blocks, times)
         res.kv_ready.set()
-        first, first_lp = sample_with_logprob(logits, sampling, step=0)
+        hist = History(tokens, (), frozenset(self.tokenizer.eos_ids))
+        first, first_lp = sample_with_logprob(logits, sampling, 0, hist)
         self.counters["computed"] += n - start
         self.counters["cached"] += start
         # queue: the wait for the prompts computed here before it; prefill: the rest,

@@ -41,6 +41,7 @@ from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.engine.kv_pool import KVPool, OutOfBlocks
 from kvmesh.services.engine.model import PrefillStopped
+from kvmesh.services.engine.sampler_device import History
 from kvmesh.services.engine.sampling import sample_with_logprob
 from kvmesh.services.model_node import ModelNode, drop_payload, to_the_end
 from kvmesh.services.node_config import NodeConfig
@@ -340,7 +341,10 @@ class PrefillNode(ModelNode):
             handoff.send_prefix()
             await self._test_hold("prefilling", req.request_id)
             logits, timing = await self._compute(p.tokens, start, table, handoff.send_layer)
-            first, first_lp = sample_with_logprob(logits, Sampling.from_proto(req.sampling), 0)
+            hist = History(p.tokens, (), frozenset(self.tokenizer.eos_ids))
+            first, first_lp = sample_with_logprob(
+                logits, Sampling.from_proto(req.sampling), 0, hist
+            )
             await self._test_hold("transferring", req.request_id)
             await handoff.finish(req.request_id)
         except BaseException:  # cleanup only (a failure or a cancellation): re-raised
