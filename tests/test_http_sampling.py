@@ -160,10 +160,10 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name(api):
     }
     code, out = _post(port, "/v1/chat/completions", {**chat, **ok})
     assert code == 200, out
-    # top alternatives are not built yet: refused by name, not ignored
-    code, out = _post(port, "/v1/completions", {**comp, "logprobs": 2})
+    # out of range, or alternatives without logprobs: refused by name, not ignored
+    code, out = _post(port, "/v1/completions", {**comp, "logprobs": 6})
     assert code == 400 and out["error"]["param"] == "logprobs"
-    code, out = _post(port, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 3})
+    code, out = _post(port, "/v1/chat/completions", {**chat, "top_logprobs": 3})
     assert code == 400 and out["error"]["param"] == "top_logprobs"
 
 
@@ -266,6 +266,40 @@ def test_logprobs_match_the_engines_on_both_endpoints(api):
         .logprobs
         is None
     )  # not asked for
+
+
+def test_top_logprobs_are_the_engines_most_likely_tokens(api):
+    cluster, client, _ = api
+    req = pb.GenerateRequest(
+        prompt=PROMPT,
+        max_tokens=6,
+        sampling=pb.SamplingParams(logprobs=True, top_logprobs=3),
+    )
+    tops = []
+    with grpc.insecure_channel(cluster.conductor) as ch:
+        for r in pbg.ConductorStub(ch).Generate(req, timeout=60):
+            assert len(r.top_logprobs) == len(r.token_ids)
+            tops += r.top_logprobs
+    assert len(tops) == 6 and all(len(t.token_ids) == 3 for t in tops)
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.top_logprobs) == 6
+    for j, alts in enumerate(lp.top_logprobs):
+        assert 1 <= len(alts) <= 3  # (two ids whose texts coincide make one key)
+        assert all(min(abs(v - w) for w in tops[j].logprobs) < 1e-5 for v in alts.values())
+        assert max(alts.values()) == pytest.approx(tops[j].logprobs[0], abs=1e-5)
+        # greedy: the chosen token is the most likely one
+        assert lp.token_logprobs[j] == pytest.approx(tops[j].logprobs[0], abs=1e-5)
+        assert list(tops[j].logprobs) == sorted(tops[j].logprobs, reverse=True)
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    for c in chat.choices[0].logprobs.content:
+        assert len(c.top_logprobs) == 2
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-5)
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
 
 
 # ------------------------------------------------------------------ n > 1

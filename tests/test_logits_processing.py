@@ -5,11 +5,17 @@ sampler draws the same tokens and log-probabilities as the row sampler, bit for 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.common.sampling_params import Sampling
-from kvmesh.services.engine.sampler_device import History, process_logits, sample_batch
+from kvmesh.services.engine.sampler_device import (
+    History,
+    process_logits,
+    sample_batch,
+    top_alternatives,
+)
 from kvmesh.services.engine.sampling import sample, sample_with_logprob
 
 VOCAB = 64
@@ -67,6 +73,16 @@ def test_logprobs_are_the_raw_models():
     assert lp == float(torch.log_softmax(x, -1)[5])
 
 
+def test_top_alternatives_are_the_most_likely_raw_tokens():
+    x = torch.stack([_row(3), _row(4)])
+    got = top_alternatives(x, [3, 0])
+    lsm = torch.log_softmax(x[0], -1)
+    want = torch.topk(lsm, 3)
+    assert [t for t, _ in got[0]] == want.indices.tolist()
+    assert [lp for _, lp in got[0]] == pytest.approx(want.values.tolist())
+    assert got[1] == [] and top_alternatives(x, [0, 0]) == [[], []]
+
+
 def test_min_p_keeps_only_tokens_near_the_top():
     x = torch.full((VOCAB,), -5.0)
     x[10], x[11] = 5.0, 4.9  # the rest have p < 1e-4 x the top
@@ -108,3 +124,33 @@ def test_the_proto_carries_every_feature():
     assert "repetition_penalty" in (Sampling(repetition_penalty=20).validate(VOCAB) or "")
     assert "logit_bias" in (Sampling(logit_bias=((VOCAB, 1.0),)).validate(VOCAB) or "")
     assert Sampling(temperature=3.0).validate(VOCAB)  # the shared limit: 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_processing_on_a_gpu_does_not_sync_and_matches_the_cpu():
+    logits = torch.stack([_row(s) for s in range(4)]) * 2
+    samplings = [
+        Sampling(repetition_penalty=1.3, logit_bias=((3, 2.0),)),
+        Sampling(temperature=0.9, seed=4, frequency_penalty=0.7, presence_penalty=0.3),
+        Sampling(temperature=1.1, seed=5, min_p=0.2, min_tokens=9),
+        Sampling(temperature=0.8, seed=6, top_k=9),
+    ]
+    hists = [History([1, 2, 3], [4, 4, 5], frozenset({0})) for _ in samplings]
+    dev = logits.cuda()
+    sample_batch(dev, samplings, [3] * 4, hists)  # warm-up: first-use allocations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any sync but the fetch raises
+    try:
+        processed = torch.stack(
+            [process_logits(dev[i], s, hists[i]) for i, s in enumerate(samplings)]
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.allclose(
+        processed.cpu(),
+        torch.stack([process_logits(logits[i], s, hists[i]) for i, s in enumerate(samplings)]),
+    )
+    got = sample_batch(dev, samplings, [3] * 4, hists)
+    want = sample_batch(logits, samplings, [3] * 4, hists)
+    assert [t for t, _ in got] == [t for t, _ in want]

@@ -22,6 +22,7 @@ REPETITION_PENALTY_MAX = 10.0  # repetition_penalty in (0, REPETITION_PENALTY_MA
 LOGIT_BIAS_MAX = 100.0  # each logit_bias value in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]
 MAX_LOGIT_BIAS_ENTRIES = 300  # token ids in one logit_bias
 MAX_N = 16  # choices per HTTP request (n)
+MAX_TOP_LOGPROBS = 20  # alternatives per token (top_logprobs; completions' logprobs: 5)
 
 
 def shown(value: str, most: int = 40) -> str:

@@ -36,6 +36,7 @@ class Sampling:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by id
     min_tokens: int = 0
+    top_logprobs: int = 0  # alternatives reported per token (with logprobs)
 
     @classmethod
     def from_proto(cls, p) -> Sampling:
@@ -54,6 +55,7 @@ class Sampling:
             min_p=p.min_p,
             logit_bias=tuple(sorted(p.logit_bias.items())),
             min_tokens=p.min_tokens,
+            top_logprobs=p.top_logprobs,
         )
 
     @property
@@ -104,6 +106,11 @@ class Sampling:
             )
         if not 0 <= self.min_p <= 1:
             return f"sampling.min_p must be in [0, 1], got {self.min_p:g}"
+        if self.top_logprobs > lim.MAX_TOP_LOGPROBS:
+            return (
+                f"sampling.top_logprobs must be an integer from 0 to {lim.MAX_TOP_LOGPROBS}, "
+                f"got {self.top_logprobs}"
+            )
         if len(self.logit_bias) > lim.MAX_LOGIT_BIAS_ENTRIES:
             return f"sampling.logit_bias: at most {lim.MAX_LOGIT_BIAS_ENTRIES} token ids"
         for t, b in self.logit_bias:

@@ -19,8 +19,9 @@ nothing: ``http_request.NEUTRAL``). Implemented: model, max_tokens
 (none: fresh randomness, drawn once by the conductor), stop (the text is cut before the
 stop string), n (choices share the prompt's KV: choice 0 first, the rest once its prompt
 is cached; with a seed, choice i samples with seed + i), presence_penalty,
-frequency_penalty, logit_bias, logprobs (each chosen token's log-probability: completions
-``logprobs=0``, chat ``logprobs=true``; top alternatives are not built yet), stream,
+frequency_penalty, logit_bias, logprobs (each token's log-probability under the raw
+logits, and its most likely alternatives: completions ``logprobs`` 0-5, chat
+``logprobs=true`` with ``top_logprobs`` 0-20), stream,
 stream_options.include_usage, user (ignored). vLLM's: top_k, min_p, repetition_penalty,
 stop_token_ids, min_tokens, ignore_eos. kvmesh's: cache_salt, request_id, ttft_slo_ms,
 tbt_slo_ms. Each choice also carries ``token_ids`` (the generated token ids), and usage
@@ -457,12 +458,14 @@ class HttpApi:
         text = [""] * n
         ids: list[list[int]] = [[] for _ in range(n)]
         lps: list[list[float]] = [[] for _ in range(n)]
+        tops: list[list[pb.TopLogprobs]] = [[] for _ in range(n)]
         reasons: list[str] = [""] * n
         usages: list[pb.Usage | None] = [None] * n
         try:
             async for i, resp in fan:
                 ids[i].extend(resp.token_ids)
                 lps[i].extend(resp.logprobs)
+                tops[i].extend(resp.top_logprobs)
                 text[i] += resp.text
                 if resp.finish_reason:
                     reasons[i], usages[i] = resp.finish_reason, resp.usage
@@ -474,7 +477,7 @@ class HttpApi:
                 "index": i,
                 "finish_reason": reasons[i] or "stop",
                 "token_ids": ids[i],
-                "logprobs": shape.logprobs(ids[i], lps[i], 0),
+                "logprobs": shape.logprobs(ids[i], lps[i], tops[i], 0),
             }
             if shape.chat:
                 choice["message"] = {"role": "assistant", "content": text[i]}
@@ -516,7 +519,7 @@ class HttpApi:
                     reason = resp.finish_reason or None
                     if reason:
                         usages[i] = resp.usage
-                    lp = shape.logprobs(ids, list(resp.logprobs), offset[i])
+                    lp = shape.logprobs(ids, list(resp.logprobs), resp.top_logprobs, offset[i])
                     n_ids[i] += len(ids)
                     offset[i] += len(resp.text)
                     await out.write(shape.chunk(i, resp.text, ids, reason, first[i], lp))
@@ -540,6 +543,19 @@ class HttpApi:
         return out
 
 
+def _finite(lp: float) -> float:
+    return lp if math.isfinite(lp) else -9999.0
+
+
+def _by_text(alts: list[tuple[str, float]]) -> dict[str, float]:
+    """Completions' ``{text: logprob}`` of one token's alternatives (most likely first):
+    two ids with the same text make one key, the more likely one's."""
+    out: dict[str, float] = {}
+    for text, lp in alts:
+        out.setdefault(text, lp)
+    return out
+
+
 class _Shape:
     """The JSON of one request's responses: its id, time, model, endpoint (chat or not)
     and ``texts`` (``ids -> token texts``, for logprobs; None: none asked for)."""
@@ -548,15 +564,20 @@ class _Shape:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         self.texts = texts
 
-    def logprobs(self, ids: list[int], lps: list[float], offset: int) -> dict | None:
-        """The choice's ``logprobs`` for ``ids`` (chat's ``content`` list, or completions'
-        ``tokens``/``token_logprobs``/``text_offset`` from ``offset``); None when not
-        asked for. A log-probability of -inf (a token the model gave no mass) is -9999.0,
-        as JSON has no infinity."""
+    def logprobs(self, ids: list[int], lps: list[float], tops, offset: int) -> dict | None:
+        """The choice's ``logprobs`` for ``ids`` and their alternatives ``tops`` (one
+        ``TopLogprobs`` per token, or none): chat's ``content`` list, or completions'
+        ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset`` from ``offset``;
+        None when not asked for. A log-probability of -inf (a token the model gave no
+        mass) is -9999.0, as JSON has no infinity."""
         if self.texts is None:
             return None
         toks = self.texts(ids)
-        vals = [lp if math.isfinite(lp) else -9999.0 for lp in lps]
+        vals = [_finite(lp) for lp in lps]
+        alts = [
+            list(zip(self.texts(list(t.token_ids)), map(_finite, t.logprobs), strict=True))
+            for t in tops
+        ]
         if self.chat:
             return {
                 "content": [
@@ -564,9 +585,12 @@ class _Shape:
                         "token": t,
                         "logprob": v,
                         "bytes": list(t.encode("utf-8", "replace")),
-                        "top_logprobs": [],
+                        "top_logprobs": [
+                            {"token": a, "logprob": b, "bytes": list(a.encode("utf-8", "replace"))}
+                            for a, b in (alts[j] if j < len(alts) else [])
+                        ],
                     }
-                    for t, v in zip(toks, vals, strict=False)
+                    for j, (t, v) in enumerate(zip(toks, vals, strict=False))
                 ]
             }
         offsets = []
@@ -576,7 +600,7 @@ class _Shape:
         return {
             "tokens": toks,
             "token_logprobs": vals,
-            "top_logprobs": None,
+            "top_logprobs": [_by_text(a) for a in alts] if tops else None,
             "text_offset": offsets,
         }
 

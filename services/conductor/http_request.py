@@ -379,31 +379,20 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
 }
 
 
-def _logprobs(f: Fields, body: dict, chat: bool) -> bool:
-    """Whether each token's log-probability is asked for. Top alternatives are not built
-    yet: completions' ``logprobs`` > 0 and chat's ``top_logprobs`` > 0 are refused."""
+def _logprobs(f: Fields, body: dict, chat: bool) -> tuple[bool, int]:
+    """Whether each token's log-probability is asked for, and how many alternatives per
+    token: chat's ``logprobs`` (true/false) and ``top_logprobs`` (0-20, with logprobs
+    only), completions' ``logprobs`` (null, or 0-5 alternatives)."""
+    most = limits.MAX_TOP_LOGPROBS
     if chat:
         want = f.boolean("logprobs")
-        top = f.integer("top_logprobs", 0, 0, 20)
-        if top:
-            raise ApiError(
-                400,
-                "top_logprobs > 0 (alternatives to each token) is not built yet; "
-                "logprobs=true with top_logprobs 0 gives each chosen token's log-probability",
-                param="top_logprobs",
-            )
-        return want
+        top = f.integer("top_logprobs", 0, 0, most)
+        if body.get("top_logprobs") is not None and not want:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        return want, top
     if body.get("logprobs") is None:
-        return False
-    n = f.integer("logprobs", 0, 0, 5)
-    if n:
-        raise ApiError(
-            400,
-            "logprobs > 0 (alternatives to each token) is not built yet; logprobs=0 "
-            "gives each chosen token's log-probability",
-            param="logprobs",
-        )
-    return True
+        return False, 0
+    return True, f.integer("logprobs", 0, 0, 5, " (alternatives per token)")
 
 
 def build(
@@ -461,7 +450,7 @@ def build(
             param="min_tokens",
         )
     s.stop.extend(_stops(body.get("stop")))  # the conductor cuts the text before one
-    s.logprobs = _logprobs(f, body, chat)
+    s.logprobs, s.top_logprobs = _logprobs(f, body, chat)
     req.cache_salt = f.string("cache_salt")
     req.request_id = request_id
     note = " (0 = the cluster default)"

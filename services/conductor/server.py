@@ -536,6 +536,7 @@ class Conductor(Service):
                         eos_ids,
                         msg.finish_reason,
                         logprobs=list(msg.logprobs),
+                        tops=list(msg.top_logprobs),
                     )
                 if resp.finish_reason:
                     decoded.append(True)  # the decode node has retired it

@@ -50,7 +50,7 @@ from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.engine.cuda_graphs import DecodeRunner
 from kvmesh.services.engine.kv_mirror import KVMirror
 from kvmesh.services.engine.kv_pool import OutOfBlocks
-from kvmesh.services.engine.sampler_device import History, sample_batch
+from kvmesh.services.engine.sampler_device import History, sample_batch, top_alternatives
 from kvmesh.services.engine.sampling import sample_with_logprob
 from kvmesh.services.model_node import to_the_end
 
@@ -179,6 +179,9 @@ class Running:
     tbt_slo_ms: float = 0.0  # its TBT SLO (0: none given): prompt chunks here respect it
     join_signal: bool = False  # put JOINED in ``out`` as its first step begins
     joined: bool = False  # a step holding it has begun (or JOINED was put anyway)
+    # each token's top alternatives, in the order of its tokens in ``out`` (only when
+    # sampling.top_logprobs asks for them)
+    tops: deque = field(default_factory=deque)
 
     def signal_join(self) -> None:
         if not self.joined:
@@ -519,9 +522,13 @@ class BatchScheduler:
                 [r.step for r in batch],
                 [self.history(r) for r in batch],
             )
-        for r, (tok, lp) in zip(batch, drawn, strict=True):
+        ks = [r.sampling.top_logprobs if r.sampling.logprobs else 0 for r in batch]
+        tops = top_alternatives(logits, ks) if any(ks) else None
+        for i, (r, (tok, lp)) in enumerate(zip(batch, drawn, strict=True)):
             if r not in self.running:  # left (client gone) while the step ran
                 continue
+            if tops is not None and ks[i]:
+                r.tops.append(tops[i])  # (read beside its token: Decode pops one per token)
             r.token, r.position, r.step = tok, r.position + 1, r.step + 1
             r.res.generated.append(tok)
             r.remaining -= 1

@@ -51,27 +51,27 @@ def process_logits(row: torch.Tensor, s: Sampling, hist: History) -> torch.Tenso
     while the output is shorter than ``min_tokens``; ``repetition_penalty`` over the
     tokens of the prompt and the output (a positive logit divided by it, a negative one
     multiplied); ``frequency_penalty`` times each token's count in the output and
-    ``presence_penalty`` for each token in it, subtracted. Reads no device value."""
+    ``presence_penalty`` for each token in it, subtracted. Reads no device value, and
+    its host tensors go over in non-blocking copies: no sync."""
     dev = row.device
     x = row.float().reshape(-1).clone()
     vocab = x.shape[0]
     if s.logit_bias:
         ids = torch.tensor([t for t, _ in s.logit_bias], dtype=torch.long)
         vals = torch.tensor([b for _, b in s.logit_bias], dtype=torch.float32)
-        x.index_add_(0, ids.to(dev), vals.to(dev))
+        x.index_add_(0, _to(ids, dev), _to(vals, dev))
     if s.min_tokens and len(hist.output) < s.min_tokens:
         banned = sorted((set(hist.eos_ids) | s.stop_token_ids) & set(range(vocab)))
         if banned:
-            x.index_fill_(0, torch.tensor(banned, dtype=torch.long).to(dev), float("-inf"))
+            x.index_fill_(0, _to(torch.tensor(banned, dtype=torch.long), dev), float("-inf"))
     if s.repetition_penalty != 1.0 and (hist.prompt or hist.output):
-        seen = torch.tensor(sorted(set(hist.prompt) | set(hist.output)), dtype=torch.long)
-        seen = seen.to(dev)
+        seen = _to(torch.tensor(sorted(set(hist.prompt) | set(hist.output)), dtype=torch.long), dev)
         v = x.index_select(0, seen)
         p = s.repetition_penalty
         x.index_copy_(0, seen, torch.where(v > 0, v / p, v * p))
     if hist.output and (s.frequency_penalty or s.presence_penalty):
         counts = torch.bincount(torch.tensor(list(hist.output), dtype=torch.long), minlength=vocab)
-        counts = counts[:vocab].float().to(dev)
+        counts = _to(counts[:vocab].float(), dev)
         x = x - s.frequency_penalty * counts - s.presence_penalty * (counts > 0).float()
     return x
 
@@ -184,6 +184,21 @@ def fetch(packed: torch.Tensor) -> list[tuple[int, float]]:
     for t, lp in packed.cpu().tolist():
         out.append((int(t), lp if not math.isnan(lp) else float("-inf")))
     return out
+
+
+def top_alternatives(logits: torch.Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]]]:
+    """Row ``i``'s ``ks[i]`` most likely tokens and their log-probabilities under the raw
+    logits [B, vocab] (most likely first; ``[]`` where ``ks[i]`` is 0): what ``logprobs``
+    with ``top_logprobs`` report. One host copy, only for a batch that asks."""
+    k = max(ks, default=0)
+    if k <= 0:
+        return [[] for _ in ks]
+    vals, idx = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
+    packed = torch.stack((idx.double(), vals.double()), dim=-1).cpu().tolist()
+    return [
+        [(int(t), lp if math.isfinite(lp) else float("-inf")) for t, lp in row[:n]]
+        for row, n in zip(packed, ks, strict=True)
+    ]
 
 
 def sample_batch(
