@@ -202,3 +202,16 @@ def test_seeded_sampling_with_every_feature_matches_the_single_process_sampler(c
         if out[-1] == tok.eos_id:
             break
     assert got.tokens == out
+    # top alternatives come from both nodes too: one per token, the first from the prefill
+    import grpc as _grpc
+
+    from kvmesh.protos import kvmesh_pb2_grpc as pbg
+
+    params.logprobs, params.top_logprobs = True, 2
+    req = pb.GenerateRequest(prompt=prompt, max_tokens=16, sampling=params)
+    with _grpc.insecure_channel(cluster.conductor) as ch:
+        msgs = list(pbg.ConductorStub(ch).Generate(req, timeout=30))
+    assert [t for m in msgs for t in m.token_ids] == out  # (asking for them changes nothing)
+    tops = [t for m in msgs for t in m.top_logprobs]
+    assert len(tops) == len(out) and all(len(t.token_ids) == 2 for t in tops)
+    assert all(t.logprobs[0] >= t.logprobs[1] for t in tops)

@@ -410,6 +410,13 @@ def build(
     request_id = f.string("request_id")
     if err := check_names(model, request_id):
         raise ApiError(400, err, param="model" if err.startswith("model") else "request_id")
+    if n > 1 and len(request_id) > limits.MAX_REQUEST_ID_CHARS - 3:
+        raise ApiError(
+            400,
+            f"with n > 1 a request_id has at most {limits.MAX_REQUEST_ID_CHARS - 3} characters "
+            f"(choice i is sent as request_id.i)",
+            param="request_id",
+        )
     req = pb.GenerateRequest(model=model)
     max_tokens = "max_tokens"
     if chat:

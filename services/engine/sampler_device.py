@@ -61,14 +61,14 @@ def process_logits(row: torch.Tensor, s: Sampling, hist: History) -> torch.Tenso
         vals = torch.tensor([b for _, b in s.logit_bias], dtype=torch.float32)
         x.index_add_(0, _to(ids, dev), _to(vals, dev))
     if s.min_tokens and len(hist.output) < s.min_tokens:
-        banned = sorted((set(hist.eos_ids) | s.stop_token_ids) & set(range(vocab)))
+        banned = sorted(t for t in hist.eos_ids | s.stop_token_ids if 0 <= t < vocab)
         if banned:
             x.index_fill_(0, _to(torch.tensor(banned, dtype=torch.long), dev), float("-inf"))
     if s.repetition_penalty != 1.0 and (hist.prompt or hist.output):
-        seen = _to(torch.tensor(sorted(set(hist.prompt) | set(hist.output)), dtype=torch.long), dev)
-        v = x.index_select(0, seen)
+        ids = torch.tensor([*hist.prompt, *hist.output], dtype=torch.long)
+        seen = _to(torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True), dev)
         p = s.repetition_penalty
-        x.index_copy_(0, seen, torch.where(v > 0, v / p, v * p))
+        x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
     if hist.output and (s.frequency_penalty or s.presence_penalty):
         counts = torch.bincount(torch.tensor(list(hist.output), dtype=torch.long), minlength=vocab)
         counts = _to(counts[:vocab].float(), dev)
