@@ -146,6 +146,10 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name(api):
         code, out = _post(port, path, {**body, "frobnicate": 1})
         assert code == 400 and "frobnicate" in out["error"]["message"], out
         assert out["error"]["param"] == "frobnicate"
+    for so in ({"frobnicate": True}, {"continuous_usage_stats": True}):
+        code, out = _post(port, "/v1/completions", {**comp, "stream": True, "stream_options": so})
+        assert code == 400 and out["error"]["param"] == "stream_options", out
+        assert next(iter(so)) in out["error"]["message"]
     # a field of the other endpoint is unknown here
     code, out = _post(port, "/v1/completions", {**comp, "messages": MESSAGES})
     assert code == 400 and "messages" in out["error"]["message"]

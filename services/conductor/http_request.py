@@ -466,11 +466,19 @@ def build(
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
-    if so and set(so) - {"include_usage"}:
-        bad = sorted(set(so) - {"include_usage"})[0]
+    so_known = {"include_usage", "continuous_usage_stats"}
+    if so and set(so) - so_known:
+        bad = sorted(set(so) - so_known)[0]
         raise ApiError(
             400,
             f"stream_options.{_show(bad)} is not supported (only include_usage)",
+            param="stream_options",
+        )
+    if so and so.get("continuous_usage_stats") not in (None, False):
+        raise ApiError(
+            400,
+            "stream_options.continuous_usage_stats is not supported: usage comes in the "
+            "last chunk (include_usage)",
             param="stream_options",
         )
     opts = {
