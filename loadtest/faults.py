@@ -31,7 +31,10 @@ it, and a retried request succeeds within the lease TTL + 5 s). Two more start c
 of their own: ``store-master-failover`` (the leading store-master SIGKILLed, a standby
 takes over) and ``conductor-killed`` (:mod:`kvmesh.loadtest.faults_conductor`: one of two
 conductors SIGKILLed; accepted requests judged against 4x the solo TTFT and TPOT measured
-on the same cluster first).
+on the same cluster first). ``slowloris-data-port``
+(:mod:`kvmesh.loadtest.faults_slowloris`): 200 connections to a decode node's data port
+send one byte a second; nothing may fail, each must be closed at the handshake deadline
+and the node's threads stay bounded (a row with checks of its own sets ``passed``).
 
 Results: ``loadtest/results/faults.md`` and ``faults.json`` (``overload.md/json``).
 """
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = [
             r["fault"]
             for r in rows
-            if r.get("skipped") is None and (r["wrong"] or r["hung"] or r["failed_other"])
+            if r.get("skipped") is None
+            and (r["wrong"] or r["hung"] or r["failed_other"] or r.get("passed") is False)
         ]
         return 1 if bad else 0
     finally:

@@ -581,7 +581,7 @@ class KVTarget(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., region_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_nbytes: _Optional[int] = ..., held_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_hashes", "target", "sampling", "deadline_ms", "expected_ms", "expected_computed_tokens")
+    __slots__ = ("request_id", "token_ids", "block_hashes", "target", "sampling", "deadline_ms", "expected_ms", "expected_computed_tokens", "warm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -590,6 +590,7 @@ class PrefillRequest(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_MS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -598,7 +599,8 @@ class PrefillRequest(_message.Message):
     deadline_ms: float
     expected_ms: float
     expected_computed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[float] = ..., expected_ms: _Optional[float] = ..., expected_computed_tokens: _Optional[int] = ...) -> None: ...
+    warm: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[float] = ..., expected_ms: _Optional[float] = ..., expected_computed_tokens: _Optional[int] = ..., warm: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "computed_tokens", "cached_tokens", "fetched_tokens", "prefill_ms", "queue_ms", "first_logprob", "first_top")

@@ -126,6 +126,7 @@ class ModelNode(Service):
             port=cfg.data_port,
             checksum=cfg.checksum,
             poll_us=cfg.te_poll_us,
+            max_conns=cfg.te_max_conns,
         )
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self.model: LlamaModel | None = None

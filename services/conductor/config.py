@@ -39,6 +39,13 @@ class ConductorConfig(ServiceConfig):
         "that the requests booked there free as they end, where it still meets its SLOs "
         "(--no-wait-for-kv: refused at once with reason kv)",
     )
+    warm_refused: bool = option(
+        True,
+        "kvmesh policy: a prompt refused for its TTFT whose full blocks no node holds is "
+        "computed into the store by an idle prefill node, which stops for any request "
+        "that comes to wait, so that the requests sharing its prefix find it cached "
+        "(--no-warm-refused: not)",
+    )
     hold_first_token: bool = option(
         True,
         "hold a request's first token until its decode node has it in the running batch "
@@ -77,6 +84,8 @@ class ConductorConfig(ServiceConfig):
     def validate(self) -> None:
         super().validate()
         ApiKeys.from_config(self.api_keys, self.api_keys_file)  # ConfigError on a bad entry
+        if not -1 <= self.http_port < 65536:
+            raise ConfigError(f"http_port: {self.http_port} is not a TCP port (or -1 = off)")
         if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0:
             raise ConfigError("ttft_slo_ms and tbt_slo_ms must be > 0")
         if self.policy not in POLICIES:

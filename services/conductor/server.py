@@ -72,6 +72,7 @@ from kvmesh.services.conductor.policy import (
 )
 from kvmesh.services.conductor.request_input import RequestInput
 from kvmesh.services.conductor.text import TextStream, generate_response
+from kvmesh.services.conductor.warm import Warmer
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,8 @@ class Conductor(Service):
             self.view, lambda: self.owner.metadata(self.node_id), cfg.request_timeout_s
         )
         self.feeds.on_report = self.calls.room_freed
+        warm = cfg.warm_refused and cfg.policy == "kvmesh"
+        self.warmer = Warmer(self.sched, self.view, self.calls) if warm else None
         self.calls.on_retry_reserve = self._retry_reserve
 
     async def setup(self) -> None:
@@ -276,6 +279,8 @@ class Conductor(Service):
         d = await self._decide(r, fp)
         record_span("conductor.admission", t_admit, attributes=admission_attributes(r, d))
         if not d.accepted:
+            if self.warmer is not None:  # its prefix's KV, for the requests that share it
+                self.warmer.refused(r, d, tokens, bs)
             if d.reason == INFEASIBLE:  # no node could ever serve it: a retry cannot help
                 raise Rejected(
                     grpc.StatusCode.INVALID_ARGUMENT,
