@@ -427,10 +427,14 @@ class HttpApi:
         info = next((n.raw for n in self.c.view.nodes() if n.model == model), None)
         if info is None:
             return None
-        spec = info.get("model_path") or info.get("model", "")
-        tok = self._tokenizers.get(spec)
-        if tok is None:
-            tok = self._tokenizers[spec] = load_tokenizer(spec)
+        inp = getattr(self.c, "input", None)  # the conductor's own tokenizers, if it has them
+        if inp is not None:
+            tok = inp.tokenizer(info)
+        else:
+            spec = info.get("model_path") or info.get("model", "")
+            tok = self._tokenizers.get(spec)
+            if tok is None:
+                tok = self._tokenizers[spec] = load_tokenizer(spec)
         return lambda ids: [tok.decode([t]) for t in ids]
 
     @staticmethod
