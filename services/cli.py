@@ -89,6 +89,7 @@ async def _generate(args: argparse.Namespace) -> int:
         prompt=args.prompt,
         max_tokens=args.max_tokens,
         model=args.model,
+        # no --seed: fresh randomness (the conductor draws one)
         sampling=pb.SamplingParams(temperature=args.temperature, seed=args.seed),
         slo=pb.SLO(ttft_ms=args.ttft_slo_ms),
         cache_salt=args.cache_salt,
@@ -236,7 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--max-tokens", type=_int_in(1, 2**31 - 1), default=32)
     g.add_argument("--model", default="")
     g.add_argument("--temperature", type=_float_at_least(0), default=0.0)
-    g.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=0, help="RNG seed (0 to 2^64-1)")
+    g.add_argument(
+        "--seed",
+        type=_int_in(0, 2**64 - 1),
+        default=None,
+        help="RNG seed (0 to 2^64-1); none: fresh randomness for each request",
+    )
     g.add_argument(
         "--ttft-slo-ms", type=_float_at_least(0), default=0.0, help="tighten the TTFT SLO"
     )

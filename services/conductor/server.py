@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import secrets
 import time
 import uuid
 from collections import deque
@@ -47,6 +48,7 @@ from kvmesh.services.common.auth import (
 from kvmesh.services.common.config import load
 from kvmesh.services.common.etcd import EtcdError
 from kvmesh.services.common.hashing import prefix_hashes
+from kvmesh.services.common.limits import check_names, shown
 from kvmesh.services.common.metrics import REGISTRY as METRICS_REGISTRY
 from kvmesh.services.common.metrics import RequestStats
 from kvmesh.services.common.ownership import OwnerKey
@@ -225,12 +227,14 @@ class Conductor(Service):
                 f"ends",
                 (("retry-after-ms", "1000"), ("kvmesh-reject-reason", "client_streams")),
             )
+        if err := check_names(req.model, req.request_id):  # (before either is echoed)
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, err)
         # a client's request_id is unique among its tenant's requests in flight here
         key = (current_principal.get().tenant, req.request_id)
         if req.request_id and key in self._ids_in_flight:
             raise Rejected(
                 grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id {req.request_id!r} is already in flight; give each "
+                f"request_id {shown(req.request_id)} is already in flight; give each "
                 f"concurrent request its own request_id (or none: one is generated)",
             )
         self._streams[client] += 1
@@ -259,6 +263,10 @@ class Conductor(Service):
             if n.fingerprint == fp
         )
         tokens = await self.input.tokens(req, info)
+        if not req.sampling.HasField("seed"):
+            # fresh randomness for each request, drawn once: a prefill retry or another
+            # node samples from the same seed, so the request's tokens stay the same
+            req.sampling.seed = secrets.randbits(64)
         # the id the nodes know the request by is unique (clients and tenants may repeat
         # theirs); responses carry the client's
         rid = f"{req.request_id}.{uuid.uuid4().hex[:12]}" if req.request_id else uuid.uuid4().hex
@@ -539,6 +547,7 @@ class Conductor(Service):
                         eos_ids,
                         msg.finish_reason,
                         logprobs=list(msg.logprobs),
+                        tops=list(msg.top_logprobs),
                     )
                 if resp.finish_reason:
                     decoded.append(True)  # the decode node has retired it

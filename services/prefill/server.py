@@ -47,8 +47,9 @@ from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.engine.kv_pool import KVPool, OutOfBlocks
 from kvmesh.services.engine.model import PrefillStopped
+from kvmesh.services.engine.sampler_device import History
 from kvmesh.services.engine.sampling import sample_with_logprob
-from kvmesh.services.model_node import ModelNode, drop_payload, to_the_end
+from kvmesh.services.model_node import ModelNode, drop_payload, first_alternatives, to_the_end
 from kvmesh.services.node_config import NodeConfig
 from kvmesh.services.prefill.deadline import Deadline, Slowdown, TooLate
 from kvmesh.services.prefill.prompt import Prompt
@@ -349,7 +350,10 @@ class PrefillNode(ModelNode):
             handoff.send_prefix()
             await self._test_hold("prefilling", req.request_id)
             logits, timing = await self.compute_kv(p.tokens, start, table, handoff.send_layer)
-            first, first_lp = sample_with_logprob(logits, Sampling.from_proto(req.sampling), 0)
+            hist = History(p.tokens, (), frozenset(self.tokenizer.eos_ids))
+            sampling = Sampling.from_proto(req.sampling)
+            first, first_lp = sample_with_logprob(logits, sampling, 0, hist)
+            first_top = first_alternatives(logits, sampling)
             await self._test_hold("transferring", req.request_id)
             await handoff.finish(req.request_id)
         except BaseException:  # cleanup only (a failure or a cancellation): re-raised
@@ -383,6 +387,7 @@ class PrefillNode(ModelNode):
             prefill_ms=prefill_ms,
             queue_ms=queue_ms,
             first_logprob=first_lp if req.sampling.logprobs else 0.0,
+            first_top=first_top,
         )
 
     async def load_prefix(self, p: Prompt) -> tuple[list[int], list[int]]:
