@@ -16,7 +16,8 @@ import pytest
 from kvmesh.services.common.tokenizer import ByteTokenizer
 from kvmesh.services.engine.model import LlamaModel
 from kvmesh.services.launcher import LocalCluster
-from tests.cluster_util import generate, node, status
+from tests.cluster_util import generate, node, start_with_hold_hook, status
+from tests.test_cancel import Hold
 
 NODE_ARGS = ["--block-size", "16", "--kv-memory", "32MiB", "--threads", "1"]
 TOK = ByteTokenizer()
@@ -31,7 +32,8 @@ def cluster(tmp_path_factory):
         node_args=NODE_ARGS,
         conductor_args=["--report-interval-ms", "50", "--colocate-below-tokens", "0"],
     )
-    c.start()
+    c.hold = Hold.cleared(str(tmp_path_factory.mktemp("warm-hold")))  # type: ignore[attr-defined]
+    start_with_hold_hook(c, c.hold.path)  # type: ignore[attr-defined]
     yield c
     c.stop()
 
@@ -150,18 +152,31 @@ def test_a_warm_up_yields_the_prefill_node_to_a_request(cluster):
     rng = random.Random(5)
     long_prompt = "".join(rng.choice("qrstuvwxyz ") for _ in range(3500))
     yielded, done = warms(cluster, "yielded"), warms(cluster, "done")
-    # an SLO no node can meet: refused as infeasible, warmed at once
-    assert refused(cluster, long_prompt, 1.0) == "infeasible"
-    time.sleep(0.3)  # (the warm-up on its way to the node)
-    prompt = "".join(rng.choice("abc ") for _ in range(200))
-    t0 = time.perf_counter()
-    got = generate(cluster.conductor, prompt, max_tokens=4, cache_salt="yield")
-    ttft_s = time.perf_counter() - t0
+    hold = cluster.hold
+    hold.at("warming")  # the warm-up holds the slot before its forward, as a long one would
+    try:
+        # an SLO no node can meet: refused as infeasible, warmed at once
+        assert refused(cluster, long_prompt, 1.0) == "infeasible"
+        deadline = time.monotonic() + 30
+        while not any(h.startswith("warming warm.") for h in hold.held()):
+            assert time.monotonic() < deadline, "no warm-up started"
+            time.sleep(0.05)
+        got, ttft_s = served_meanwhile(cluster, rng)
+    finally:
+        hold.at("")
     deadline = time.monotonic() + 30
     while warms(cluster, "yielded") == yielded:
         assert time.monotonic() < deadline, "the warm-up did not yield"
         time.sleep(0.1)
     assert warms(cluster, "done") == done  # it stopped, not finished
     model = LlamaModel.from_preset("tiny", seed=0)
-    assert got.tokens == model.reference_generate(TOK.encode(prompt), 4, eos_id=TOK.eos_id)
+    assert got.tokens == model.reference_generate(TOK.encode(got.prompt), 4, eos_id=TOK.eos_id)
     assert ttft_s < 30, ttft_s
+
+
+def served_meanwhile(cluster, rng):
+    prompt = "".join(rng.choice("abc ") for _ in range(200))
+    t0 = time.perf_counter()
+    got = generate(cluster.conductor, prompt, max_tokens=4, cache_salt="yield")
+    got.prompt = prompt
+    return got, time.perf_counter() - t0

@@ -201,7 +201,7 @@ class PrefillServicer(pbg.PrefillNodeServicer):
 
 class PrefillNode(ModelNode):
     role = "prefill"
-    test_hold_dir = ""  # test only: see _test_hold
+    test_hold_dir = ""  # test only: see test_hold
 
     def __init__(self, cfg: PrefillConfig) -> None:
         super().__init__(cfg)
@@ -310,11 +310,11 @@ class PrefillNode(ModelNode):
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def _test_hold(self, stage: str, request_id: str) -> None:
+    async def test_hold(self, stage: str, request_id: str) -> None:
         """Test only: with ``KVMESH_TEST_HOLD_PREFILL=<dir>`` (unset in production), a
         request reaching the stage named in ``<dir>/hold`` (``prefilling``: with the compute
         slot, before the forward; ``transferring``: every layer's write issued, before the
-        KV-complete notify) appends ``<stage> <request id>`` to ``<dir>/held`` and waits
+        KV-complete notify; ``warming``: a warm-up with the compute slot, before its forward) appends ``<stage> <request id>`` to ``<dir>/held`` and waits
         there until it is cancelled, or goes on once ``<dir>/hold`` names another stage."""
         if not self.test_hold_dir:
             return
@@ -348,13 +348,13 @@ class PrefillNode(ModelNode):
         handoffs.append(handoff)
         try:
             handoff.send_prefix()
-            await self._test_hold("prefilling", req.request_id)
+            await self.test_hold("prefilling", req.request_id)
             logits, timing = await self.compute_kv(p.tokens, start, table, handoff.send_layer)
             hist = History(p.tokens, (), frozenset(self.tokenizer.eos_ids))
             sampling = Sampling.from_proto(req.sampling)
             first, first_lp = sample_with_logprob(logits, sampling, 0, hist)
             first_top = first_alternatives(logits, sampling)
-            await self._test_hold("transferring", req.request_id)
+            await self.test_hold("transferring", req.request_id)
             await handoff.finish(req.request_id)
         except BaseException:  # cleanup only (a failure or a cancellation): re-raised
             # not clean unless settle() says so: a cancellation may land while it waits

@@ -64,6 +64,7 @@ async def _warm_locked(node: Any, req: pb.PrefillRequest) -> pb.PrefillResponse:
     table = node.allocate_table(n, prefix)
     start = len(prefix) * bs
     try:
+        await node.test_hold("warming", req.request_id)
         if start < n:  # in short chunks: a request that comes waits for one at most
             chunk = max(bs, min(WARM_CHUNK_TOKENS, node.cfg.prefill_chunk) // bs * bs)
             await node.compute_kv(p.tokens, start, table, lambda layer, lo, hi: None, chunk)
