@@ -9,6 +9,8 @@ with the service's ``--tls-cert``/``--tls-key``, no client certificate asked for
                                list of either; stream (SSE) or not
   POST /v1/chat/completions    messages rendered by the chat template (below); stream or not
   GET  /health                 200 when the conductor is SERVING, 503 otherwise
+  GET  /metrics, GET /version, POST /tokenize, POST /detokenize
+                               as ``vllm serve`` has them (``http_vllm``)
 
 Every request calls ``Conductor.generate`` directly (no gRPC hop), through the same
 metrics wrapper as the gRPC API. Supported parameters: model, max_tokens
@@ -66,6 +68,7 @@ from kvmesh.services.conductor.http_request import (
     build,
     read_body,
 )
+from kvmesh.services.conductor.http_vllm import PATHS, VllmEndpoints, model_cards
 from kvmesh.services.conductor.observe import observed
 
 try:
@@ -214,7 +217,8 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         elif e.status in (404, 405):
             msg = (
                 f"no {request.method} {request.path}: this API serves GET /v1/models, "
-                f"POST /v1/completions, POST /v1/chat/completions and GET /health"
+                f"POST /v1/completions, POST /v1/chat/completions, GET /health, "
+                f"{', '.join(PATHS)}"
             )
         else:
             msg = e.text or e.reason
@@ -254,6 +258,7 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
+        VllmEndpoints(self.c, self._authenticate, self._render, from_rejected).add_routes(app)
         runner = self._runner = web.AppRunner(
             app,
             access_log=None,
@@ -309,11 +314,7 @@ class HttpApi:
             self._authenticate(request)
         except ApiError as e:
             return e.response()
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh"}
-            for name in sorted(self.c.view.models())
-        ]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": model_cards(self.c)})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -403,8 +404,7 @@ class HttpApi:
             await agen.aclose()
 
     def _model_name(self) -> str:
-        models = self.c.view.models()
-        return next(iter(models)) if len(models) == 1 else ""
+        return self.c.model_label("")
 
     @staticmethod
     def _usage(u: pb.Usage | None, completion: int) -> dict:
