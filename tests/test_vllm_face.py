@@ -241,12 +241,17 @@ def test_float16_on_a_cpu_is_refused_with_the_reason():
     assert "use float32" in p.stderr
 
 
-def test_a_wildcard_host_needs_an_advertised_one():
-    with pytest.raises(ConfigError, match="advertise-host"):
-        load(ConductorConfig, ["--host", "0.0.0.0"], env={})
+def test_advertise_host_and_the_conductors_vllm_options(caplog):
+    assert load(ConductorConfig, ["--host", "0.0.0.0"], env={}).advertised_host == "0.0.0.0"
+    assert "--advertise-host" in caplog.text  # a warning: only this machine can dial it
+    with pytest.raises(ConfigError, match="wildcard"):
+        load(ConductorConfig, ["--advertise-host", "0.0.0.0"], env={})
     cfg = load(ConductorConfig, ["--host", "0.0.0.0", "--advertise-host", "10.1.2.3"], env={})
     assert cfg.advertise("0.0.0.0:8000") == "10.1.2.3:8000"
     with pytest.raises(ConfigError, match="repeats"):
         load(ConductorConfig, ["--served-model-name", "a,b,a"], env={})
     cfg = load(ConductorConfig, ["--api-key", "k1", "--api-keys", "k2:t2"], env={})
     assert cfg.api_key_entries == "k2:t2,k1"
+    # KVMESH_API_KEY is the key the command line sends, not one the conductor takes
+    assert load(ConductorConfig, [], env={"KVMESH_API_KEY": "k"}).api_key_entries == ""
+    assert load(ConductorConfig, [], env={"KVMESH_CONDUCTOR_API_KEY": "k"}).api_key == "k"

@@ -97,7 +97,8 @@ class ServiceConfig:
     advertise_host: str = option(
         "",
         "address registered in etcd for peers and clients to reach this service's ports "
-        "(empty = --host; needed when --host is 0.0.0.0 or ::, which no peer can dial)",
+        "(empty = --host; give it with --host 0.0.0.0 or ::, which only this machine "
+        "can dial)",
     )
     port: int = option(0, "gRPC port (0 = any free port)")
     node_id: str = option(
@@ -123,10 +124,11 @@ class ServiceConfig:
             if ":" not in ep:
                 raise ConfigError(f"etcd: endpoint {ep!r} must be host:port")
         if is_wildcard(self.host) and not self.advertise_host:
-            raise ConfigError(
-                f"advertise_host: --host {self.host} binds every address, and peers cannot "
-                f"dial {self.host}: give --advertise-host with the address they reach this "
-                f"machine at (127.0.0.1 for a one-machine cluster)"
+            log.warning(
+                "--host %s binds every address and, without --advertise-host, is what "
+                "peers are told: only processes on this machine can dial it; give "
+                "--advertise-host with the address others reach this machine at",
+                self.host,
             )
         if self.advertise_host and is_wildcard(self.advertise_host):
             raise ConfigError(

@@ -76,7 +76,9 @@ class ConductorConfig(ServiceConfig):
     api_key: str = option(
         "",
         "one client API key, as vllm serve's --api-key: an --api-keys entry (KEY, the "
-        "default tenant), added to those of --api-keys and --api-keys-file",
+        "default tenant), added to those of --api-keys and --api-keys-file (its "
+        "environment variable is not KVMESH_API_KEY, the key the command line sends)",
+        env="KVMESH_CONDUCTOR_API_KEY",
     )
     served_model_name: str = option(
         "",
