@@ -255,3 +255,47 @@ def test_advertise_host_and_the_conductors_vllm_options(caplog):
     # KVMESH_API_KEY is the key the command line sends, not one the conductor takes
     assert load(ConductorConfig, [], env={"KVMESH_API_KEY": "k"}).api_key_entries == ""
     assert load(ConductorConfig, [], env={"KVMESH_CONDUCTOR_API_KEY": "k"}).api_key == "k"
+
+
+def test_kvmesh_up_takes_vllm_serve_flags():
+    import argparse
+
+    from kvmesh.services.launcher import add_up_arguments
+    from kvmesh.services.launcher.up import vllm_style_args
+
+    p = argparse.ArgumentParser()
+    add_up_arguments(p)
+    argv = ["--host", "0.0.0.0", "--api-key", "k", "--served-model-name", "a,b"]
+    argv += ["--max-model-len", "512", "--dtype", "bfloat16"]
+    conductor, nodes = vllm_style_args(p.parse_args(argv))
+    assert conductor == [
+        "--host",
+        "0.0.0.0",
+        "--advertise-host",
+        "127.0.0.1",  # the other services of the machine dial it there
+        "--api-key",
+        "k",
+        "--served-model-name",
+        "a,b",
+        "--max-model-len",
+        "512",
+    ]
+    assert nodes == ["--dtype", "bfloat16"]
+    load(ConductorConfig, conductor, env={})  # the conductor takes them
+    assert vllm_style_args(p.parse_args([])) == ([], [])
+
+
+def test_client_compat_openai_part(face, tmp_path):
+    """``python -m kvmesh.loadtest.client_compat``'s checks with the openai client pass on
+    this cluster (aliases, key), and its trace slice fits the model's context."""
+    from kvmesh.loadtest.client_compat import openai_checks, trace_slice
+
+    _, _, port = face
+    out = openai_checks(f"http://127.0.0.1:{port}", ALIASES[0], KEY)
+    assert out["ok"] and len(out["calls"]) == 5, out
+    assert out["vllm:generation_tokens"] == out["usage"]["completion"] > 0
+    n = trace_slice(tmp_path / "t.jsonl", 7, block=16, max_blocks=4, max_output=8)
+    rows = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert n == len(rows) == 7
+    assert all(r["input_length"] == 16 * len(r["hash_ids"]) <= 64 for r in rows)
+    assert all(1 <= r["output_length"] <= 8 for r in rows)

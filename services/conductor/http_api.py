@@ -203,6 +203,17 @@ class QuietClientErrors(logging.LoggerAdapter):
         self.logger.exception(msg, *args, exc_info=exc_info, **kw)
 
 
+ARRIVAL = "kvmesh_arrival"  # the request's key for when it arrived (perf_counter)
+
+
+@web.middleware
+async def stamp_arrival(request: web.Request, handler) -> web.StreamResponse:
+    """Notes when a request arrived (its headers read, before its body): its TTFT counts
+    from there, the conductor's reading and parsing of the body included."""
+    request[ARRIVAL] = time.perf_counter()
+    return await handler(request)
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
     """aiohttp's own refusals (unknown path, wrong method, a body over the limit) in
@@ -253,7 +264,9 @@ class HttpApi:
         return ctx
 
     async def start(self) -> str:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
+        app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[stamp_arrival, openai_errors]
+        )
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -385,7 +398,7 @@ class HttpApi:
         )
         created = int(time.time())
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        agen = observed(self.c, req)
+        agen = observed(self.c, req, request.get(ARRIVAL))
         cutter = _StopCutter(opts["stops"])
         try:
             try:

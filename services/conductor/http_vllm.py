@@ -91,14 +91,11 @@ class VllmEndpoints:
             body = await read_body(request)
             _, info, tok = self._model(_model(body))
             add_special = _flag(body, "add_special_tokens", True)
+            prompt: Any = body.get("prompt")
             if "messages" in body:
                 prompt = self.render(normalize_messages(body["messages"]), _model(body))
-            else:
-                prompt = body.get("prompt")
-                if not isinstance(prompt, str):
-                    raise ApiError(
-                        400, "prompt must be a string (or give messages)", param="prompt"
-                    )
+            elif not isinstance(prompt, str):
+                raise ApiError(400, "prompt must be a string (or give messages)", param="prompt")
             ids = await asyncio.to_thread(tok.encode, prompt, add_special)
             strs = None
             if _flag(body, "return_token_strs", False):
@@ -141,7 +138,7 @@ def model_cards(c: Any, created: int = 0) -> list[dict]:
     names = [*c.input.served_names, *sorted(models)] if len(models) == 1 else sorted(models)
     for name in dict.fromkeys(names):
         model = c.input.alias(name)
-        info = next((n.raw for n in c.view.nodes("decode") if n.model == model), {})
+        info: dict = next((n.raw for n in c.view.nodes("decode") if n.model == model), {})
         cards.append(
             {
                 "id": name,

@@ -64,14 +64,16 @@ def admission_attributes(r: Any, d: Any) -> dict[str, Any]:
 
 
 async def observed(
-    conductor: ConductorApi, req: pb.GenerateRequest
+    conductor: ConductorApi, req: pb.GenerateRequest, t_arrival: float | None = None
 ) -> AsyncGenerator[pb.GenerateResponse, None]:
-    """``conductor.generate(req)`` with its metrics recorded on the way through."""
+    """``conductor.generate(req)`` with its metrics recorded on the way through; TTFT and
+    end-to-end latency count from ``t_arrival`` (``time.perf_counter()`` when the request
+    arrived: the HTTP API's before it reads and parses the body), else from now."""
     stats: m.RequestStats = conductor.request_stats
     cfg = conductor.cfg
     ttft_slo = cfg.ttft_slo_ms if req.slo.ttft_ms <= 0 else min(req.slo.ttft_ms, cfg.ttft_slo_ms)
     tbt_slo = cfg.tbt_slo_ms if req.slo.tbt_ms <= 0 else min(req.slo.tbt_ms, cfg.tbt_slo_ms)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t_arrival is None else t_arrival
     last = t0
     ttft = None
     gaps: list[float] = []

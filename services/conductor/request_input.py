@@ -13,7 +13,12 @@ import grpc
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.common.sampling_params import Sampling
-from kvmesh.services.common.tokenizer import TokenizerError, load_tokenizer
+from kvmesh.services.common.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    TokenizerError,
+    load_tokenizer,
+)
 from kvmesh.services.conductor.cluster import ClusterView
 from kvmesh.services.conductor.frontend import Rejected
 
@@ -69,7 +74,7 @@ class RequestInput:
         self.served_names = served_names  # --served-model-name: aliases of the only model
         self.max_model_len = max_model_len  # --max-model-len (0 = the model's context)
         self.tokenizer_spec = tokenizer  # --tokenizer (empty = each model's own)
-        self._tokenizers: dict[str, object] = {}
+        self._tokenizers: dict[str, ByteTokenizer | HFTokenizer] = {}
 
     @classmethod
     def of(cls, view: ClusterView, cfg) -> RequestInput:
