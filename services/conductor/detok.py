@@ -124,7 +124,10 @@ class DecodeStreamDecoder(WindowDecoder):
         ctx = self.ids[self.prev : self.done]
         if ctx and self._decode(ctx).endswith(REPLACEMENT):
             return None
-        return DecodeStream(ids=ctx, skip_special_tokens=True)
+        try:
+            return DecodeStream(ids=ctx, skip_special_tokens=True)
+        except TypeError:  # tokenizers < 0.22 takes no context: the window serves
+            return DecodeStream(skip_special_tokens=True) if not ctx else None
 
     def step(self, ids: Sequence[int]) -> str:
         out = []

@@ -203,7 +203,10 @@ class QuietClientErrors(logging.LoggerAdapter):
         self.logger.exception(msg, *args, exc_info=exc_info, **kw)
 
 
-ARRIVAL = "kvmesh_arrival"  # the request's key for when it arrived (perf_counter)
+# the request's key for when it arrived (perf_counter); a typed key where aiohttp has them
+ARRIVAL: Any = (
+    web.RequestKey("kvmesh_arrival", float) if hasattr(web, "RequestKey") else "kvmesh_arrival"
+)
 
 
 @web.middleware
