@@ -33,10 +33,13 @@ class KvSide:
         if tls:  # one DevCA identity for the processes, one for this client
             from kvmesh.services.common.channels import TlsFiles
             from kvmesh.services.common.pki import generate_dev_pki
+            from kvmesh.services.common.roles import PREFILL, STORE_MASTER, STORE_NODE
 
-            ids = generate_dev_pki(os.path.join(work, "pki"), ["store"], sans=_TLS_SANS)
+            # this client calls the store as a model node does (a store client's role)
+            roles = {"store": [STORE_MASTER, STORE_NODE], "bench": [PREFILL]}
+            ids = generate_dev_pki(os.path.join(work, "pki"), roles, sans=_TLS_SANS)
             self.tls = TlsFiles(ids["store"].cert, ids["store"].key, ids["store"].ca)
-            c = ids["client"]
+            c = ids["bench"]
             self.client_tls = TlsFiles(c.cert, c.key, c.ca)
         self.cluster = None
         self.te = self.cl = None

@@ -212,6 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--quick", action="store_true", help="every phase, small (a few minutes)")
     p.add_argument("--phases", default=",".join(PHASES))
+    p.add_argument(
+        "--configs",
+        default="",
+        help="only these configurations (comma-separated, e.g. colocated,kvmesh-2p2d)",
+    )
+    p.add_argument(
+        "--workloads",
+        default=",".join(SWEPT + OTHERS),
+        help="the workloads the sweep, others and repeat phases measure",
+    )
     p.add_argument("--nodes", type=int, default=4, help="model nodes of every configuration")
     p.add_argument("--cpus", type=float, default=0.375, help="CPU budget of each node, cores")
     p.add_argument("--control-cpus", type=float, default=0.3, help="etcd+store-master+conductor")
@@ -266,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     for ph in phases:
         if ph not in PHASES:
             p.error(f"--phases: unknown phase {ph!r}; known: {', '.join(PHASES)}")
+    chosen = a.workloads.split(",")
+    for w in chosen:
+        if w not in SWEPT + OTHERS:
+            p.error(f"--workloads: unknown workload {w!r}; known: {', '.join(SWEPT + OTHERS)}")
     if a.nodes < 2 or a.cpus <= 0 or a.probes < 1 or a.repeats < 1:
         p.error("--nodes >= 2, --cpus > 0, --probes >= 1 and --repeats >= 1")
     if not a.quick and a.probe_requests < 150:
@@ -331,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
             res["plans"] = plans
         save()
 
-        def measure(cfg_name: str, w: str, repeat: int = 0) -> dict:
+        def measure(cfg_name: str, w: str, repeat: int = 0) -> dict | None:
+            if a.configs and cfg_name not in a.configs.split(","):
+                return None
             cfg = cfgs[cfg_name]
             make = wl.maker(w)
             predicted = ((plans.get(w) or {}).get("predicted_rps") or {}).get(cfg_name)
@@ -391,14 +407,15 @@ def main(argv: list[str] | None = None) -> int:
 
         best: dict[str, str] = {}
         if "sweep" in phases:
-            for w in SWEPT:
+            for w in [w for w in SWEPT if w in chosen]:
                 measure("colocated", w)
-                kv = [measure(f"kvmesh-{p_}p{d}d", w) for p_, d in ratios]
-                top = max(kv, key=lambda f: f["capacity_rps"])
-                best[w] = top["config"]
-                measure(top["config"].replace("kvmesh-", "nostore-"), w)
+                kv = [f for p_, d in ratios if (f := measure(f"kvmesh-{p_}p{d}d", w))]
+                if kv:
+                    top = max(kv, key=lambda f: f["capacity_rps"])
+                    best[w] = top["config"]
+                    measure(top["config"].replace("kvmesh-", "nostore-"), w)
         if "others" in phases:
-            for w in OTHERS:
+            for w in [w for w in OTHERS if w in chosen]:
                 pick = (
                     (plans.get(w) or {}).get("pick")
                 ) or f"kvmesh-{a.nodes // 2}p{a.nodes - a.nodes // 2}d"
@@ -407,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                     if name in cfgs:
                         measure(name, w)
         if "repeat" in phases:
-            for w in SWEPT:
+            for w in [w for w in SWEPT if w in chosen]:
                 pair = [
                     "colocated",
                     best.get(w) or f"kvmesh-{a.nodes // 2}p{a.nodes - a.nodes // 2}d",

@@ -23,7 +23,9 @@ the request's deadline. For each fault we check:
 Faults: SIGKILL of a prefill node, of a decode node, of the node holding the most store
 blocks; conductor, store-master and etcd restarts; a network cut and heal between a prefill
 node in its own network namespace (joined by a veth pair) and the rest of the cluster; KV
-bytes flipped on the data plane (``KVMESH_FAULT_CORRUPT_EVERY``, nodes run ``--checksum``).
+bytes flipped on the data plane (``KVMESH_FAULT_CORRUPT_EVERY``, nodes run ``--checksum``);
+hostile HTTP bodies (``hostile-body``, :mod:`kvmesh.loadtest.faults_hostile`: a live
+stream's token gaps stay bounded while they are sent, and nothing fails).
 Two rows run a real ``kvmesh up`` process instead: SIGKILL of the launcher itself
 (``launcher-killed``: no child may survive it and the conductor's port must be free within
 5 s) and SIGKILL of its decode node (``node-killed-in-local-cluster``: the launcher restarts
@@ -31,7 +33,10 @@ it, and a retried request succeeds within the lease TTL + 5 s). Two more start c
 of their own: ``store-master-failover`` (the leading store-master SIGKILLed, a standby
 takes over) and ``conductor-killed`` (:mod:`kvmesh.loadtest.faults_conductor`: one of two
 conductors SIGKILLed; accepted requests judged against 4x the solo TTFT and TPOT measured
-on the same cluster first).
+on the same cluster first). ``slowloris-data-port``
+(:mod:`kvmesh.loadtest.faults_slowloris`): 200 connections to a decode node's data port
+send one byte a second; nothing may fail, each must be closed at the handshake deadline
+and the node's threads stay bounded (a row with checks of its own sets ``passed``).
 
 Results: ``loadtest/results/faults.md`` and ``faults.json`` (``overload.md/json``).
 """
@@ -61,6 +66,7 @@ from kvmesh.loadtest.faults_cluster import (  # noqa: E402
     new_cluster,
 )
 from kvmesh.loadtest.faults_conductor import conductor_killed  # noqa: E402
+from kvmesh.loadtest.faults_hostile import hostile_body  # noqa: E402
 from kvmesh.loadtest.faults_netns import net_cut  # noqa: E402
 from kvmesh.loadtest.faults_overload import overload  # noqa: E402
 from kvmesh.loadtest.faults_own_cluster import byte_flip, store_master_failover  # noqa: E402
@@ -93,20 +99,22 @@ __all__ = [
     "write_report",
 ]
 
-ALL = [*PLAIN, *LAUNCHER, "byte-flip", "net-cut", "store-master-failover", "conductor-killed"]
+# rows run on the one shared cluster: the plain faults, then hostile bodies over HTTP
+SHARED = {**PLAIN, "hostile-body": hostile_body}
+ALL = [*SHARED, *LAUNCHER, "byte-flip", "net-cut", "store-master-failover", "conductor-killed"]
 
 
 def main_faults(faults: list[str], plan: Plan, workdir: str) -> list[dict]:
     prompts = make_prompts()
     expect = expected_outputs(prompts, plan.max_tokens)
     rows: list[dict] = []
-    plain = [f for f in faults if f in PLAIN]
+    plain = [f for f in faults if f in SHARED]
     if plain:
         cluster = new_cluster(os.path.join(workdir, "plain"))
         try:
             for f in plain:
                 print(f"-- {f}", flush=True)
-                row = PLAIN[f](cluster, prompts, expect, plan)
+                row = SHARED[f](cluster, prompts, expect, plan)
                 rows.append(row)
                 print(fmt_row(row), flush=True)
         finally:
@@ -174,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = [
             r["fault"]
             for r in rows
-            if r.get("skipped") is None and (r["wrong"] or r["hung"] or r["failed_other"])
+            if r.get("skipped") is None
+            and (r["wrong"] or r["hung"] or r["failed_other"] or r.get("passed") is False)
         ]
         return 1 if bad else 0
     finally:

@@ -1,6 +1,7 @@
 """The fault rows that share one cluster (:data:`PLAIN`): SIGKILL of a prefill node, of a
 decode node, of the node holding the most store blocks (each respawned after its row);
-conductor, store-master and etcd restarts."""
+conductor, store-master and etcd restarts; slow clients on a decode node's data port
+(:mod:`kvmesh.loadtest.faults_slowloris`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import grpc
 
 from kvmesh.loadtest.fault_harness import TTL, Load, Plan, live_nodes, run_fault, wait_for
 from kvmesh.loadtest.faults_cluster import master_address, respawn, store_holders
+from kvmesh.loadtest.faults_slowloris import slowloris_data_port
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.protos import kvmesh_pb2_grpc as pbg
 
@@ -117,4 +119,5 @@ PLAIN = {
     "conductor-restart": _restart("conductor-0", "conductor-restart"),
     "store-master-restart": _restart("store-master-0", "store-master-restart"),
     "etcd-restart": _restart("etcd", "etcd-restart"),
+    "slowloris-data-port": slowloris_data_port,
 }

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .tcp_accept import MAX_CONNS
 from .transport import Op, RegionTable, RemoteAccessError, TransferError, Transport, WorkRequest
 from .wire import LoopTurns
 
@@ -251,6 +252,7 @@ class TransferEngine:
         checksum: bool = False,
         connect_timeout: float = 3.0,
         poll_us: int = 200,
+        max_conns: int = MAX_CONNS,
         transport: Transport | str | None = None,
         transport_options: dict | None = None,
     ) -> None:
@@ -259,7 +261,8 @@ class TransferEngine:
         ``"auto"`` (the default: RDMA verbs when a device is usable, else TCP
         with one log line saying why).  ``transport_options`` are passed to
         the factory (e.g. ``devices=["mlx5_0"]``). ``poll_us`` is the TCP
-        transport's busy-poll window (0 = never spin; see ``TcpTransport``)."""
+        transport's busy-poll window (0 = never spin; see ``TcpTransport``), ``max_conns``
+        the most connections its data port holds at once (:mod:`kvmesh.rdma.tcp_accept`)."""
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be positive")
         self.chunk_bytes = chunk_bytes
@@ -277,6 +280,7 @@ class TransferEngine:
                 checksum=checksum,
                 connect_timeout=connect_timeout,
                 poll_us=poll_us,
+                max_conns=max_conns,
                 **(transport_options or {}),
             )
         self._transport = transport

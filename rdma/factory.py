@@ -14,7 +14,7 @@ import os
 import threading
 from typing import Any
 
-from .tcp import TcpTransport
+from .tcp import MAX_CONNS, TcpTransport
 from .transport import Transport
 
 __all__ = ["KINDS", "make_transport", "rdma_unavailable_reason"]
@@ -62,6 +62,7 @@ def make_transport(
     checksum: bool = False,
     connect_timeout: float = 3.0,
     poll_us: int = 200,
+    max_conns: int = MAX_CONNS,
     **verbs_options,
 ) -> Transport:
     """Build a transport.  ``verbs_options`` go to
@@ -73,7 +74,10 @@ def make_transport(
     if kind not in KINDS:
         raise ValueError(f"unknown transport kind {kind!r}; expected one of {KINDS}")
     tcp_kw: dict[str, Any] = dict(
-        conns_per_peer=conns_per_peer, checksum=checksum, connect_timeout=connect_timeout
+        conns_per_peer=conns_per_peer,
+        checksum=checksum,
+        connect_timeout=connect_timeout,
+        max_conns=max_conns,
     )
     if kind == "tcp":
         return TcpTransport(secret, host, port, poll_us=poll_us, **tcp_kw)

@@ -33,8 +33,9 @@ Wire format (network byte order), after the handshake in :mod:`kvmesh.rdma.wire`
 
 Modules: this one holds :class:`TcpTransport` (lifecycle, client-side submit,
 stats); :mod:`kvmesh.rdma.tcp_channel` the client channels (sender/receiver threads,
-retries); :mod:`kvmesh.rdma.tcp_lane` the fast lane; :mod:`kvmesh.rdma.tcp_server` the accept
-loop and per-connection request serving; :mod:`kvmesh.rdma.tcp_proto` the framing
+retries); :mod:`kvmesh.rdma.tcp_lane` the fast lane; :mod:`kvmesh.rdma.tcp_accept` the accept
+loop (handshakes with a deadline, the connection cap); :mod:`kvmesh.rdma.tcp_server`
+per-connection request serving; :mod:`kvmesh.rdma.tcp_proto` the framing
 constants and :class:`~kvmesh.rdma.tcp_proto.TcpEndpoint`, the part of the transport the
 other modules see (none of them imports this one).  Each tunable is defined in the
 module that reads it and re-exported here: to change one at run time (tests), patch it
@@ -50,6 +51,7 @@ from collections.abc import Callable
 
 # Each tunable lives in the module that reads it; they and the framing constants
 # are re-exported here, where they were defined before the split.
+from .tcp_accept import MAX_CONNS, accept_loop  # noqa: F401
 from .tcp_channel import MAX_ATTEMPTS, MAX_BATCH_BYTES, MAX_BATCH_REQS, Channel  # noqa: F401
 from .tcp_lane import FAST_MAX_INFLIGHT, FAST_RETRY_S, FastLane  # noqa: F401
 from .tcp_proto import (  # noqa: F401
@@ -68,7 +70,6 @@ from .tcp_server import (  # noqa: F401
     POLL_MAX_BYTES,
     SCRATCH_BYTES,
     ServerState,
-    accept_loop,
 )
 from .transport import Op, RegionTable, TransferError, Transport, WorkRequest
 from .wire import Counters, configure_socket, split_address, usable_cpus
@@ -105,11 +106,17 @@ class TcpTransport(Transport):
         sock_buf_bytes: int = 4 << 20,
         connect_timeout: float = CONNECT_TIMEOUT,
         poll_us: int = 200,
+        max_conns: int = MAX_CONNS,
     ) -> None:
+        """``connect_timeout``: seconds for connecting to a peer and its handshake, and
+        (at least 1 s) for a peer's whole handshake with this one's data port; ``max_conns``:
+        most connections the data port holds at once (:mod:`kvmesh.rdma.tcp_accept`)."""
         if not secret:
             raise ValueError("a non-empty cluster secret is required")
         if conns_per_peer < 1:
             raise ValueError("conns_per_peer must be >= 1")
+        if max_conns < 1:
+            raise ValueError(f"max_conns must be >= 1, not {max_conns}")
         self.secret = bytes(secret)
         self.host = host
         self.port = port
@@ -117,6 +124,8 @@ class TcpTransport(Transport):
         self.checksum = checksum
         self.sock_buf_bytes = sock_buf_bytes
         self.connect_timeout = connect_timeout
+        self.handshake_s = max(connect_timeout, 1.0)
+        self.max_conns = max_conns
         if poll_us < 0:
             raise ValueError("poll_us must be >= 0")
         self.poll_s = poll_us / 1e6
@@ -145,10 +154,7 @@ class TcpTransport(Transport):
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         configure_socket(ls, self.sock_buf_bytes)  # inherited by accepted sockets
         ls.bind((self.host, self.port))
-        ls.listen(128)
-        ls.settimeout(
-            1.0
-        )  # lets the accept loop notice close() even if shutdown() does not wake it
+        ls.listen(512)  # the accept loop makes it non-blocking and wakes every 0.5 s
         self._server = server = ServerState(ls, regions, on_notify)
         self.port = ls.getsockname()[1]
         self.address = f"{self.host}:{self.port}"

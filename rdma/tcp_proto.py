@@ -31,6 +31,8 @@ class TcpEndpoint(Protocol):
     port: int  # listening port (names the server threads)
     sock_buf_bytes: int  # SO_SNDBUF / SO_RCVBUF for new sockets
     connect_timeout: float  # seconds for connect + handshake
+    handshake_s: float  # a server-side handshake not done this long after accept is closed
+    max_conns: int  # most connections the data port holds at once (pending + served)
     checksum: bool  # crc32 every payload sent and check every one received
     poll_s: float  # busy-poll window in seconds (0 = never spin)
     spinners: threading.BoundedSemaphore  # slots for server threads that busy-poll

@@ -1,11 +1,12 @@
 """Server side of the TCP transport (:class:`kvmesh.rdma.tcp.TcpTransport`).
 
-:meth:`TcpTransport.start` runs :func:`accept_loop` on a thread; it starts one
-:func:`serve` thread per accepted connection, which authenticates the peer and then
-serves its requests (:func:`serve_requests`): WRITE payloads are ``recv_into``'d
-straight into the registered region, READ data goes out zero-copy from it, NOTIFY
-payloads go to the transport's ``on_notify`` callback, and acks are coalesced into
-few ``sendmsg`` s.  While it waits for the next request (or for a WRITE payload of
+:func:`kvmesh.rdma.tcp_accept.accept_loop` accepts connections and authenticates them
+(with a deadline for the whole handshake and a cap on connections); it starts one
+:func:`serve` thread per authenticated connection, which sends the handshake's last
+message and then serves the peer's requests (:func:`serve_requests`): WRITE payloads are
+``recv_into``'d straight into the registered region, READ data goes out zero-copy from
+it, NOTIFY payloads go to the transport's ``on_notify`` callback, and acks are coalesced
+into few ``sendmsg`` s.  While it waits for the next request (or for a WRITE payload of
 up to ``POLL_MAX_BYTES``) the thread busy-polls the socket for up to the transport's
 ``poll_s`` before it blocks (:func:`kvmesh.rdma.wire.recv_spin`), if one of the transport's
 few spinner slots is free (at most ``TcpTransport.spinners`` threads spin at once,
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable
 
@@ -38,12 +40,10 @@ from .transport import Op, RegionTable, RemoteAccessError
 from .wire import (
     REP,
     REQ,
-    AuthError,
     PollBackoff,
     recv_exact,
     recv_spin,
     sendmsg_all,
-    server_handshake,
 )
 
 log = logging.getLogger("kvmesh.rdma.tcp")  # the transport's logger, as before the split
@@ -84,6 +84,11 @@ class ServerState:
             self._threads.add(thread)
             return True
 
+    def count(self) -> int:
+        """Authenticated connections being served now."""
+        with self._lock:
+            return len(self._socks)
+
     def discard(self, sock: socket.socket, thread: threading.Thread) -> None:
         """Forgets a connection whose thread is ending."""
         with self._lock:
@@ -98,37 +103,19 @@ class ServerState:
             return list(self._socks), list(self._threads)
 
 
-def accept_loop(tr: TcpEndpoint, server: ServerState) -> None:
-    """Accepts connections until the transport closes; one :func:`serve` thread each."""
-    ls = server.listener
-    while not tr.closed:
-        try:
-            sock, _ = ls.accept()
-        except TimeoutError:
-            continue
-        except OSError:
-            if tr.closed:
-                break
-            continue
-        sock.setblocking(True)
-        t = threading.Thread(
-            target=serve, args=(tr, server, sock), daemon=True, name=f"kvmesh-srv-{tr.port}"
-        )
-        if tr.closed or not server.add(sock, t):
-            sock.close()
-            break
-        t.start()
-
-
-def serve(tr: TcpEndpoint, server: ServerState, sock: socket.socket) -> None:
-    """One accepted connection: handshake, then :func:`serve_requests` until it ends."""
+def serve(
+    tr: TcpEndpoint, server: ServerState, sock: socket.socket, answer: bytes, deadline: float
+) -> None:
+    """One authenticated connection: the handshake's last message (``answer``, sent by
+    ``deadline``, a ``time.monotonic()``), then :func:`serve_requests` until it ends."""
     try:
         try:
-            sock.settimeout(max(tr.connect_timeout, 1.0))
-            server_handshake(sock, tr.secret)
+            sock.setblocking(True)
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
+            sock.sendall(answer)
             sock.settimeout(None)
-        except (OSError, AuthError) as e:
-            tr.counters.add("auth_rejected" if isinstance(e, AuthError) else "handshake_errors")
+        except OSError:
+            tr.counters.add("handshake_errors")
             return
         serve_requests(tr, server, sock)
     except OSError:

@@ -53,7 +53,7 @@ from .gpu_memory import (
     register_gpu_memory,
     unavailable_reason,
 )
-from .tcp import TcpTransport
+from .tcp import MAX_CONNS, TcpTransport
 from .transport import Op, RegionTable, RemoteAccessError, TransferError, Transport, WorkRequest
 from .verbs_layer import (
     LocalRegion,
@@ -166,6 +166,7 @@ class VerbsTransport(Transport):
         conns_per_peer: int = 2,
         checksum: bool = False,
         connect_timeout: float = 3.0,
+        max_conns: int = MAX_CONNS,
         layer: VerbsLayer | None = None,
         devices: list[str] | None = None,
         port_num: int = 1,
@@ -180,7 +181,12 @@ class VerbsTransport(Transport):
         if piece_bytes < 1:
             raise ValueError("piece_bytes must be positive")
         self.tcp = TcpTransport(
-            secret, host, port, conns_per_peer=conns_per_peer, connect_timeout=connect_timeout
+            secret,
+            host,
+            port,
+            conns_per_peer=conns_per_peer,
+            connect_timeout=connect_timeout,
+            max_conns=max_conns,
         )
         self.layer = layer if layer is not None else PyverbsLayer()
         # GPU memory registered through dma-buf: off by default, untested (gpu_memory.py)

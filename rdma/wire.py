@@ -28,7 +28,9 @@ __all__ = [
     "REP",
     "Reader",
     "client_handshake",
+    "server_answer",
     "server_handshake",
+    "server_hello",
     "LoopTurns",
     "PollBackoff",
     "configure_socket",
@@ -217,18 +219,38 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def server_handshake(sock: socket.socket, secret: bytes) -> None:
-    """Authenticate a connecting client; raises AuthError (caller closes)."""
+CLIENT_PROOF_BYTES = MAC_BYTES + NONCE_BYTES  # what the client sends in the handshake
+
+
+def server_hello() -> tuple[bytes, bytes]:
+    """The server's first handshake message and its nonce: ``(hello, nonce_s)``. With
+    :func:`server_answer`, the server side without the I/O (the data port drives many
+    handshakes from one thread, :mod:`kvmesh.rdma.tcp_accept`)."""
     nonce_s = os.urandom(NONCE_BYTES)
-    sock.sendall(MAGIC + nonce_s)
+    return MAGIC + nonce_s, nonce_s
+
+
+def server_answer(secret: bytes, nonce_s: bytes, proof: bytes) -> bytes:
+    """Checks the client's ``proof`` (:data:`CLIENT_PROOF_BYTES`) against ``nonce_s``;
+    returns the server's reply, or raises AuthError."""
+    mac_c, nonce_c = proof[:MAC_BYTES], proof[MAC_BYTES:]
+    if len(proof) != CLIENT_PROOF_BYTES or not hmac.compare_digest(
+        mac_c, _mac(secret, b"client", nonce_s, nonce_c)
+    ):
+        raise AuthError("client failed authentication")
+    return _mac(secret, b"server", nonce_c, nonce_s)
+
+
+def server_handshake(sock: socket.socket, secret: bytes) -> None:
+    """Authenticate a connecting client on a blocking socket; raises AuthError (caller
+    closes)."""
+    hello, nonce_s = server_hello()
+    sock.sendall(hello)
     try:
-        msg = _recv_bytes(sock, MAC_BYTES + NONCE_BYTES)
+        proof = _recv_bytes(sock, CLIENT_PROOF_BYTES)
     except ConnectionError as e:
         raise AuthError("client closed during handshake") from e
-    mac_c, nonce_c = msg[:MAC_BYTES], msg[MAC_BYTES:]
-    if not hmac.compare_digest(mac_c, _mac(secret, b"client", nonce_s, nonce_c)):
-        raise AuthError("client failed authentication")
-    sock.sendall(_mac(secret, b"server", nonce_c, nonce_s))
+    sock.sendall(server_answer(secret, nonce_s, proof))
 
 
 def client_handshake(sock: socket.socket, secret: bytes) -> None:

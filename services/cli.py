@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import math
 import signal
 import sys
 import time
@@ -29,6 +28,8 @@ from kvmesh.services.client import (
     format_status,
     stream_completion,
 )
+from kvmesh.services.common.argtypes import float_at_least as _float_at_least
+from kvmesh.services.common.argtypes import int_in as _int_in
 from kvmesh.services.common.auth import api_key_from_env
 from kvmesh.services.common.channels import TlsFiles, configure
 from kvmesh.services.common.config import ConfigError
@@ -88,6 +89,7 @@ async def _generate(args: argparse.Namespace) -> int:
         prompt=args.prompt,
         max_tokens=args.max_tokens,
         model=args.model,
+        # no --seed: fresh randomness (the conductor draws one)
         sampling=pb.SamplingParams(temperature=args.temperature, seed=args.seed),
         slo=pb.SLO(ttft_ms=args.ttft_slo_ms),
         cache_salt=args.cache_salt,
@@ -159,23 +161,6 @@ async def _health(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _int_in(lo: int, hi: int):
-    """An argparse type: an integer in [lo, hi] (the range of its protobuf field)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(
-                f"{value} is out of range: give an integer from {lo} to {hi}"
-            )
-        return value
-
-    return parse
-
-
 def _conductors(text: str) -> str:
     """An argparse type: one conductor address or several, comma-separated (checked by
     ``client.conductor_addresses``: an empty list or a malformed address is an error
@@ -185,23 +170,6 @@ def _conductors(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
-
-
-def _float_at_least(lo: float, above: bool = False):
-    """An argparse type: a finite number >= lo (> lo when ``above``)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value) or value < lo or (above and value == lo):
-            raise argparse.ArgumentTypeError(
-                f"{text} is out of range: give a number {'>' if above else '>='} {lo:g}"
-            )
-        return value
-
-    return parse
 
 
 def add_client_arguments(p: argparse.ArgumentParser, api_key: bool = True) -> None:
@@ -269,7 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--max-tokens", type=_int_in(1, 2**31 - 1), default=32)
     g.add_argument("--model", default="")
     g.add_argument("--temperature", type=_float_at_least(0), default=0.0)
-    g.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=0, help="RNG seed (0 to 2^64-1)")
+    g.add_argument(
+        "--seed",
+        type=_int_in(0, 2**64 - 1),
+        default=None,
+        help="RNG seed (0 to 2^64-1); none: fresh randomness for each request",
+    )
     g.add_argument(
         "--ttft-slo-ms", type=_float_at_least(0), default=0.0, help="tighten the TTFT SLO"
     )
@@ -305,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     h.add_argument("--service", default="", help="service name to check ('' = the server)")
     h.add_argument(
         "--wait",
-        type=float,
+        type=_float_at_least(0),
         default=0.0,
         help="keep checking up to this many seconds until SERVING",
     )

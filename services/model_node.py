@@ -29,6 +29,7 @@ from kvmesh.services.engine.config import ModelConfig, dtype_name, resolve_dtype
 from kvmesh.services.engine.device import kv_memory_bytes, resolve_device
 from kvmesh.services.engine.kv_pool import KVPool
 from kvmesh.services.engine.model import LlamaModel
+from kvmesh.services.engine.sampler_device import top_alternatives
 from kvmesh.services.node_config import NodeConfig
 from kvmesh.services.node_profile import profile
 from kvmesh.services.store.client import StoreClient
@@ -126,6 +127,7 @@ class ModelNode(Service):
             port=cfg.data_port,
             checksum=cfg.checksum,
             poll_us=cfg.te_poll_us,
+            max_conns=cfg.te_max_conns,
         )
         self.membership = Membership(self.etcd, nodes_prefix(cfg.cluster))
         self.model: LlamaModel | None = None
@@ -285,3 +287,16 @@ class ModelNode(Service):
         await self.te.close()
         self.pool = None
         self.segment = None
+
+
+def top_message(top: list[tuple[int, float]]) -> pb.TopLogprobs:
+    """One token's alternatives ``[(id, logprob)]`` as the proto carries them."""
+    return pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+
+
+def first_alternatives(logits: torch.Tensor, sampling) -> pb.TopLogprobs | None:
+    """The first token's top alternatives (a prompt's last logits), when the request's
+    ``logprobs`` and ``top_logprobs`` ask for them; None otherwise."""
+    if not (sampling.logprobs and sampling.top_logprobs):
+        return None
+    return top_message(top_alternatives(logits.reshape(1, -1), [sampling.top_logprobs])[0])

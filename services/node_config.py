@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.rdma.tcp import MAX_CONNS
 from kvmesh.services.common.config import ConfigError, option, parse_memory, parse_size
 from kvmesh.services.common.settings import DEV_SECRET, ServiceConfig, check_data_plane_secret
 from kvmesh.services.engine.checkpoint import CheckpointError, resolve_model
@@ -84,6 +85,14 @@ class NodeConfig(ServiceConfig):
         "store call's answer, before sleeping; trades CPU for "
         "latency, 0 = never spin",
     )
+    te_max_conns: int = option(
+        MAX_CONNS,
+        "most connections the transfer engine's data port holds at once, peers being "
+        "served and handshakes in progress together (each peer opens a few); at the "
+        "limit a new connection closes the oldest unfinished handshake, or is closed "
+        'itself when all are peers (kvmesh_data_port_refused_total{reason="limit"}); '
+        "a handshake not finished in 3 s is closed",
+    )
     checksum: bool = option(
         False,
         "integrity checking on the data plane: every KV slice carries "
@@ -135,6 +144,8 @@ class NodeConfig(ServiceConfig):
                 f"te_poll_us: {self.te_poll_us} must be between 0 and 5000 "
                 f"(the event loop spins that long at most)"
             )
+        if not 1 <= self.te_max_conns <= 1 << 20:
+            raise ConfigError(f"te_max_conns: {self.te_max_conns} must be between 1 and {1 << 20}")
 
     @property
     def prefill_chunk(self) -> int:

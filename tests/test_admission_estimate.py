@@ -233,6 +233,52 @@ def test_admission_scales_a_near_slo_estimate_by_the_near_tail():
     assert not d.accepted and "x2.00" in d.message
 
 
+def test_a_tail_raised_by_a_burst_comes_down_once_the_burst_is_past_the_horizon():
+    """The absorbing state the long-prompt evaluation fell into: a burst of late TTFTs
+    raised the tail, the tail refused every near-SLO request, and so no ratio could ever
+    lower it again (150 of 150 refused at a fifth of the burst's rate). Ratios older than
+    the horizon leave it; fresh ones within it still count."""
+    s = make()
+    horizon_ms = 1000.0 * s.cfg.error_tail_horizon_s
+    et = s.error_tail[DISAGG]
+    for i in range(60):  # a burst: every near-SLO estimate came twice late
+        et.add(26, 52, limit=40, now=float(i))
+    assert et.near_value == pytest.approx(2.0)
+    s.now["t"] = horizon_ms / 2  # within the horizon: still refused
+    assert not s.decide(req("x", ttft=40.0)).accepted
+    s.now["t"] = 60.0 + horizon_ms  # the burst is past: the estimate is taken as it is
+    d = s.decide(req("y", ttft=40.0))
+    assert d.accepted, d.message
+    assert et.value == et.near_value == 1.0
+    for i in range(60):  # a new late burst counts at once
+        et.add(26, 52, limit=40, now=s.now["t"] + i)
+    s.now["t"] += 100.0
+    assert not s.decide(req("z", ttft=40.0)).accepted
+
+
+def test_an_estimate_that_waits_on_nothing_is_scaled_by_the_tail_of_such_estimates():
+    """Queued estimates came twice late (an overload); those of an idle node came on
+    time: a near-SLO request to an idle node is scaled by the idle tail and accepted, a
+    queued one still by the tail of all."""
+    et = ErrorTail(least=3, least_sized=3)
+    for i in range(3):  # on idle nodes (no wait): on time
+        et.add(30, 30, limit=40, wait=0.0, now=float(i))
+    for i in range(10):  # behind a queue: twice late
+        et.add(30, 60, limit=40, wait=20.0, now=10.0 + i)
+    assert et.near_value == pytest.approx(2.0) and et.idle_value == pytest.approx(1.0)
+    assert et.factor(30, 40, wait=0.0) == pytest.approx(1.0)
+    assert et.factor(30, 40, wait=20.0) == pytest.approx(2.0)
+    assert et.factor(30, 40) == pytest.approx(2.0)  # (its wait not known)
+    s = make()
+    s.error_tail[DISAGG] = et
+    s.now["t"] = 100.0
+    d = s.decide(req("idle", ttft=40.0))  # 26 ms, nothing queued: x1, inside 40
+    assert d.accepted, d.message
+    s.commit(req("idle", ttft=40.0), d)  # now the next one waits behind it: x2
+    d = s.decide(req("queued", ttft=60.0))
+    assert not d.accepted and "x2.00" in d.message
+
+
 def test_error_tail_is_a_high_quantile_of_recent_ratios():
     tail = ErrorTail(window=10, quantile=0.9, least=3)
     tail.add(100, 300)

@@ -43,6 +43,7 @@ GENERATE = "/kvmesh.v1.Conductor/Generate"
 STATUS = "/kvmesh.v1.Conductor/ClusterStatus"
 CLIENT_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,  # a model the cluster does not serve
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAUTHENTICATED,
 }
@@ -236,6 +237,11 @@ def generate_requests(draw) -> pb.GenerateRequest:
     s.stop_token_ids.extend(draw(st.lists(ints32, max_size=3)))
     s.stop.extend(draw(st.lists(texts, max_size=3)))
     s.logprobs = draw(st.booleans())
+    s.presence_penalty, s.frequency_penalty = draw(floats), draw(floats)
+    s.repetition_penalty, s.min_p = draw(floats), draw(floats)
+    for t, b in draw(st.dictionaries(ints32, floats, max_size=3)).items():
+        s.logit_bias[t] = b
+    s.min_tokens = draw(st.integers(0, 2**32 - 1))
     req.slo.ttft_ms, req.slo.tbt_ms = draw(floats), draw(floats)
     return req
 
@@ -359,6 +365,17 @@ KNOWN = [
     "tbt_slo_ms",
     "user",
     "tools",
+    "tool_choice",
+    "response_format",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "stop_token_ids",
+    "min_tokens",
+    "top_logprobs",
+    "no_such_field",
 ]
 
 
@@ -421,7 +438,7 @@ def test_fuzz_http(cluster, body, chat):
         parsed.setdefault("max_completion_tokens", parsed["max_tokens"])
         body = json.dumps(parsed).encode()
     code = _post(cluster.http_port, path, body)
-    assert code in (200, 400, 401, 413, 429), (code, body[:200])
+    assert code in (200, 400, 401, 404, 413, 429), (code, body[:200])
 
 
 @FUZZ

@@ -3,6 +3,8 @@
 * mutual TLS on every gRPC channel (``LocalCluster(tls=True)``, as ``kvmesh up --tls``):
   plaintext, TLS without a client certificate and a certificate from another CA are
   refused, at the conductor and at the nodes;
+* roles of certificates: the ``client`` certificate is refused the nodes' internal RPCs
+  (PERMISSION_DENIED) and still generates and reads the status;
 * API keys (gRPC metadata and HTTP bearer): missing or wrong -> UNAUTHENTICATED / 401;
 * tenant isolation: tenant A's repeated prefix hits, tenant B's equal prompt does not;
   two tenants in one shared namespace do hit;
@@ -484,6 +486,120 @@ def test_cli_against_tls_cluster(cluster):
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
+
+
+def _ident(c: LocalCluster, name: str) -> TlsFiles:
+    """The cluster CA's identity ``name`` (its role: the one the name starts with)."""
+    a = c.tls_args(name)
+    return TlsFiles(a[1], a[3], a[5])
+
+
+def _denied(fn) -> str:
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value
+    return e.value.details()
+
+
+def test_client_certificate_reaches_the_public_api_only(cluster):
+    """Roles under mutual TLS: the CLI's ``client`` certificate is refused the nodes'
+    internal RPCs (PERMISSION_DENIED naming its role and the RPC) and still generates
+    (greedy, the single-process reference's tokens) and reads the status; a peer that
+    has no business with an RPC is refused too, and the conductor's role is served."""
+    from kvmesh.services.common.tokenizer import ByteTokenizer
+    from kvmesh.services.engine.model import LlamaModel
+
+    st = cluster.status(timeout=5)
+    decode = next(n.grpc_address for n in st.nodes if n.role == "decode")
+    prefill = next(n.grpc_address for n in st.nodes if n.role == "prefill")
+    master = next(n.grpc_address for n in st.nodes if n.role == "store-master")
+    client = cluster.client_tls()
+    reserve = pb.ReserveRequest(request_id="roles-probe", prompt_tokens=8, max_tokens=8)
+    with _secure(decode, client) as ch:
+        stub = pbg.DecodeNodeStub(ch)
+        msg = _denied(lambda: stub.Reserve(reserve, timeout=5))
+        assert "'client'" in msg and "/kvmesh.v1.DecodeNode/Reserve" in msg, msg
+        msg = _denied(lambda: stub.Release(pb.ReleaseRequest(request_id="x"), timeout=5))
+        assert "'client'" in msg and "/kvmesh.v1.DecodeNode/Release" in msg, msg
+        _denied(lambda: stub.Status(pb.NodeStatusRequest(), timeout=5))
+    with _secure(prefill, client) as ch:
+        msg = _denied(
+            lambda: pbg.PrefillNodeStub(ch).Prefill(
+                pb.PrefillRequest(request_id="x", token_ids=[1, 2, 3]), timeout=5
+            )
+        )
+        assert "/kvmesh.v1.PrefillNode/Prefill" in msg
+    with _secure(master, client) as ch:
+        _denied(
+            lambda: pbg.StoreMasterStub(ch).PutStart(
+                pb.PutStartRequest(node_id="x", hashes=[b"k" * 16], sizes=[64]), timeout=5
+            )
+        )
+    # a certificate of the cluster's CA that names no role is a client's
+    with _secure(decode, _ident(cluster, "nameless")) as ch:
+        msg = _denied(lambda: pbg.DecodeNodeStub(ch).Reserve(reserve, timeout=5))
+        assert "names no role" in msg, msg
+    # a peer that never calls Reserve may not either; the conductor's role may
+    with _secure(decode, _ident(cluster, "prefill-0")) as ch:
+        msg = _denied(lambda: pbg.DecodeNodeStub(ch).Reserve(reserve, timeout=5))
+        assert "'prefill'" in msg and "allowed: conductor" in msg, msg
+    with _secure(decode, _ident(cluster, "conductor-0")) as ch:
+        assert pbg.DecodeNodeStub(ch).Status(pb.NodeStatusRequest(), timeout=5).node_id
+    # the client API still serves the client certificate, end to end over mTLS
+    with _secure(cluster.conductor, client) as ch:
+        st = pbg.ConductorStub(ch).ClusterStatus(
+            pb.ClusterStatusRequest(), timeout=5, metadata=bearer_metadata("kopen")
+        )
+    assert {n.role for n in st.nodes} >= {"prefill", "decode", "store-master"}
+    prompt = "Roles: who may call what. "
+    tokens: list[int] = []
+    with _secure(cluster.conductor, client) as ch:
+        for r in pbg.ConductorStub(ch).Generate(
+            pb.GenerateRequest(prompt=prompt, max_tokens=12),
+            timeout=60,
+            metadata=bearer_metadata("kopen"),
+        ):
+            tokens.extend(r.token_ids)
+    model = LlamaModel.from_preset("tiny", seed=0)
+    tok = ByteTokenizer()
+    assert tokens == model.reference_generate(tok.encode(prompt), 12, eos_id=tok.eos_id)
+    # and a service certificate may not use the public API
+    with _secure(cluster.conductor, _ident(cluster, "decode-0")) as ch:
+        msg = _denied(
+            lambda: pbg.ConductorStub(ch).ClusterStatus(
+                pb.ClusterStatusRequest(), timeout=5, metadata=bearer_metadata("kopen")
+            )
+        )
+        assert "'decode'" in msg and "/kvmesh.v1.Conductor/ClusterStatus" in msg, msg
+    # every refusal is counted, and the cluster's own calls (the conductor's to the nodes
+    # and the store, the nodes' to the store, over gRPC and the fast path) met none
+    want = {
+        "decode": {
+            ("/kvmesh.v1.DecodeNode/Reserve", "client"),
+            ("/kvmesh.v1.DecodeNode/Release", "client"),
+            ("/kvmesh.v1.DecodeNode/Status", "client"),
+            ("/kvmesh.v1.DecodeNode/Reserve", "none"),
+            ("/kvmesh.v1.DecodeNode/Reserve", "prefill"),
+        },
+        "prefill": {("/kvmesh.v1.PrefillNode/Prefill", "client")},
+        "store-master": {("/kvmesh.v1.StoreMaster/PutStart", "client")},
+        "conductor": {("/kvmesh.v1.Conductor/ClusterStatus", "decode")},
+    }
+    for n in st.nodes:
+        assert _denials(n.metrics_address) == want[n.role], n.role
+
+
+def _denials(metrics_address: str) -> set[tuple[str, str]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {
+        (s.labels["method"], s.labels["role"])
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "kvmesh_rpc_denied_total" and s.value > 0
+    }
 
 
 def test_data_plane_refuses_wrong_secret(cluster):

@@ -15,6 +15,7 @@ import pytest
 from kvmesh.loadtest.store_cluster import StoreCluster
 from kvmesh.services.common.channels import TlsFiles
 from kvmesh.services.common.pki import DevCA
+from kvmesh.services.common.roles import PREFILL, STORE_MASTER, STORE_NODE
 from kvmesh.services.store_master import wire
 from kvmesh.services.store_master.fastpath import HANDSHAKE_S
 from tests.store_util import fast_address, master_counter, running_store
@@ -27,7 +28,11 @@ MAX_CONNS, MAX_HANDSHAKES = 3, 2
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     ca = DevCA(str(tmp_path_factory.mktemp("pki") / "ca"))
-    return {n: TlsFiles(i.cert, i.key, i.ca) for n, i in ((n, ca.issue(n)) for n in ("s", "c"))}
+    roles = {"s": [STORE_MASTER, STORE_NODE], "c": [PREFILL]}  # the store; a store client
+    return {
+        n: TlsFiles(i.cert, i.key, i.ca)
+        for n, i in ((n, ca.issue(n, roles=r)) for n, r in roles.items())
+    }
 
 
 @pytest.fixture(scope="module")

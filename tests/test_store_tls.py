@@ -12,14 +12,18 @@ import os
 import socket
 import ssl
 
+import grpc
 import numpy as np
 import pytest
 
 from kvmesh.loadtest.store_cluster import StoreCluster
+from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.protos import kvmesh_pb2_grpc as pbg
 from kvmesh.rdma import TransferEngine
 from kvmesh.services.common import channels
 from kvmesh.services.common.channels import TlsFiles
 from kvmesh.services.common.pki import DevCA
+from kvmesh.services.common.roles import CLIENT, PREFILL, STORE_MASTER, STORE_NODE
 from kvmesh.services.common.settings import DEV_SECRET
 from kvmesh.services.store.client import StoreClient
 from kvmesh.services.store_master import wire
@@ -33,7 +37,12 @@ def pki(tmp_path_factory):
     root = tmp_path_factory.mktemp("pki")
     ca = DevCA(str(root / "ca"))
     other = DevCA(str(root / "other"), name="another CA")
-    ident = {n: ca.issue(n) for n in ("store", "client")}
+    # the processes hold the store's roles; the client is a model node's store client
+    ident = {
+        "store": ca.issue("store", roles=[STORE_MASTER, STORE_NODE]),
+        "client": ca.issue("client", roles=[PREFILL]),
+        "cli": ca.issue("cli", roles=[CLIENT]),  # the command line's role
+    }
     stranger = other.issue("stranger")
     as_files = {k: TlsFiles(v.cert, v.key, v.ca) for k, v in ident.items()}
     as_files["stranger"] = TlsFiles(stranger.cert, stranger.key, ca.ca_path)
@@ -140,3 +149,27 @@ def test_fast_path_refuses_plaintext_and_strangers(store, pki):
     # the master still serves the right client afterwards
     n, rid, status = wire.HEAD.unpack(_tls_attempt(addr, pki["client"])[: wire.HEAD_SIZE])
     assert (rid, status) == (9, 0)
+
+
+def test_a_client_role_certificate_is_refused_the_store(store, pki):
+    """Roles (services/common/roles.py): a certificate of the cluster's CA whose role is
+    ``client`` completes its TLS handshake but the fast path closes it unserved, and its
+    gRPC store calls get PERMISSION_DENIED naming its role and the RPC; a store client's
+    role (``prefill``) is served on both."""
+    addr = fast_address(store, pki["client"])
+    assert _tls_attempt(addr, pki["cli"]) == b""
+    n, rid, status = wire.HEAD.unpack(_tls_attempt(addr, pki["client"])[: wire.HEAD_SIZE])
+    assert (rid, status) == (9, 0)
+    with channels.make_sync_channel(store.master, pki["cli"]) as ch:
+        stub = pbg.StoreMasterStub(ch)
+        for call, req in (
+            (stub.StoreHello, pb.StoreHelloRequest()),
+            (stub.Exists, pb.ExistsRequest(hashes=[b"k" * 16])),
+            (stub.PutStart, pb.PutStartRequest(node_id="cli", hashes=[b"k" * 16], size=64)),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                call(req, timeout=10)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert (
+                "'client'" in e.value.details() and "/kvmesh.v1.StoreMaster/" in e.value.details()
+            )

@@ -686,8 +686,12 @@ def test_split_tcp_modules_never_import_the_transport_module():
     (they see the transport as tcp_proto.TcpEndpoint).  The cycle check over every
     kvmesh module, and the rule that rdma never imports services, are in test_layers."""
     graph = _rdma_import_graph()
-    assert {"kvmesh.rdma.tcp_channel", "kvmesh.rdma.tcp_server"} <= graph["kvmesh.rdma.tcp"]
-    for mod in ("tcp_channel", "tcp_lane", "tcp_server", "tcp_proto"):
+    assert {
+        "kvmesh.rdma.tcp_channel",
+        "kvmesh.rdma.tcp_server",
+        "kvmesh.rdma.tcp_accept",
+    } <= graph["kvmesh.rdma.tcp"]
+    for mod in ("tcp_channel", "tcp_lane", "tcp_server", "tcp_proto", "tcp_accept"):
         assert "kvmesh.rdma.tcp" not in graph[f"kvmesh.rdma.{mod}"], mod
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -113,12 +114,17 @@ def _coerce(name: str, tp: Any, raw: Any) -> Any:
         if tp is int:
             return int(raw)
         if tp is float:
-            return float(raw)
+            value = float(raw)
+            if not math.isfinite(value):  # NaN passes every range check
+                raise ConfigError(f"{name}: {raw!r} is not a finite number")
+            return value
         if typing.get_origin(tp) is list or tp is list:
             if isinstance(raw, list):
                 return [str(x) for x in raw]
             return [s for s in str(raw).split(",") if s]
         return str(raw)
+    except ConfigError:
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: cannot read {raw!r} as {getattr(tp, '__name__', tp)}") from None
 

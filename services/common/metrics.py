@@ -142,6 +142,13 @@ PREFILL_REFUSED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+PREFILL_WARMS = Counter(
+    "kvmesh_prefill_warms_total",
+    "warm-ups of a refused prompt's shared blocks a prefill node was asked for, by outcome "
+    "(done; busy: the slot was taken; yielded: stopped for a request)",
+    ["outcome"],
+    registry=REGISTRY,
+)
 TRANSFER_BYTES = Counter(
     "kvmesh_transfer_bytes_total",
     "KV bytes moved by the transfer engine, by path "
@@ -400,9 +407,43 @@ class _CpuCollector:
         return [budget, used, throttled]
 
 
+class _DataPortCollector:
+    """Connections each node's transfer-engine data port refused, by reason, read from
+    its transport's counters (:mod:`kvmesh.rdma.tcp_accept`) at scrape time."""
+
+    # reason label -> the transport's counter
+    REASONS = {
+        "limit": "conns_over_limit",
+        "deadline": "handshake_timeouts",
+        "auth": "auth_rejected",
+        "error": "handshake_errors",
+    }
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        refused = CounterMetricFamily(
+            "kvmesh_data_port_refused_total",
+            "connections the transfer engine's data port closed before serving them, by "
+            "reason: limit (te_max_conns connections were open), deadline (handshake not "
+            "finished in time), auth (wrong cluster secret), error (closed mid-handshake)",
+            labels=["node", "reason"],
+        )
+        for s in list(_STATE.services):
+            te = getattr(s, "te", None)
+            stats = getattr(te, "stats", None)
+            if not isinstance(stats, dict):
+                continue
+            for reason, key in self.REASONS.items():
+                refused.add_metric([s.node_id, reason], stats.get(key, 0))
+        return [refused]
+
+
 _STATE = _StateCollector()
 REGISTRY.register(_STATE)
 REGISTRY.register(_CpuCollector())
+REGISTRY.register(_DataPortCollector())
 
 
 def track(service: Any) -> None:

@@ -1,6 +1,8 @@
 """A throwaway PKI for dev clusters and tests (``kvmesh up --tls``): one CA and one
 certificate per service, each valid as TLS server *and* client (kvmesh processes are
-both), with SANs for loopback (``127.0.0.1``, ``::1``, ``localhost``) plus any given.
+both), with SANs for loopback (``127.0.0.1``, ``::1``, ``localhost``) plus any given,
+and the holder's role(s) as ``kvmesh://role/<role>`` URIs
+(:mod:`kvmesh.services.common.roles`: what each role may call).
 
 Needs the ``cryptography`` package. Never use these for a production cluster: the CA key
 sits next to the certificates, unencrypted.
@@ -11,8 +13,10 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from kvmesh.services.common.roles import CLIENT, role_uri
 
 DEFAULT_SANS = ("127.0.0.1", "::1", "localhost")
 
@@ -48,10 +52,12 @@ def _write_cert(cert, path: str) -> None:
         f.write(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def _sans(names: Iterable[str]):
+def _sans(names: Iterable[str], roles: Iterable[str] = ()):
     from cryptography import x509
 
-    out: list[x509.GeneralName] = []
+    out: list[x509.GeneralName] = [
+        x509.UniformResourceIdentifier(role_uri(r)) for r in dict.fromkeys(roles)
+    ]
     for n in dict.fromkeys(names):
         try:
             out.append(x509.IPAddress(ipaddress.ip_address(n)))
@@ -102,8 +108,12 @@ class DevCA:
         _write_cert(self.cert, self.ca_path)
         _write_key(self.key, os.path.join(directory, "ca-key.pem"))
 
-    def issue(self, name: str, sans: Iterable[str] = DEFAULT_SANS) -> Identity:
-        """Writes ``<name>.pem`` and ``<name>-key.pem``; the common name is ``name``."""
+    def issue(
+        self, name: str, sans: Iterable[str] = DEFAULT_SANS, roles: Iterable[str] = ()
+    ) -> Identity:
+        """Writes ``<name>.pem`` and ``<name>-key.pem``; the common name is ``name``, and
+        the certificate names ``roles`` (none: treated as a client; an unknown role
+        raises ValueError)."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -119,7 +129,7 @@ class DevCA:
             .not_valid_before(now - dt.timedelta(minutes=5))
             .not_valid_after(now + dt.timedelta(days=self.days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.SubjectAlternativeName(_sans(sans)), critical=False)
+            .add_extension(x509.SubjectAlternativeName(_sans(sans, roles)), critical=False)
             .add_extension(
                 x509.ExtendedKeyUsage(
                     [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
@@ -136,10 +146,11 @@ class DevCA:
 
 
 def generate_dev_pki(
-    directory: str, names: Iterable[str], sans: Iterable[str] = DEFAULT_SANS
+    directory: str, names: Mapping[str, Iterable[str]], sans: Iterable[str] = DEFAULT_SANS
 ) -> dict[str, Identity]:
-    """A fresh CA in ``directory`` and one identity per name (plus ``client`` for CLIs)."""
+    """A fresh CA in ``directory`` and one identity per name, with its roles (plus
+    ``client``, role client, for CLIs)."""
     ca = DevCA(directory)
-    out = {n: ca.issue(n, sans) for n in names}
-    out.setdefault("client", ca.issue("client", sans))
+    out = {n: ca.issue(n, sans, roles) for n, roles in names.items()}
+    out.setdefault("client", ca.issue("client", sans, [CLIENT]))
     return out

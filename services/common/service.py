@@ -9,7 +9,9 @@ Every service also gets (here, so the four roles share them):
   * a Prometheus ``/metrics`` HTTP endpoint on ``--metrics-port`` (0 = any free port;
     advertised in etcd as ``"metrics"``; -1 = off), see ``kvmesh.services.common.metrics``;
   * OpenTelemetry tracing with W3C context over gRPC metadata, on only when an exporter
-    is configured (see ``kvmesh.services.common.telemetry``)."""
+    is configured (see ``kvmesh.services.common.telemetry``);
+  * under mutual TLS, the per-RPC role check of callers' certificates
+    (``kvmesh.services.common.roles``)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from kvmesh.services.common.election import LeaderElection
 from kvmesh.services.common.etcd import EtcdClient, EtcdError, etcd_credentials
 from kvmesh.services.common.health import Health
 from kvmesh.services.common.registry import Registration, node_key
+from kvmesh.services.common.roles import RoleInterceptor, check_own_role
 from kvmesh.services.common.settings import ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,10 @@ class Service:
             if telemetry.setup_tracing(self.role, self.node_id)
             else []
         )
+        if channels.current().mutual:  # every caller shows a certificate: check its role
+            interceptors.append(RoleInterceptor())
+            if warning := check_own_role(channels.current().cert, self.role):
+                log.warning("%s", warning)
         interceptors += self.server_interceptors()
         self.server = channels.make_server(interceptors)  # refuses a port in use
         self.health = Health(self.server, self.role)

@@ -39,6 +39,13 @@ class ConductorConfig(ServiceConfig):
         "that the requests booked there free as they end, where it still meets its SLOs "
         "(--no-wait-for-kv: refused at once with reason kv)",
     )
+    warm_refused: bool = option(
+        True,
+        "kvmesh policy: a prompt refused for its TTFT whose full blocks no node holds is "
+        "computed into the store by an idle prefill node, which stops for any request "
+        "that comes to wait, so that the requests sharing its prefix find it cached "
+        "(--no-warm-refused: not)",
+    )
     hold_first_token: bool = option(
         True,
         "hold a request's first token until its decode node has it in the running batch "
@@ -65,6 +72,11 @@ class ConductorConfig(ServiceConfig):
         8000,
         "OpenAI-compatible HTTP API port on --host (0 = any free port, "
         'advertised in etcd as "http"; -1 = off)',
+    )
+    http_idle_timeout_s: float = option(
+        10.0,
+        "the HTTP API closes a connection idle this long: a keep-alive connection between "
+        "requests, or one that has not finished sending its request headers",
     )
     api_keys: str = option(
         "",
@@ -109,6 +121,12 @@ class ConductorConfig(ServiceConfig):
         names = self.served_model_names
         if len(set(names)) != len(names):
             raise ConfigError(f"served_model_name: {self.served_model_name!r} repeats a name")
+        if not -1 <= self.http_port < 65536:
+            raise ConfigError(f"http_port: {self.http_port} is not a TCP port (or -1 = off)")
+        if not self.http_idle_timeout_s > 0:
+            raise ConfigError(
+                f"http_idle_timeout_s must be > 0 (seconds), got {self.http_idle_timeout_s}"
+            )
         if self.ttft_slo_ms <= 0 or self.tbt_slo_ms <= 0:
             raise ConfigError("ttft_slo_ms and tbt_slo_ms must be > 0")
         if self.policy not in POLICIES:

@@ -106,10 +106,21 @@ cdef class ErrorTail:
     cdef public double near_value
     cdef public double _mid_tail
     cdef public double _near_tail
+    cdef public double horizon_ms
+    cdef public long _window
+    cdef public object _log
+    cdef public double _next_expiry
+    cdef public double idle_share
+    cdef public RollingWindow _idle
+    cdef public double idle_value
 
     @cython.locals(r=list, last=Py_ssize_t, i=Py_ssize_t, q=double)
     cdef double _tail(self, RollingWindow ratios) except? -1.0
     @cython.locals(ratios=RollingWindow, mid=RollingWindow, near=RollingWindow, ratio=double,
-                   sz=double, to_mid=bint, to_near=bint, v=double)
-    cpdef add(self, object estimated, object actual, double limit=*, object size=*)
-    cpdef double factor(self, double estimate, double limit)
+                   sz=double, to_mid=bint, to_near=bint, v=double, idle=bint)
+    cpdef add(self, object estimated, object actual, double limit=*, object size=*,
+              double now=*, double wait=*)
+    @cython.locals(cut=double, w=Py_ssize_t, v=double, mt=double, nt=double)
+    cpdef expire(self, double now)
+    @cython.locals(f=double, v=double)
+    cpdef double factor(self, double estimate, double limit, double wait=*)

@@ -453,7 +453,24 @@ class ErrorTail:
     held at 2.8x for the last third of the trace, while every accepted request came on
     time). The tail of all moves with every accepted request, and holds any sized ratio
     among its last ``window``: so a late ratio of a size still counts as long as it is
-    recent."""
+    recent.
+
+    By the estimate's wait, one more window: the ratios of estimates of which the wait
+    (the queue ahead of the prefill) was at most ``idle_share`` (``idle_value``, once
+    ``least_sized`` are seen). An estimate that waits on nothing is scaled by at most that
+    tail. A queue's length is what an estimate gets wrong under load (in the evaluation,
+    late ratios of 1.5-2.5x came from overloaded probes, those of estimates on idle nodes
+    stayed near 1), and an overload's tail, applied to the prefills of an idle cluster
+    after it, refused requests the cluster then had time for: every one of a long-prompt
+    workload, 3% of the trace at half its capacity.
+
+    "Recent" is also a matter of time: a ratio older than ``horizon_ms`` leaves every
+    window (:meth:`expire`, by the caller's clock), and a window left with too few falls
+    back as above, to 1.0 at last. Without it the tail could not come down once it had
+    gone up: a burst of late TTFTs raised it, it refused every estimate near the SLO,
+    and only an accepted request could lower it. In the evaluation's long-prompt
+    workload (every estimate near the SLO) one overloaded probe left it at ~2x and the
+    cluster refused 150 of 150 requests at a fifth of that rate, ten minutes later."""
 
     def __init__(
         self,
@@ -465,10 +482,22 @@ class ErrorTail:
         mid_share: float = 0.0625,
         near_share: float = 0.25,
         least_sized: int = 20,
+        horizon_ms: float = 60_000.0,
+        idle_share: float = 0.1,
     ) -> None:
         self.quantile, self.least, self.lo, self.hi = quantile, least, lo, hi
         self.least_sized = least_sized
         self.mid_share, self.near_share = mid_share, near_share
+        self.horizon_ms = horizon_ms
+        self.idle_share = idle_share
+        self._idle = RollingWindow(window)
+        self.idle_value = 0.0  # the idle window's tail; 0.0 while it holds too few
+        # every ratio still inside the horizon, oldest first: (time, ratio, mid?, near?,
+        # idle?),
+        # at most what the three windows can hold; the next time one may be out of it
+        self._window = window
+        self._log: deque[tuple[float, float, bool, bool, bool]] = deque(maxlen=20 * window)
+        self._next_expiry = math.inf
         self._ratios = RollingWindow(window)
         self._mid = RollingWindow(window)
         self._near = RollingWindow(window)
@@ -488,11 +517,19 @@ class ErrorTail:
         return q if q < self.hi else self.hi  # min(hi, q)
 
     def add(
-        self, estimated: float, actual: float, limit: float = 0.0, size: float | None = None
+        self,
+        estimated: float,
+        actual: float,
+        limit: float = 0.0,
+        size: float | None = None,
+        now: float = 0.0,
+        wait: float = -1.0,
     ) -> None:
-        """One accepted request's estimated and actual TTFT. Its size is ``size`` (by
-        default ``estimated``) against ``limit`` (0: none known, the ratio joins the first
-        window only), as admission sized it (``factor``)."""
+        """One accepted request's estimated and actual TTFT, seen at ``now`` (ms, the
+        clock :meth:`expire` is given). Its size is ``size`` (by default ``estimated``)
+        against ``limit`` (0: none known, the ratio joins the first window only), and its
+        estimated wait ``wait`` ms (negative: not known), as admission sized it
+        (``factor``)."""
         if not (estimated > 0 and actual > 0):
             return
         ratios = self._ratios
@@ -504,6 +541,14 @@ class ErrorTail:
         sz = estimated if size is None else size
         to_mid = limit > 0 and sz >= self.mid_share * limit
         to_near = to_mid and sz >= self.near_share * limit
+        idle = 0.0 <= wait <= self.idle_share * sz
+        if idle:
+            self._idle.append(ratio)
+            if len(self._idle) >= self.least_sized:
+                self.idle_value = self._tail(self._idle)
+        self._log.append((now, ratio, to_mid, to_near, idle))
+        if self._next_expiry == math.inf:
+            self._next_expiry = now + self.horizon_ms
         if to_mid:
             mid.append(ratio)
         if to_near:
@@ -524,8 +569,38 @@ class ErrorTail:
         self.mid_value = self._mid_tail if self._mid_tail < v else v
         self.near_value = self._near_tail if self._near_tail < v else v
 
-    def factor(self, estimate: float, limit: float) -> float:
-        """What admission scales ``estimate`` by before comparing it with ``limit``."""
+    def expire(self, now: float) -> None:
+        """Drops the ratios seen before ``now - horizon_ms`` and sets the tails from the
+        rest (cheap when none is due: one comparison)."""
+        if now < self._next_expiry:
+            return
+        log, cut = self._log, now - self.horizon_ms
+        while log and log[0][0] < cut:
+            log.popleft()
+        self._next_expiry = log[0][0] + self.horizon_ms if log else math.inf
+        w = self._window
+        self._ratios.refill([x[1] for x in log][-w:])
+        self._mid.refill([x[1] for x in log if x[2]][-w:])
+        self._near.refill([x[1] for x in log if x[3]][-w:])
+        self._idle.refill([x[1] for x in log if x[4]][-w:])
+        self.idle_value = self._tail(self._idle) if len(self._idle) >= self.least_sized else 0.0
+        v = self._tail(self._ratios) if len(self._ratios) >= self.least else 1.0
+        self.value = v
+        mt = self._tail(self._mid) if len(self._mid) >= self.least_sized else v
+        nt = self._tail(self._near) if len(self._near) >= self.least_sized else mt
+        self._mid_tail, self._near_tail = mt, nt
+        self.mid_value = mt if mt < v else v
+        self.near_value = nt if nt < v else v
+
+    def factor(self, estimate: float, limit: float, wait: float = -1.0) -> float:
+        """What admission scales ``estimate`` by before comparing it with ``limit``; an
+        estimate of ``wait`` ms of queue (negative: not known) at most ``idle_share`` of it
+        by at most the idle window's tail."""
         if estimate >= self.near_share * limit:
-            return self.near_value
-        return self.mid_value if estimate >= self.mid_share * limit else self.value
+            f = self.near_value
+        else:
+            f = self.mid_value if estimate >= self.mid_share * limit else self.value
+        v = self.idle_value
+        if 0.0 < v < f and 0.0 <= wait <= self.idle_share * estimate:
+            return v
+        return f

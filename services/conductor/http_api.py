@@ -13,22 +13,35 @@ with the service's ``--tls-cert``/``--tls-key``, no client certificate asked for
                                as ``vllm serve`` has them (``http_vllm``)
 
 Every request calls ``Conductor.generate`` directly (no gRPC hop), through the same
-metrics wrapper as the gRPC API. Supported parameters: model, max_tokens
-(``max_completion_tokens`` for chat), temperature (default 1.0, as OpenAI), top_p, seed,
-stop (strings; the text is cut before the stop string), n=1, stream,
-stream_options.include_usage, user (ignored). kvmesh extensions (``extra_body``): top_k,
-ignore_eos, cache_salt, request_id, ttft_slo_ms, tbt_slo_ms. Each choice also carries
-``token_ids`` (the generated token ids). Unsupported options (n > 1, logprobs, echo,
-best_of, suffix, tools) are refused with 400.
+metrics wrapper as the gRPC API. Every field is implemented or refused with a 400 naming
+it (an allow-list: ``http_request.IMPLEMENTED``; OpenAI's fields kvmesh does not build,
+such as ``response_format``, ``tools`` and ``echo``, pass only with a value that asks for
+nothing: ``http_request.NEUTRAL``). Implemented: model, max_tokens
+(``max_completion_tokens`` for chat), temperature (default 1.0, as OpenAI), top_p, seed
+(none: fresh randomness, drawn once by the conductor), stop (the text is cut before the
+stop string), n (choices share the prompt's KV: choice 0 first, the rest once its prompt
+is cached; with a seed, choice i samples with seed + i), presence_penalty,
+frequency_penalty, logit_bias, logprobs (each token's log-probability under the raw
+logits, and its most likely alternatives: completions ``logprobs`` 0-5, chat
+``logprobs=true`` with ``top_logprobs`` 0-20), stream,
+stream_options.include_usage, user (ignored). vLLM's: top_k, min_p, repetition_penalty,
+stop_token_ids, min_tokens, ignore_eos. kvmesh's: cache_salt, request_id, ttft_slo_ms,
+tbt_slo_ms. Each choice also carries ``token_ids`` (the generated token ids), and usage
+``computed_tokens`` (the prompt tokens the nodes computed, over all choices). Limits
+shared with the gRPC face: ``kvmesh.services.common.limits``.
 
 Errors follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: bad input
--> 400 ``invalid_request_error`` (what is checked: ``http_request``), a body over 16 MiB
--> 413, unknown paths 404 and methods 405 (the same shape); early rejection (the TTFT SLO cannot be met, or no KV
-room) -> 429 with ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``;
+-> 400 ``invalid_request_error`` (what is checked: ``http_request``, ``http_body``), a body
+over 16 MiB, also once inflated (gzip or deflate; other encodings 415) -> 413, a model the
+cluster does not serve -> 404 ``model_not_found``, unknown paths 404 and methods 405 (a
+reply that leaves the body unread closes the connection); early rejection (the TTFT SLO
+cannot be met, or no KV room) -> 429 with ``Retry-After`` (whole seconds, rounded up) and
+``retry-after-ms``;
 no node for the model -> 503; a failure after streaming began ends the SSE stream with
-an ``error`` event. With conductor ``--api-keys`` every /v1 endpoint wants
-``Authorization: Bearer <key>`` (missing or wrong -> 401 ``authentication_error``); the
-key's tenant salts the request's prefix hashes (see ``kvmesh.services.common.auth``).
+an error event in the same shape, then ``data: [DONE]``. With conductor ``--api-keys``
+every /v1 endpoint wants ``Authorization: Bearer <key>`` (missing or wrong -> 401
+``authentication_error``); the key's tenant salts the request's prefix hashes (see
+``kvmesh.services.common.auth``).
 
 Chat template: the checkpoint's ``chat_template`` from ``tokenizer_config.json`` (found
 through the nodes' ``model_path``) rendered with jinja2 (a dependency: should it be
@@ -43,6 +56,7 @@ newline to prompt the reply.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -61,15 +75,12 @@ from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.common import telemetry
 from kvmesh.services.common.auth import Unauthenticated, current_principal
 from kvmesh.services.common.channels import TlsFiles, bind_error
+from kvmesh.services.common.tokenizer import load_tokenizer
 from kvmesh.services.conductor.frontend import ConductorApi, Rejected, client_id
-from kvmesh.services.conductor.http_request import (
-    MAX_BODY_BYTES,
-    ApiError,
-    build,
-    read_body,
-)
+from kvmesh.services.conductor.http_body import close_unread, read_body
+from kvmesh.services.conductor.http_choices import FanOut, Shape
+from kvmesh.services.conductor.http_request import MAX_BODY_BYTES, ApiError, build
 from kvmesh.services.conductor.http_vllm import PATHS, VllmEndpoints, model_cards
-from kvmesh.services.conductor.observe import observed
 
 try:
     import jinja2
@@ -92,6 +103,8 @@ def from_rejected(e: Rejected) -> ApiError:
     md = dict(e.metadata or ())
     if e.code == grpc.StatusCode.INVALID_ARGUMENT:
         return ApiError(400, e.message)
+    if e.code == grpc.StatusCode.NOT_FOUND:  # (the conductor's only NOT_FOUND: the model)
+        return ApiError(404, e.message, "invalid_request_error", "model", "model_not_found")
     if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         ms = float(md.get("retry-after-ms", 1000) or 1000)
         return ApiError(
@@ -242,19 +255,28 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
 
 
 class HttpApi:
-    """The HTTP server (module docstring) over the conductor ``conductor``."""
+    """The HTTP server (module docstring) over the conductor ``conductor``; a connection
+    idle for ``idle_timeout_s`` (no request yet, or none since the last reply) is
+    closed."""
 
     def __init__(
-        self, conductor: ConductorApi, host: str, port: int, tls: TlsFiles | None = None
+        self,
+        conductor: ConductorApi,
+        host: str,
+        port: int,
+        tls: TlsFiles | None = None,
+        idle_timeout_s: float = 10.0,
     ) -> None:
         self.c = conductor
         self.host, self.port = host, port
+        self.idle_timeout_s = idle_timeout_s
         self.tls = tls if tls is not None and tls.cert else None
         self.scheme = "https" if self.tls else "http"
         self.address = ""
         self._runner: web.AppRunner | None = None
         self._templates: dict[str, dict | None] = {}
         self._templates_checked: set[str] = set()
+        self._tokenizers: dict[str, Any] = {}
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         """HTTPS with the service's own certificate (``--tls-cert/--tls-key``), so API keys
@@ -268,13 +290,20 @@ class HttpApi:
 
     async def start(self) -> str:
         app = web.Application(
-            client_max_size=MAX_BODY_BYTES, middlewares=[stamp_arrival, openai_errors]
+            client_max_size=MAX_BODY_BYTES,
+            middlewares=[stamp_arrival, close_unread, openai_errors],
         )
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
-        VllmEndpoints(self.c, self._authenticate, self._render, from_rejected).add_routes(app)
+        VllmEndpoints(
+            self.c,
+            self._authenticate,
+            lambda r: read_body(r, self._largest_context),
+            self._render,
+            from_rejected,
+        ).add_routes(app)
         runner = self._runner = web.AppRunner(
             app,
             access_log=None,
@@ -282,6 +311,13 @@ class HttpApi:
             # a client that closes its connection cancels its handler, so a non-streamed
             # completion stops and frees its KV at once (aiohttp's default runs it on)
             handler_cancellation=True,
+            # bodies are inflated by http_body, only when read and with a cap; an unread
+            # one is not drained after the reply (close_unread closes the connection)
+            auto_decompress=False,
+            lingering_time=0,
+            # idle keep-alive connections, and ones that never finish their headers,
+            # are closed after this long (aiohttp's default holds them for an hour)
+            keepalive_timeout=self.idle_timeout_s,
             logger=QuietClientErrors(logging.getLogger("aiohttp.server"), {}),
         )
         await runner.setup()
@@ -351,11 +387,15 @@ class HttpApi:
         ):
             try:
                 self._authenticate(request)
-                body = await read_body(request)
+                body = await read_body(request, self._largest_context)
                 req, opts = build(body, chat, self._render)
                 return await self._run(request, req, opts, chat)
             except ApiError as e:
                 return e.response()
+
+    def _largest_context(self) -> int:
+        """The largest context, in tokens, of the models served (0: none known yet)."""
+        return max((int(n.raw.get("max_context") or 0) for n in self.c.view.nodes()), default=0)
 
     def _model_path(self, model: str) -> str:
         for n in self.c.view.nodes():
@@ -401,81 +441,106 @@ class HttpApi:
         )
         created = int(time.time())
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        agen = observed(self.c, req, request.get(ARRIVAL))
-        cutter = _StopCutter(opts["stops"])
+        model = opts["model"] or self._model_name()
+        fan = FanOut(self.c, req, opts["n"], request.get(ARRIVAL))
         try:
             try:
-                first = await agen.__anext__()
+                await fan.start()
             except Rejected as e:
                 raise from_rejected(e) from None
-            except StopAsyncIteration:
-                raise ApiError(500, "the conductor returned no tokens", "server_error") from None
-            model = opts["model"] or self._model_name()
+            shape = Shape(rid, created, model, chat, self._token_texts(model, opts))
             if not opts["stream"]:
-                return await self._collect(agen, first, cutter, rid, created, model, chat)
-            return await self._stream(
-                request, agen, first, cutter, rid, created, model, chat, opts["include_usage"]
-            )
+                return await self._collect(fan, shape)
+            return await self._stream(request, fan, shape, opts["include_usage"])
         finally:
-            await agen.aclose()
+            await fan.aclose()
 
     def _model_name(self) -> str:
         return self.c.model_label("")
 
+    def _token_texts(self, model: str, opts: dict):
+        """``ids -> [text of each token]`` for logprobs (None when none are asked for):
+        by the tokenizer of the model's nodes."""
+        if not opts["logprobs"]:
+            return None
+        info = next((n.raw for n in self.c.view.nodes() if n.model == model), None)
+        if info is None:
+            return None
+        inp = getattr(self.c, "input", None)  # the conductor's own tokenizers, if it has them
+        if inp is not None:
+            tok = inp.tokenizer(info)
+        else:
+            spec = info.get("model_path") or info.get("model", "")
+            tok = self._tokenizers.get(spec)
+            if tok is None:
+                tok = self._tokenizers[spec] = load_tokenizer(spec)
+        return lambda ids: [tok.decode([t]) for t in ids]
+
     @staticmethod
-    def _usage(u: pb.Usage | None, completion: int) -> dict:
-        prompt = u.prompt_tokens if u is not None else 0
-        completion = u.completion_tokens if u is not None else completion
+    def _usage(usages: list[pb.Usage | None], completion: int) -> dict:
+        """One request's usage over its choices: the prompt counted once, the completions
+        summed; ``computed_tokens`` (a kvmesh extension) sums the prompt tokens the nodes
+        computed over all choices (n choices share the prompt's KV: about one prompt)."""
+        first = usages[0]
+        prompt = first.prompt_tokens if first is not None else 0
+        done = [u for u in usages if u is not None]
+        if len(done) == len(usages):
+            completion = sum(u.completion_tokens for u in done)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens if u is not None else 0},
+            "prompt_tokens_details": {
+                "cached_tokens": first.cached_tokens if first is not None else 0
+            },
+            "computed_tokens": sum(u.computed_tokens for u in done),
         }
 
-    async def _collect(self, agen, first, cutter, rid, created, model, chat) -> web.Response:
-        text, ids, reason, usage = "", [], "", None
-        resp = first
+    async def _collect(self, fan: FanOut, shape: Shape) -> web.Response:
+        n = fan.n
+        text = [""] * n
+        ids: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        tops: list[list[pb.TopLogprobs]] = [[] for _ in range(n)]
+        reasons: list[str] = [""] * n
+        usages: list[pb.Usage | None] = [None] * n
         try:
-            while True:
-                ids.extend(resp.token_ids)
-                piece, stopped = cutter.feed(resp.text, final=bool(resp.finish_reason))
-                text += piece
-                if stopped:
-                    reason = "stop"
-                    usage = resp.usage if resp.finish_reason else None
-                    break
+            async for i, resp in fan:
+                ids[i].extend(resp.token_ids)
+                lps[i].extend(resp.logprobs)
+                tops[i].extend(resp.top_logprobs)
+                text[i] += resp.text
                 if resp.finish_reason:
-                    reason, usage = resp.finish_reason, resp.usage
-                    break
-                resp = await agen.__anext__()
+                    reasons[i], usages[i] = resp.finish_reason, resp.usage
         except Rejected as e:
             raise from_rejected(e) from None
-        except StopAsyncIteration:
-            reason = reason or "stop"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "token_ids": ids}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            choice["logprobs"] = None
-            obj = "chat.completion"
-        else:
-            choice["text"] = text
-            choice["logprobs"] = None
-            obj = "text_completion"
+        choices = []
+        for i in range(n):
+            choice: dict[str, Any] = {
+                "index": i,
+                "finish_reason": reasons[i] or "stop",
+                "token_ids": ids[i],
+                "logprobs": shape.logprobs(ids[i], lps[i], tops[i], 0),
+            }
+            if shape.chat:
+                choice["message"] = {"role": "assistant", "content": text[i]}
+            else:
+                choice["text"] = text[i]
+            choices.append(choice)
         return web.json_response(
             {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-                "usage": self._usage(usage, len(ids)),
+                "id": shape.rid,
+                "object": "chat.completion" if shape.chat else "text_completion",
+                "created": shape.created,
+                "model": shape.model,
+                "choices": choices,
+                "usage": self._usage(usages, sum(map(len, ids))),
                 "system_fingerprint": None,
             }
         )
 
     async def _stream(
-        self, request, agen, first, cutter, rid, created, model, chat, include_usage
+        self, request, fan: FanOut, shape: Shape, include_usage: bool
     ) -> web.StreamResponse:
         out = web.StreamResponse(
             status=200,
@@ -486,113 +551,36 @@ class HttpApi:
             },
         )
         await out.prepare(request)
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(
-            piece: str | None,
-            ids: list[int],
-            reason: str | None,
-            role: bool = False,
-            usage: dict | None = None,
-            empty: bool = False,
-        ) -> bytes:
-            if empty:
-                choices = []
-            elif chat:
-                delta: dict[str, Any] = {}
-                if role:
-                    delta["role"] = "assistant"
-                if piece is not None:
-                    delta["content"] = piece
-                choices = [
-                    {
-                        "index": 0,
-                        "delta": delta,
-                        "finish_reason": reason or None,
-                        "logprobs": None,
-                        "token_ids": ids,
-                    }
-                ]
-            else:
-                choices = [
-                    {
-                        "index": 0,
-                        "text": piece or "",
-                        "finish_reason": reason or None,
-                        "logprobs": None,
-                        "token_ids": ids,
-                    }
-                ]
-            data: dict[str, Any] = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": choices,
-            }
-            if include_usage:
-                data["usage"] = usage
-            return f"data: {json.dumps(data)}\n\n".encode()
-
-        n_ids = 0
-        usage = None
-        resp = first
-        first_chunk = True
+        n = fan.n
+        n_ids, offset = [0] * n, [0] * n
+        usages: list[pb.Usage | None] = [None] * n
+        first = [True] * n
         try:
-            while True:
-                n_ids += len(resp.token_ids)
-                piece, stopped = cutter.feed(resp.text, final=bool(resp.finish_reason))
-                reason = "stop" if stopped else resp.finish_reason
-                if reason:
-                    usage = resp.usage if resp.finish_reason else None
-                await out.write(chunk(piece, list(resp.token_ids), reason, role=first_chunk))
-                first_chunk = False
-                if reason:
-                    break
-                resp = await agen.__anext__()
-            if include_usage:
-                await out.write(chunk(None, [], None, usage=self._usage(usage, n_ids), empty=True))
+            try:
+                async for i, resp in fan:
+                    ids = list(resp.token_ids)
+                    reason = resp.finish_reason or None
+                    if reason:
+                        usages[i] = resp.usage
+                    lp = shape.logprobs(ids, list(resp.logprobs), resp.top_logprobs, offset[i])
+                    n_ids[i] += len(ids)
+                    offset[i] += len(resp.text)
+                    await out.write(shape.chunk(i, resp.text, ids, reason, first[i], lp))
+                    first[i] = False
+                if include_usage:
+                    await out.write(shape.usage_chunk(self._usage(usages, sum(n_ids))))
+            except Rejected as e:
+                # ended mid-stream (a node failed, the conductor shut down): an error event
+                # in OpenAI's shape, then [DONE], so a client sees why the text stopped
+                await out.write(shape.event(from_rejected(e).body()))
+            except (ConnectionError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # a bug, not the client's: said, logged, and ended
+                log.exception("stream %s failed", shape.rid)
+                err = ApiError(500, f"the stream failed: {type(e).__name__}", "server_error")
+                await out.write(shape.event(err.body()))
             await out.write(b"data: [DONE]\n\n")
-        except Rejected as e:
-            err = from_rejected(e)
-            await out.write(f"data: {json.dumps(err.body())}\n\n".encode())
-        except StopAsyncIteration:
-            await out.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, ConnectionError):
-            log.info("client of %s went away", rid)
-            return out
-        await out.write_eof()
+            await out.write_eof()
+        except ConnectionError:
+            log.info("client of %s went away", shape.rid)
         return out
-
-
-class _StopCutter:
-    """Cuts streamed text before the first stop string, holding back any tail that may
-    be the start of one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.pending = ""
-        self.done = False
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
-        if not self.stops:
-            return text, False
-        if self.done:
-            return "", True
-        buf = self.pending + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.done = True
-            self.pending = ""
-            return buf[:cut], True
-        if final:
-            self.pending = ""
-            return buf, False
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), 0, -1):
-                if buf.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        self.pending = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], False

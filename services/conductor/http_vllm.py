@@ -19,7 +19,7 @@ Bad input is a 400 in OpenAI's error shape naming the field.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import kvmesh
 from kvmesh.services.common.metrics import REGISTRY
 from kvmesh.services.conductor.frontend import Rejected
-from kvmesh.services.conductor.http_request import ApiError, normalize_messages, read_body
+from kvmesh.services.conductor.http_request import ApiError, normalize_messages
 
 PATHS = ("GET /metrics", "GET /version", "POST /tokenize", "POST /detokenize")
 
@@ -51,18 +51,21 @@ def _model(body: dict) -> str:
 
 class VllmEndpoints:
     """The handlers over the conductor ``c`` (a ``frontend.ConductorApi``), with the HTTP
-    API's ``authenticate(request)`` (raises ApiError 401), ``render(messages, model)``
-    (a chat's prompt) and ``from_rejected`` (a conductor refusal as HTTP)."""
+    API's ``authenticate(request)`` (raises ApiError 401), ``read(request)`` (the body's
+    JSON object, or ApiError), ``render(messages, model)`` (a chat's prompt) and
+    ``from_rejected`` (a conductor refusal as HTTP)."""
 
     def __init__(
         self,
         c: Any,
         authenticate: Callable[[web.Request], None],
+        read: Callable[[web.Request], Awaitable[dict]],
         render: Callable[[list[dict[str, str]], str], str],
         from_rejected: Callable[[Rejected], ApiError],
     ) -> None:
         self.c = c
-        self.authenticate, self.render, self.from_rejected = authenticate, render, from_rejected
+        self.authenticate, self.read = authenticate, read
+        self.render, self.from_rejected = render, from_rejected
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/metrics", self.metrics)
@@ -88,7 +91,7 @@ class VllmEndpoints:
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
             self.authenticate(request)
-            body = await read_body(request)
+            body = await self.read(request)
             _, info, tok = self._model(_model(body))
             add_special = _flag(body, "add_special_tokens", True)
             prompt: Any = body.get("prompt")
@@ -114,7 +117,7 @@ class VllmEndpoints:
     async def detokenize(self, request: web.Request) -> web.Response:
         try:
             self.authenticate(request)
-            body = await read_body(request)
+            body = await self.read(request)
             _, info, tok = self._model(_model(body))
             ids = body.get("tokens")
             vocab = int(info.get("vocab_size", 0))

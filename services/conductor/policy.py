@@ -90,6 +90,8 @@ class PolicyConfig:
     # kvmesh: a request no decode node has KV room for now waits for the room that the
     # requests booked there free as they end, where it still meets its SLOs
     wait_for_kv: bool = True
+    # admission's error tail counts the ratios of this many seconds at most (ErrorTail)
+    error_tail_horizon_s: float = 60.0
 
 
 def _monotonic_ms() -> float:
@@ -122,7 +124,8 @@ class Scheduler:
         self._residuals = {route: RollingWindow(64) for route in self.overhead_ms}
         self._output_share = self.cfg.expected_output_share
         # per route: the slow tail of actual / estimated TTFT, what admission allows for
-        self.error_tail = {route: ErrorTail() for route in self.overhead_ms}
+        horizon_ms = 1000.0 * self.cfg.error_tail_horizon_s
+        self.error_tail = {route: ErrorTail(horizon_ms=horizon_ms) for route in self.overhead_ms}
 
     # -- estimates ---------------------------------------------------------------------
     def _prefill_candidate(
@@ -309,6 +312,8 @@ class Scheduler:
         within the TBT SLO and with ``need_blocks`` of KV room; else the rejection."""
         ttft_limit = r.ttft_slo_ms * self.cfg.slo_margin
         tail = self.error_tail
+        for et in tail.values():  # the ratios past the horizon out (ErrorTail.expire)
+            et.expire(now)
         misses = Misses()
         for c in cands:
             # the estimate as late as the estimates on this route have lately turned out
@@ -316,6 +321,8 @@ class Scheduler:
             f = et.value
             if c.ttft_ms >= et.mid_share * ttft_limit:
                 f = et.near_value if c.ttft_ms >= et.near_share * ttft_limit else et.mid_value
+            if 0.0 < et.idle_value < f and c.queue_ms <= et.idle_share * c.ttft_ms:
+                f = et.idle_value  # (it waits on nothing: the tail of such estimates)
             if c.ttft_ms * f > ttft_limit:
                 misses.reason = misses.reason or "ttft"
                 if c.route != DISAGG:
@@ -358,7 +365,7 @@ class Scheduler:
                 if wait != wait or wait == float("inf"):
                     continue
                 ttft = max(wait, c.queue_ms) + rest
-                f = self.error_tail[c.route].factor(ttft, ttft_limit)
+                f = self.error_tail[c.route].factor(ttft, ttft_limit, ttft - rest)
                 if ttft * f > ttft_limit or (best is not None and ttft >= best[0]):
                     continue
                 room = d.free_blocks()  # (now short: the scan below judges the TBT only)
@@ -369,7 +376,7 @@ class Scheduler:
                     best = (ttft, d, chosen[1])
             if best is not None:
                 ttft, d, tbt = best
-                f = self.error_tail[c.route].factor(ttft, ttft_limit)
+                f = self.error_tail[c.route].factor(ttft, ttft_limit, ttft - rest)
                 # it may wait as long as the SLO leaves, the queue it has now still ahead
                 # of it then (the node's prefill refuses it if that runs late)
                 most = max(ttft - rest, ttft_limit / f - rest - c.queue_ms)
@@ -472,7 +479,7 @@ class Scheduler:
             if r.ttft_spent_ms >= 0.05:
                 msg += f" ({r.ttft_spent_ms:.1f} ms of it spent in the conductor before routing)"
             tail = self.error_tail[best.route].factor(
-                best.ttft_ms, r.ttft_slo_ms * self.cfg.slo_margin
+                best.ttft_ms, r.ttft_slo_ms * self.cfg.slo_margin, best.queue_ms
             )
             if tail != 1.0:
                 msg += (
@@ -569,7 +576,12 @@ class Scheduler:
             et = self.error_tail[d.route]
             # (its window by its size as admission judged it: ``_admit``)
             et.add(
-                c.ttft_ms + r.ttft_spent_ms, ttft_ms, r.ttft_slo_ms * self.cfg.slo_margin, c.ttft_ms
+                c.ttft_ms + r.ttft_spent_ms,
+                ttft_ms,
+                r.ttft_slo_ms * self.cfg.slo_margin,
+                c.ttft_ms,
+                now,
+                c.queue_ms,
             )
             if node_ms is not None:  # what neither the queue nor the slot explains
                 window.append(ttft_ms - (node_queue_ms or 0.0) - node_ms)
@@ -596,7 +608,8 @@ class Scheduler:
             return 0.0
         c = d.booked()[0]
         limit = r.ttft_slo_ms * self.cfg.slo_margin
-        return max(0.0, limit / self.error_tail[c.route].factor(c.ttft_ms, limit) - c.ttft_ms)
+        f = self.error_tail[c.route].factor(c.ttft_ms, limit, c.queue_ms)
+        return max(0.0, limit / f - c.ttft_ms)
 
     def await_room(self, r: Request, d: Decision) -> None:
         """Accepted ``r`` waits for KV room after all (:meth:`kv_slack_ms`): its blocks
@@ -673,7 +686,7 @@ class Scheduler:
         c.prefill_ms, c.work_ms, c.cached_blocks = prefill_ms, work, cached_blocks
         dn.book_local(r.request_id, prefill_ms)
         limit = r.ttft_slo_ms * self.cfg.slo_margin
-        f = self.error_tail[c.route].factor(c.ttft_ms, limit)
+        f = self.error_tail[c.route].factor(c.ttft_ms, limit, c.queue_ms)
         if c.ttft_ms * f <= limit:
             return None
         return (

@@ -1,7 +1,8 @@
 """A request's input, checked before the scheduler sees it: the model it names, its
 prompt as tokens (tokenized off the event loop when long) and its limits (max_tokens,
 context, sampling, SLOs). Anything wrong raises :class:`Rejected` with
-INVALID_ARGUMENT (UNAVAILABLE when no model is served yet) and a message that says
+INVALID_ARGUMENT (NOT_FOUND for a model the cluster does not serve, UNAVAILABLE when
+no model is served yet) and a message that says
 what to fix."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import grpc
 
 from kvmesh.protos import kvmesh_pb2 as pb
+from kvmesh.services.common.limits import shown
 from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.common.tokenizer import (
     ByteTokenizer,
@@ -135,8 +137,8 @@ class RequestInput:
             name = next(iter(models))
         if name not in models:
             raise Rejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown model {name!r}; this cluster serves {sorted(models)}",
+                grpc.StatusCode.NOT_FOUND,
+                f"unknown model {shown(name)}; this cluster serves {sorted(models)}",
             )
         return name, models[name][0]
 

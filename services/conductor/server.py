@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import secrets
 import time
 import uuid
 from collections import deque
@@ -48,6 +49,7 @@ from kvmesh.services.common.auth import (
 from kvmesh.services.common.config import load
 from kvmesh.services.common.etcd import EtcdError
 from kvmesh.services.common.hashing import prefix_hashes
+from kvmesh.services.common.limits import check_names, shown
 from kvmesh.services.common.metrics import REGISTRY as METRICS_REGISTRY
 from kvmesh.services.common.metrics import RequestStats
 from kvmesh.services.common.ownership import OwnerKey
@@ -72,6 +74,7 @@ from kvmesh.services.conductor.policy import (
 from kvmesh.services.conductor.request_input import RequestInput
 from kvmesh.services.conductor.text import TextStream, generate_response
 from kvmesh.services.conductor.vllm_metrics import KvUsageCollector
+from kvmesh.services.conductor.warm import Warmer
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +136,21 @@ class Conductor(Service):
             self.view, lambda: self.owner.metadata(self.node_id), cfg.request_timeout_s
         )
         self.feeds.on_report = self.calls.room_freed
+        warm = cfg.warm_refused and cfg.policy == "kvmesh"
+        self.warmer = Warmer(self.sched, self.view, self.calls) if warm else None
         self.calls.on_retry_reserve = self._retry_reserve
 
     async def setup(self) -> None:
         pbg.add_ConductorServicer_to_server(ConductorServicer(self), self.server)
         if self.cfg.http_port >= 0:
             # HTTPS with the gRPC port's certificate when TLS is on
-            self.http = HttpApi(self, self.cfg.host, self.cfg.http_port, channels.current())
+            self.http = HttpApi(
+                self,
+                self.cfg.host,
+                self.cfg.http_port,
+                channels.current(),
+                idle_timeout_s=self.cfg.http_idle_timeout_s,
+            )
             self.http_address = self.cfg.advertise(await self.http.start())
             self.membership.add_listener(self.http.on_member)
         self.membership.add_listener(self.feeds.on_member)
@@ -228,12 +239,14 @@ class Conductor(Service):
                 f"ends",
                 (("retry-after-ms", "1000"), ("kvmesh-reject-reason", "client_streams")),
             )
+        if err := check_names(req.model, req.request_id):  # (before either is echoed)
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, err)
         # a client's request_id is unique among its tenant's requests in flight here
         key = (current_principal.get().tenant, req.request_id)
         if req.request_id and key in self._ids_in_flight:
             raise Rejected(
                 grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id {req.request_id!r} is already in flight; give each "
+                f"request_id {shown(req.request_id)} is already in flight; give each "
                 f"concurrent request its own request_id (or none: one is generated)",
             )
         self._streams[client] += 1
@@ -262,6 +275,10 @@ class Conductor(Service):
             if n.fingerprint == fp
         )
         tokens = await self.input.tokens(req, info)
+        if not req.sampling.HasField("seed"):
+            # fresh randomness for each request, drawn once: a prefill retry or another
+            # node samples from the same seed, so the request's tokens stay the same
+            req.sampling.seed = secrets.randbits(64)
         # the id the nodes know the request by is unique (clients and tenants may repeat
         # theirs); responses carry the client's
         rid = f"{req.request_id}.{uuid.uuid4().hex[:12]}" if req.request_id else uuid.uuid4().hex
@@ -280,6 +297,8 @@ class Conductor(Service):
         d = await self._decide(r, fp)
         record_span("conductor.admission", t_admit, attributes=admission_attributes(r, d))
         if not d.accepted:
+            if self.warmer is not None:  # its prefix's KV, for the requests that share it
+                self.warmer.refused(r, d, tokens, bs)
             if d.reason == INFEASIBLE:  # no node could ever serve it: a retry cannot help
                 raise Rejected(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -540,6 +559,7 @@ class Conductor(Service):
                         eos_ids,
                         msg.finish_reason,
                         logprobs=list(msg.logprobs),
+                        tops=list(msg.top_logprobs),
                     )
                 if resp.finish_reason:
                     decoded.append(True)  # the decode node has retired it

@@ -43,7 +43,7 @@ class TextStream:
 
 
 def generate_response(
-    rid, token_ids, decoder, usage, presp, route, req, eos_ids, reason="", logprobs=()
+    rid, token_ids, decoder, usage, presp, route, req, eos_ids, reason="", logprobs=(), tops=()
 ):
     """The client's next ``GenerateResponse``: ``token_ids`` and their new text from
     ``decoder``; with the prefill's answer ``presp`` (the first token's message) the
@@ -61,6 +61,7 @@ def generate_response(
             reason = "length"
         if req.sampling.logprobs:
             logprobs = [presp.first_logprob]
+            tops = [presp.first_top] if presp.HasField("first_top") else []
     usage.completion_tokens += len(token_ids)
     text = decoder.push(token_ids, final=bool(reason))
     if decoder.stopped:
@@ -73,4 +74,5 @@ def generate_response(
         usage=usage if reason else None,
         route=route,
         logprobs=list(logprobs),
+        top_logprobs=list(tops),
     )

@@ -50,7 +50,7 @@ from kvmesh.services.common.sampling_params import Sampling
 from kvmesh.services.engine.cuda_graphs import DecodeRunner
 from kvmesh.services.engine.kv_mirror import KVMirror
 from kvmesh.services.engine.kv_pool import OutOfBlocks
-from kvmesh.services.engine.sampler_device import sample_batch
+from kvmesh.services.engine.sampler_device import History, sample_batch, top_alternatives
 from kvmesh.services.engine.sampling import sample_with_logprob
 from kvmesh.services.model_node import to_the_end
 
@@ -179,6 +179,9 @@ class Running:
     tbt_slo_ms: float = 0.0  # its TBT SLO (0: none given): prompt chunks here respect it
     join_signal: bool = False  # put JOINED in ``out`` as its first step begins
     joined: bool = False  # a step holding it has begun (or JOINED was put anyway)
+    # each token's top alternatives, in the order of its tokens in ``out`` (only when
+    # sampling.top_logprobs asks for them)
+    tops: deque = field(default_factory=deque)
 
     def signal_join(self) -> None:
         if not self.joined:
@@ -437,6 +440,13 @@ class BatchScheduler:
                         self._preempt(victim)
         return [r for r in batch if r in self.running]
 
+    def history(self, r: Running) -> History:
+        """What request ``r``'s logits processing reads: its own prompt and output (the
+        same on any node), and the model's EOS ids. Empty when it processes none."""
+        if not r.sampling.processes_logits:
+            return History()
+        return History(r.res.prompt_ids, r.res.generated, self.eos_ids)
+
     # -- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
@@ -502,13 +512,23 @@ class BatchScheduler:
         if self.decoder is None:  # CPU: row by row (batched ops are not faster there,
             # loadtest/bench_sampler.py), the same tokens as the batch sampler
             drawn = [
-                sample_with_logprob(logits[i], r.sampling, r.step) for i, r in enumerate(batch)
+                sample_with_logprob(logits[i], r.sampling, r.step, self.history(r))
+                for i, r in enumerate(batch)
             ]
         else:  # GPU: the whole batch sampled on the device, one host sync (sampler_device)
-            drawn = sample_batch(logits, [r.sampling for r in batch], [r.step for r in batch])
-        for r, (tok, lp) in zip(batch, drawn, strict=True):
+            drawn = sample_batch(
+                logits,
+                [r.sampling for r in batch],
+                [r.step for r in batch],
+                [self.history(r) for r in batch],
+            )
+        ks = [r.sampling.top_logprobs if r.sampling.logprobs else 0 for r in batch]
+        tops = top_alternatives(logits, ks) if any(ks) else None
+        for i, (r, (tok, lp)) in enumerate(zip(batch, drawn, strict=True)):
             if r not in self.running:  # left (client gone) while the step ran
                 continue
+            if tops is not None and ks[i]:
+                r.tops.append(tops[i])  # (read beside its token: Decode pops one per token)
             r.token, r.position, r.step = tok, r.position + 1, r.step + 1
             r.res.generated.append(tok)
             r.remaining -= 1

@@ -53,8 +53,9 @@ from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.decode.batch import JOINED, BatchScheduler, Reservation, Running
 from kvmesh.services.decode.early_release import EarlyReleases
 from kvmesh.services.engine.kv_pool import OutOfBlocks
+from kvmesh.services.engine.sampler_device import History
 from kvmesh.services.engine.sampling import sample_with_logprob
-from kvmesh.services.model_node import ModelNode, parse_drop
+from kvmesh.services.model_node import ModelNode, first_alternatives, parse_drop, top_message
 from kvmesh.services.node_config import NodeConfig
 
 log = logging.getLogger(__name__)
@@ -332,6 +333,7 @@ class DecodeServicer(pbg.DecodeNodeServicer):
                     token_ids=[tok],
                     finish_reason=reason,
                     logprobs=[lp] if sampling.logprobs else [],
+                    top_logprobs=[top_message(r.tops.popleft())] if r.tops else [],
                 )
                 if reason:
                     return
@@ -608,7 +610,9 @@ class DecodeNode(ModelNode):
         times: dict = {}
         logits = await self.batch.compute_prompt(tokens, start, res.blocks, times)
         res.kv_ready.set()
-        first, first_lp = sample_with_logprob(logits, sampling, step=0)
+        hist = History(tokens, (), frozenset(self.tokenizer.eos_ids))
+        first, first_lp = sample_with_logprob(logits, sampling, 0, hist)
+        first_top = first_alternatives(logits, sampling)
         self.counters["computed"] += n - start
         self.counters["cached"] += start
         # queue: the wait for the prompts computed here before it; prefill: the rest,
@@ -619,6 +623,7 @@ class DecodeNode(ModelNode):
             computed_tokens=n - start,
             cached_tokens=start,
             first_logprob=first_lp if sampling.logprobs else 0.0,
+            first_top=first_top,
             prefill_ms=(time.perf_counter() - t0) * 1000 - queue_ms,
             queue_ms=queue_ms,
         )

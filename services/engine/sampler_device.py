@@ -28,10 +28,52 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvmesh.services.common.sampling_params import Sampling
+
+
+@dataclass(frozen=True)
+class History:
+    """A request's own tokens, all its logits processing reads: the same on any node, so
+    a request moved or retried elsewhere samples the same tokens."""
+
+    prompt: Sequence[int] = ()
+    output: Sequence[int] = ()  # its output so far (the token being drawn is next)
+    eos_ids: frozenset[int] = frozenset()  # barred, with stop_token_ids, before min_tokens
+
+
+def process_logits(row: torch.Tensor, s: Sampling, hist: History) -> torch.Tensor:
+    """Request ``s``'s logits [vocab] before sampling, as float32 on ``row``'s device (the
+    order vLLM applies them): ``logit_bias`` added; EOS and ``stop_token_ids`` at -inf
+    while the output is shorter than ``min_tokens``; ``repetition_penalty`` over the
+    tokens of the prompt and the output (a positive logit divided by it, a negative one
+    multiplied); ``frequency_penalty`` times each token's count in the output and
+    ``presence_penalty`` for each token in it, subtracted. Reads no device value, and
+    its host tensors go over in non-blocking copies: no sync."""
+    dev = row.device
+    x = row.float().reshape(-1).clone()
+    vocab = x.shape[0]
+    if s.logit_bias:
+        ids = torch.tensor([t for t, _ in s.logit_bias], dtype=torch.long)
+        vals = torch.tensor([b for _, b in s.logit_bias], dtype=torch.float32)
+        x.index_add_(0, _to(ids, dev), _to(vals, dev))
+    if s.min_tokens and len(hist.output) < s.min_tokens:
+        banned = sorted(t for t in hist.eos_ids | s.stop_token_ids if 0 <= t < vocab)
+        if banned:
+            x.index_fill_(0, _to(torch.tensor(banned, dtype=torch.long), dev), float("-inf"))
+    if s.repetition_penalty != 1.0 and (hist.prompt or hist.output):
+        ids = torch.tensor([*hist.prompt, *hist.output], dtype=torch.long)
+        seen = _to(torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True), dev)
+        p = s.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
+    if hist.output and (s.frequency_penalty or s.presence_penalty):
+        counts = torch.bincount(torch.tensor(list(hist.output), dtype=torch.long), minlength=vocab)
+        counts = _to(counts[:vocab].float(), dev)
+        x = x - s.frequency_penalty * counts - s.presence_penalty * (counts > 0).float()
+    return x
 
 
 def make_generator(s: Sampling, step: int = 0) -> torch.Generator | None:
@@ -79,6 +121,14 @@ def _sampled_probs(
         kth = torch.where(on, kth.gather(1, k), float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
+    mj = [j for j, s in enumerate(params) if s.min_p > 0]
+    if mj:  # (rows without min_p untouched: the same bits as sampling._probs)
+        idx = _to(torch.tensor(mj, dtype=torch.long), dev)
+        sub = probs.index_select(0, idx)
+        mp = _to(torch.tensor([[params[j].min_p] for j in mj], dtype=torch.float32), dev)
+        sub = sub.masked_fill(sub < mp * sub.max(dim=-1, keepdim=True).values, 0)
+        sub = sub / sub.sum(dim=-1, keepdim=True)
+        probs = probs.index_copy(0, idx, sub)
     pj = [j for j, s in enumerate(params) if 0 < s.top_p < 1]
     if pj:
         idx = _to(torch.tensor(pj, dtype=torch.long), dev)
@@ -94,7 +144,10 @@ def _sampled_probs(
 
 
 def sample_on_device(
-    logits: torch.Tensor, samplings: Sequence[Sampling], steps: Sequence[int]
+    logits: torch.Tensor,
+    samplings: Sequence[Sampling],
+    steps: Sequence[int],
+    raw: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tokens and log-probabilities for a batch, left on ``logits``' device.
 
@@ -102,7 +155,8 @@ def sample_on_device(
     token's index in request ``i``'s output, as :func:`sampling.sample` takes it) for
     row ``i``. Returns float64 [B, 2]: the token id (exact in float64) and its
     log-probability under the raw logits (``log_softmax`` before temperature, top-k and
-    top-p, as :func:`sampling.sample_with_logprob` reports it). No host sync."""
+    top-p, as :func:`sampling.sample_with_logprob` reports it; of ``raw`` when given: the
+    logits before :func:`process_logits`). No host sync."""
     b, vocab = logits.shape
     if not (b == len(samplings) == len(steps)):
         raise ValueError(
@@ -118,7 +172,8 @@ def sample_on_device(
         drawn = torch.argmax(probs / q, dim=-1)
         ok = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)
         tok = tok.index_copy(0, idx, torch.where(ok, drawn, tok.index_select(0, idx)))
-    lp = torch.log_softmax(logits.float(), dim=-1).gather(1, tok[:, None])[:, 0]
+    src = logits if raw is None else raw
+    lp = torch.log_softmax(src.float(), dim=-1).gather(1, tok[:, None])[:, 0]
     return torch.stack((tok.double(), lp.double()), dim=1)
 
 
@@ -131,8 +186,33 @@ def fetch(packed: torch.Tensor) -> list[tuple[int, float]]:
     return out
 
 
+def top_alternatives(logits: torch.Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]]]:
+    """Row ``i``'s ``ks[i]`` most likely tokens and their log-probabilities under the raw
+    logits [B, vocab] (most likely first; ``[]`` where ``ks[i]`` is 0): what ``logprobs``
+    with ``top_logprobs`` report. One host copy, only for a batch that asks."""
+    k = max(ks, default=0)
+    if k <= 0:
+        return [[] for _ in ks]
+    vals, idx = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
+    packed = torch.stack((idx.double(), vals.double()), dim=-1).cpu().tolist()
+    return [
+        [(int(t), lp if math.isfinite(lp) else float("-inf")) for t, lp in row[:n]]
+        for row, n in zip(packed, ks, strict=True)
+    ]
+
+
 def sample_batch(
-    logits: torch.Tensor, samplings: Sequence[Sampling], steps: Sequence[int]
+    logits: torch.Tensor,
+    samplings: Sequence[Sampling],
+    steps: Sequence[int],
+    hists: Sequence[History] | None = None,
 ) -> list[tuple[int, float]]:
-    """:func:`sample_on_device` then :func:`fetch`: a batch's ``(token, logprob)``s."""
-    return fetch(sample_on_device(logits, samplings, steps))
+    """:func:`sample_on_device` then :func:`fetch`: a batch's ``(token, logprob)``s;
+    rows whose request processes its logits do so first, from ``hists[i]``."""
+    rows = [i for i, s in enumerate(samplings) if s.processes_logits]
+    if not rows:
+        return fetch(sample_on_device(logits, samplings, steps))
+    processed = logits.float().clone()
+    for i in rows:
+        processed[i] = process_logits(logits[i], samplings[i], hists[i] if hists else History())
+    return fetch(sample_on_device(processed, samplings, steps, raw=logits))

@@ -5,6 +5,7 @@ as real processes on this machine with :class:`LocalCluster`.
   :func:`listening_ports` (which TCP ports a process listens on);
 - :mod:`.cluster`: :class:`LocalCluster` (start, supervise, restart, stop) and
   :func:`cluster_secret`;
+- :mod:`.workdir_lock`: one cluster per workdir (:class:`WorkdirLock`);
 - :mod:`.up`: ``kvmesh up`` itself (:func:`add_up_arguments`, :func:`up`)."""
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 from kvmesh.services.launcher.cluster import CONDUCTOR, LocalCluster, cluster_secret
 from kvmesh.services.launcher.local_etcd import ETCD_BIND_ATTEMPTS, Etcd, listening_ports
 from kvmesh.services.launcher.up import add_up_arguments, up
+from kvmesh.services.launcher.workdir_lock import WorkdirInUse, WorkdirLock
 
 __all__ = [
     "CONDUCTOR",
     "ETCD_BIND_ATTEMPTS",
     "Etcd",
     "LocalCluster",
+    "WorkdirInUse",
+    "WorkdirLock",
     "add_up_arguments",
     "cluster_secret",
     "listening_ports",

@@ -29,6 +29,7 @@ from kvmesh.services.common.etcd import EtcdClient, EtcdError, etcd_credentials
 from kvmesh.services.common.registry import node_key
 from kvmesh.services.common.settings import KNOWN_SECRETS, THREAD_SHARE_ENV
 from kvmesh.services.launcher.local_etcd import Etcd
+from kvmesh.services.launcher.workdir_lock import WorkdirLock
 
 T = TypeVar("T")
 
@@ -63,14 +64,22 @@ def node_threads(nodes: int) -> int:
     return max(1, cores // max(1, nodes))
 
 
-def cluster_secret(workdir: str) -> str:
+def cluster_secret(workdir: str, warn: Callable[[str], None] | None = None) -> str:
     """The data-plane secret of a local cluster: the operator's ``KVMESH_SECRET`` when it is
     set (and not one of the well-known ones), else a random one for this cluster. It is
     written to ``<workdir>/secret`` (mode 0600), so a node started by hand can join:
-    ``KVMESH_SECRET=$(cat <workdir>/secret) kvmesh prefill ...``."""
+    ``KVMESH_SECRET=$(cat <workdir>/secret) kvmesh prefill ...``. A well-known
+    ``KVMESH_SECRET`` is replaced, and ``warn`` (default: a log warning) says so."""
     given = os.environ.get("KVMESH_SECRET", "")
     secret = given if given and given not in KNOWN_SECRETS else secrets.token_hex(32)
     path = os.path.join(workdir, "secret")
+    if given and secret != given:
+        (warn or _log.warning)(
+            f"warning: KVMESH_SECRET is the well-known {given!r}, which anyone can read in "
+            f"kvmesh's source, so this cluster does not use it: its nodes share a random "
+            f"secret instead, written to {path}. A node started by hand joins with "
+            f"KVMESH_SECRET=$(cat {path}); nodes started with {given!r} are refused"
+        )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret + "\n")
@@ -97,6 +106,11 @@ class LocalCluster:
     restarted ``max_restarts`` times within the window, supervision gives up and
     :meth:`failure` says why. :meth:`stop` stops every process, SIGKILLs one that
     ignores SIGTERM for ``grace`` seconds, and removes etcd's data dir (logs stay).
+
+    One cluster per workdir: the constructor takes the workdir's lock
+    (:class:`~kvmesh.services.launcher.workdir_lock.WorkdirLock`) before it writes
+    anything there, and raises ``WorkdirInUse`` naming the PID that holds it; :meth:`stop`
+    lets it go once it is done with the workdir.
 
     With ``tls`` the embedded etcd serves TLS only to clients with a certificate of the
     cluster's CA, and has auth on: user ``root`` with a random password
@@ -132,6 +146,10 @@ class LocalCluster:
         self._own_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvmesh-")
         Path(self.workdir).mkdir(parents=True, exist_ok=True)
+        # one cluster per workdir: locked before anything in it is written (WorkdirInUse
+        # names the holder), held until stop() is done with it
+        self._workdir_lock = WorkdirLock(self.workdir)
+        self._workdir_lock.acquire()
         self.cluster = cluster
         self.n_prefill, self.n_decode = prefill, decode
         self.conductor_port = conductor_port  # 0 until start() reads the bound port
@@ -170,7 +188,8 @@ class LocalCluster:
         self.log_level = log_level
         # the conductor's OpenAI-compatible API (0 = any free port, read by start(); -1 = off)
         self.http_port = http_port
-        self.secret = cluster_secret(self.workdir)  # the nodes' data-plane secret
+        # the nodes' data-plane secret (a well-known KVMESH_SECRET replaced, with a warning)
+        self.secret = cluster_secret(self.workdir, log)
         # tls: a throwaway CA + one certificate per service in <workdir>/tls (mutual TLS on
         # every gRPC channel); api_key: what status()/wait_ready() send to the conductor
         self.tls_dir = os.path.join(self.workdir, "tls") if tls else ""
@@ -263,16 +282,21 @@ class LocalCluster:
         return ["--etcd-ca", a[5], "--etcd-cert", a[1], "--etcd-key", a[3]]
 
     def tls_args(self, name: str) -> list[str]:
-        """``--tls-cert/--tls-key/--tls-ca`` of ``name`` ("client" for CLIs); [] without TLS."""
+        """``--tls-cert/--tls-key/--tls-ca`` of ``name`` ("client" for CLIs); [] without TLS.
+        The certificate carries the role ``name`` starts with (``decode-1``: decode; see
+        ``services/common/roles.py``); etcd's carries none."""
         if not self.tls_dir:
             return []
+        from kvmesh.services.common.roles import CLIENT, role_of_name
+
         if not self._pki:
             from kvmesh.services.common.pki import DevCA
 
             self._ca = DevCA(self.tls_dir)
-            self._pki["client"] = self._ca.issue("client")
+            self._pki["client"] = self._ca.issue("client", roles=[CLIENT])
         if name not in self._pki:
-            self._pki[name] = self._ca.issue(name)
+            role = role_of_name(name)
+            self._pki[name] = self._ca.issue(name, roles=[role] if role else [])
         ident = self._pki[name]
         return ["--tls-cert", ident.cert, "--tls-key", ident.key, "--tls-ca", ident.ca]
 
@@ -328,6 +352,7 @@ class LocalCluster:
 
     def start(self, timeout: float = 90) -> LocalCluster:
         deadline = time.monotonic() + timeout
+        self._workdir_lock.acquire()  # again after a stop() (a no-op while held)
         if self.etcd:
             # a local cluster's etcd is new each time: no data of an earlier run (whose
             # root password, conductor address, nodes are gone)
@@ -381,6 +406,11 @@ class LocalCluster:
                 if p.poll() is not None and name not in self._stopped:
                     return f"{name} exited with {p.returncode}"
         return ""
+
+    @property
+    def gave_up(self) -> str:
+        """Why supervision gave up ("" while it has not): logged once when it did."""
+        return self._gave_up
 
     def _supervise(self) -> None:
         try:
@@ -598,6 +628,7 @@ class LocalCluster:
             if self._control_budget is not None:
                 self._control_budget.close()
                 self._control_budget = None
+            self._workdir_lock.release()
 
     def _all_procs(self) -> list[subprocess.Popen]:
         """Every service process started, and any a caller put in :attr:`procs`."""

@@ -24,31 +24,35 @@ import time
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.client import format_status, stream_completion
 from kvmesh.services.common import cpu_budget
+from kvmesh.services.common.argtypes import PORT, float_at_least, int_at_least, int_in
 from kvmesh.services.common.channels import PortInUse, check_port
 from kvmesh.services.launcher.cluster import LocalCluster
+from kvmesh.services.launcher.workdir_lock import WorkdirInUse
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=50051, help="conductor gRPC port")
+    p.add_argument(
+        "--port", type=PORT, default=50051, help="conductor gRPC port (0 = any free port)"
+    )
     p.add_argument(
         "--http-port",
-        type=int,
+        type=int_in(-1, 65535, "0 = any free port, -1 = off"),
         default=8000,
         help="conductor's OpenAI-compatible HTTP API port (falls back to any free "
         "port when 8000 is taken; 0 = any free port, -1 = off)",
     )
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
-    p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
+    p.add_argument("--prefill", type=int_at_least(1), default=1, help="number of prefill nodes")
+    p.add_argument("--decode", type=int_at_least(1), default=1, help="number of decode nodes")
     p.add_argument(
         "--store-masters",
-        type=int,
+        type=int_at_least(1),
         default=1,
         help="store-masters: one leads, the others stand by and take over when its "
         "etcd lease lapses",
     )
     p.add_argument(
         "--conductors",
-        type=int,
+        type=int_at_least(1),
         default=1,
         help="conductors serving at once (active-active; each counts the others' work "
         "through the nodes' load reports); the first on --port/--http-port, the others "
@@ -62,7 +66,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--nodes",
-        type=int,
+        type=int_at_least(0, "0 = --prefill and --decode say"),
         default=0,
         help="model nodes in all, split into prefill and decode by --ratio (instead of "
         "--prefill/--decode)",
@@ -79,10 +83,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         default="",
         help="Mooncake-format trace (JSON Lines) that --ratio auto plans for",
     )
-    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    p.add_argument("--block-size", type=int_in(1, 4096), default=64, help="tokens per KV block")
     p.add_argument(
         "--cpus",
-        type=float,
+        type=float_at_least(0, hi=1024),
         default=0.0,
         help="CPU budget of each prefill and decode node in cores, a fraction allowed "
         "(0.375): each runs in a cgroup of its own with that CFS quota and ceil(cpus) "
@@ -98,7 +102,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PROMPT",
         help="serve this one prompt, print the completion, and stop",
     )
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens for --demo")
+    p.add_argument("--max-tokens", type=int_in(1, 2**31 - 1), default=48, help="tokens for --demo")
     p.add_argument(
         "--tls",
         action="store_true",
@@ -107,7 +111,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-restarts",
-        type=int,
+        type=int_at_least(0, "0 = stop the cluster when any process dies"),
         default=5,
         help="a service (or etcd) that dies is restarted, after a backoff doubling from "
         "0.5 s, at most this many times within --restart-window; then the cluster stops "
@@ -115,7 +119,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--restart-window",
-        type=float,
+        type=float_at_least(0, above=True),
         default=60.0,
         help="seconds over which --max-restarts counts a service's restarts",
     )
@@ -252,14 +256,26 @@ def up(args: argparse.Namespace) -> int:
         return 1
     if split is not None:
         args.prefill, args.decode = split
-    conductor_args, dtype_args = vllm_style_args(args)
     if args.port:  # before etcd starts: a second cluster must not share the port
         try:
             check_port(f"{getattr(args, 'host', '') or '127.0.0.1'}:{args.port}")
         except PortInUse as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    cluster = LocalCluster(
+    try:
+        cluster = _cluster(args, model, cpus)
+    except WorkdirInUse as e:  # nothing in that workdir was touched
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    client = " ".join(cluster.tls_args("client")) if cluster.tls_dir else ""
+    client += f" --api-key {cluster.api_key}" if cluster.api_key else ""
+    return _run(args, cluster, client)
+
+
+def _cluster(args: argparse.Namespace, model: str, cpus: float) -> LocalCluster:
+    """The cluster ``kvmesh up`` runs; raises WorkdirInUse when another holds --workdir."""
+    conductor_args, dtype_args = vllm_style_args(args)
+    return LocalCluster(
         args.workdir,
         prefill=args.prefill,
         decode=args.decode,
@@ -277,8 +293,23 @@ def up(args: argparse.Namespace) -> int:
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
         cpus=cpus,
     )
-    client = " ".join(cluster.tls_args("client")) if cluster.tls_dir else ""
-    client += f" --api-key {cluster.api_key}" if cluster.api_key else ""
+
+
+def starting_line(cluster: LocalCluster) -> str:
+    """What ``kvmesh up`` prints as it starts ``cluster``: what it starts, and how many."""
+
+    def some(n: int, what: str) -> str:
+        return what if n == 1 else f"{n} {what}s"
+
+    return (
+        f"starting etcd, {some(cluster.n_store_masters, 'store-master')}, "
+        f"{some(cluster.n_conductors, 'conductor')}, {cluster.n_prefill} prefill and "
+        f"{cluster.n_decode} decode node(s); logs in {cluster.workdir}"
+    )
+
+
+def _run(args: argparse.Namespace, cluster: LocalCluster, client: str) -> int:
+    """Starts ``cluster`` and serves until a signal, the demo's end or a failure."""
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -294,11 +325,7 @@ def up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
     try:
-        print(
-            f"starting etcd, store-master, conductor, {args.prefill} prefill and "
-            f"{args.decode} decode node(s); logs in {cluster.workdir}",
-            flush=True,
-        )
+        print(starting_line(cluster), flush=True)
         t0 = time.monotonic()
         cluster.start()
         etcd_auth = (
@@ -350,8 +377,13 @@ def up(args: argparse.Namespace) -> int:
         while True:  # the cluster's supervisor restarts a service that dies
             time.sleep(0.5)
             failure = cluster.failure()
-            if failure:
-                print(f"{failure}; stopping the cluster", file=sys.stderr, flush=True)
+            if failure:  # supervision logged why it gave up already: say it once
+                said = failure == cluster.gave_up
+                print(
+                    "stopping the cluster" if said else f"{failure}; stopping the cluster",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
     except KeyboardInterrupt:
         print("\nstopping the cluster", flush=True)

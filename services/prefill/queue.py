@@ -26,6 +26,7 @@ class ComputeQueue:
     def __init__(self) -> None:
         self._slot = asyncio.Lock()  # asyncio.Lock wakes its waiters in FIFO order
         self.depth = 0
+        self.waited = asyncio.Event()  # set while a request waits (a warm-up yields to it)
 
     @property
     def busy(self) -> bool:
@@ -43,6 +44,7 @@ class ComputeQueue:
         if limit is not None and limit() <= 0:
             raise NotInTime
         self.depth += 1
+        self.waited.set()
         try:
             if limit is None:
                 await self._slot.acquire()
@@ -50,6 +52,8 @@ class ComputeQueue:
                 await self._acquire_within(limit)
         finally:
             self.depth -= 1
+            if not self.depth:
+                self.waited.clear()
         try:
             yield time.perf_counter() - t0
         finally:

@@ -15,6 +15,12 @@ A request's life here (``Prefill`` RPC):
   6. background: the new full blocks enter the local prefix cache and are put into the
      store (``PutStart`` -> transfer-engine write -> ``PutEnd``), off the TTFT path.
 
+A warm-up (``PrefillRequest.warm``: the conductor's, for a prompt it refused whose
+prefix others will share) takes the compute slot only when no request holds or waits
+for it, computes the prompt's full blocks into the prefix cache and the store (steps 2,
+4 and 6, no target), and yields the slot to the first request that comes to wait: it
+stops at the next chunk boundary and fails with RESOURCE_EXHAUSTED (``warm_yielded``).
+
 Without room in the pool for its blocks a request fails with RESOURCE_EXHAUSTED (the
 conductor tries another prefill node); every block it took is given back.
 """
@@ -41,11 +47,14 @@ from kvmesh.services.common.service import run, setup_logging
 from kvmesh.services.common.telemetry import record_span
 from kvmesh.services.engine.kv_pool import KVPool, OutOfBlocks
 from kvmesh.services.engine.model import PrefillStopped
+from kvmesh.services.engine.sampler_device import History
 from kvmesh.services.engine.sampling import sample_with_logprob
-from kvmesh.services.model_node import ModelNode, drop_payload, to_the_end
+from kvmesh.services.model_node import ModelNode, drop_payload, first_alternatives, to_the_end
 from kvmesh.services.node_config import NodeConfig
 from kvmesh.services.prefill.deadline import Deadline, Slowdown, TooLate
+from kvmesh.services.prefill.prompt import Prompt
 from kvmesh.services.prefill.queue import ComputeQueue, NotInTime
+from kvmesh.services.prefill.warm import WarmYielded, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +62,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class PrefillConfig(NodeConfig):
     """prefill-node: runs (incremental) prefill and streams KV to decode nodes."""
-
-
-@dataclass
-class _Prompt:
-    """A request's tokens and its full blocks: ``hashes[i]`` names ``blocks_tokens[i]``."""
-
-    tokens: list[int]
-    hashes: list[bytes]
-    blocks_tokens: list[tuple[int, ...]]
-    usable: int  # leading full blocks a cache may supply: >= 1 token is left to compute
-
-    @classmethod
-    def of(cls, req: pb.PrefillRequest, bs: int) -> _Prompt:
-        tokens, hashes = list(req.token_ids), list(req.block_hashes)
-        blocks_tokens = [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(len(hashes))]
-        return cls(tokens, hashes, blocks_tokens, min(len(hashes), (len(tokens) - 1) // bs))
 
 
 @dataclass
@@ -170,7 +163,15 @@ class PrefillServicer(pbg.PrefillNodeServicer):
         if err := self.node.check(req):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         try:
+            if req.warm:
+                return await self.node.warm(req)
             return await self.node.prefill(req)
+        except WarmYielded as e:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"prefill node {self.node.node_id} did not warm {req.request_id}: {e}",
+                trailing_metadata=(("kvmesh-reject-reason", "warm_yielded"),),
+            )
         except TransferError as e:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
@@ -206,6 +207,7 @@ class PrefillNode(ModelNode):
         super().__init__(cfg)
         self.compute = ComputeQueue()
         self.slowdown = Slowdown()  # measured against the conductor's estimates
+        self.counters["warmed"] = 0  # prompt tokens computed by warm-ups
         self.background: set[asyncio.Task] = set()
         self.test_hold_dir = os.environ.get("KVMESH_TEST_HOLD_PREFILL", "")  # test only
 
@@ -238,6 +240,10 @@ class PrefillNode(ModelNode):
             return f"Prefill: token ids must be in [0, {self.model_config.vocab_size})"
         if len(req.block_hashes) > n // bs:
             return "Prefill: more block hashes than full blocks"
+        if req.warm:
+            if req.HasField("target") or not req.block_hashes:
+                return "Prefill: a warm-up has block hashes and no target"
+            return None
         t = req.target
         if t.held_blocks > (n - 1) // bs:
             return "Prefill: target holds more blocks than the prompt's cached prefix can be"
@@ -282,6 +288,10 @@ class PrefillNode(ModelNode):
             if all(h.clean for h in handoffs):
                 self._spawn(self._drop(req))
             raise
+
+    async def warm(self, req: pb.PrefillRequest) -> pb.PrefillResponse:
+        """The warm-up of ``req``'s full blocks (module docstring; ``prefill/warm.py``)."""
+        return await warm_up(self, req)
 
     async def _drop(self, req: pb.PrefillRequest) -> None:
         """Tells the decode node this node will never write ``req``'s reserved blocks
@@ -329,25 +339,28 @@ class PrefillNode(ModelNode):
         its forward (a worker thread) and its transfers to end, holding the compute slot."""
         t0 = time.perf_counter()
         bs = self.cfg.block_size
-        p = _Prompt.of(req, bs)
-        local, fetched = await self._load_prefix(p)
+        p = Prompt.of(req, bs)
+        local, fetched = await self.load_prefix(p)
         prefix = local + fetched
-        table = self._allocate_table(len(p.tokens), prefix)
+        table = self.allocate_table(len(p.tokens), prefix)
         start = len(prefix) * bs
         handoff = _Handoff(self.te, self.pool, self.pool_region, req.target, table, len(prefix))
         handoffs.append(handoff)
         try:
             handoff.send_prefix()
             await self._test_hold("prefilling", req.request_id)
-            logits, timing = await self._compute(p.tokens, start, table, handoff.send_layer)
-            first, first_lp = sample_with_logprob(logits, Sampling.from_proto(req.sampling), 0)
+            logits, timing = await self.compute_kv(p.tokens, start, table, handoff.send_layer)
+            hist = History(p.tokens, (), frozenset(self.tokenizer.eos_ids))
+            sampling = Sampling.from_proto(req.sampling)
+            first, first_lp = sample_with_logprob(logits, sampling, 0, hist)
+            first_top = first_alternatives(logits, sampling)
             await self._test_hold("transferring", req.request_id)
             await handoff.finish(req.request_id)
         except BaseException:  # cleanup only (a failure or a cancellation): re-raised
             # not clean unless settle() says so: a cancellation may land while it waits
             handoff.clean = False
             try:
-                handoff.clean = await handoff.settle()  # _compute has ended (waits its thread)
+                handoff.clean = await handoff.settle()  # compute_kv has ended (waits its thread)
             finally:
                 self.pool.free(table)
             raise
@@ -359,12 +372,12 @@ class PrefillNode(ModelNode):
             computed_tokens=len(p.tokens) - start,
         )
         self._observe(len(p.tokens), start, handoff, timing, prefill_ms)
-        self._keep_new_blocks(p, table, len(prefix))
+        self.keep_new_blocks(p, table, len(prefix))
         c = self.counters
         c["computed"] += len(p.tokens) - start
         c["cached"] += len(local) * bs
         c["fetched"] += len(fetched) * bs
-        self._put_new_blocks(p, table, len(prefix))
+        self.put_new_blocks(p, table, len(prefix))
         self.pool.free(table)
         return pb.PrefillResponse(
             first_token=first,
@@ -374,9 +387,10 @@ class PrefillNode(ModelNode):
             prefill_ms=prefill_ms,
             queue_ms=queue_ms,
             first_logprob=first_lp if req.sampling.logprobs else 0.0,
+            first_top=first_top,
         )
 
-    async def _load_prefix(self, p: _Prompt) -> tuple[list[int], list[int]]:
+    async def load_prefix(self, p: Prompt) -> tuple[list[int], list[int]]:
         """The longest run of the prompt's usable blocks in this node's pool, then the next
         run fetched from the store: (local, fetched) block ids, each referenced."""
         pool = self.pool
@@ -403,7 +417,7 @@ class PrefillNode(ModelNode):
         )
         return local, fetched
 
-    def _allocate_table(self, n: int, prefix: list[int]) -> list[int]:
+    def allocate_table(self, n: int, prefix: list[int]) -> list[int]:
         """The prefix blocks, then new blocks for the rest of ``n`` tokens. Raises
         :class:`OutOfBlocks` when the pool has no room, the prefix released."""
         try:
@@ -412,12 +426,13 @@ class PrefillNode(ModelNode):
             self.pool.free(prefix)
             raise
 
-    async def _compute(
+    async def compute_kv(
         self,
         tokens: list[int],
         start: int,
         table: list[int],
         on_layer: Callable[[int, int, int], None],
+        chunk: int = 0,
     ) -> tuple[torch.Tensor, _Timing]:
         """KV of ``tokens[start:]`` into ``table`` (off the event loop), in chunks of
         ``prefill_chunk`` tokens so that a long prompt's memory stays bounded;
@@ -436,7 +451,7 @@ class PrefillNode(ModelNode):
                     start,
                     self.pool,
                     table,
-                    self.cfg.prefill_chunk,
+                    chunk or self.cfg.prefill_chunk,
                     lambda layer, lo, hi: loop.call_soon_threadsafe(on_layer, layer, lo, hi),
                     lambda: task.cancelling() > 0,  # read from the worker thread: a count
                 )
@@ -472,7 +487,7 @@ class PrefillNode(ModelNode):
         )
         self.events.record_prefill(n - start, start, timing.ms)
 
-    def _keep_new_blocks(self, p: _Prompt, table: list[int], first_new: int) -> None:
+    def keep_new_blocks(self, p: Prompt, table: list[int], first_new: int) -> None:
         """The newly computed full blocks enter the local prefix cache."""
         for i in range(first_new, len(p.hashes)):
             self.pool.insert(
@@ -482,7 +497,7 @@ class PrefillNode(ModelNode):
                 parent_hash=p.hashes[i - 1] if i else None,
             )
 
-    def _put_new_blocks(self, p: _Prompt, table: list[int], first_new: int) -> None:
+    def put_new_blocks(self, p: Prompt, table: list[int], first_new: int) -> None:
         """Puts the newly computed full blocks into the store in the background (off the
         TTFT path); they stay referenced until the put ends."""
         to_put = list(range(first_new, len(p.hashes)))

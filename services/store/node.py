@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from prometheus_client import Gauge
 
 from kvmesh.rdma import TransferEngine
+from kvmesh.rdma.tcp import MAX_CONNS
 from kvmesh.services.common import metrics
 from kvmesh.services.common.config import ConfigError, load, option, parse_size
 from kvmesh.services.common.registry import Membership, nodes_prefix
@@ -40,11 +41,21 @@ class StoreNodeConfig(ServiceConfig):
     te_poll_us: int = option(
         200, "transfer engine busy-poll window in microseconds (CPU for latency; 0 = never spin)"
     )
+    te_max_conns: int = option(
+        MAX_CONNS,
+        "most connections the transfer engine's data port holds at once, peers being "
+        "served and handshakes in progress together (each peer opens a few); at the "
+        "limit a new connection closes the oldest unfinished handshake, or is closed "
+        'itself when all are peers (kvmesh_data_port_refused_total{reason="limit"}); '
+        "a handshake not finished in 3 s is closed",
+    )
 
     def validate(self) -> None:
         super().validate()
         if not 0 <= self.te_poll_us <= 5000:
             raise ConfigError(f"te_poll_us: {self.te_poll_us} must be between 0 and 5000")
+        if not 1 <= self.te_max_conns <= 1 << 20:
+            raise ConfigError(f"te_max_conns: {self.te_max_conns} must be between 1 and {1 << 20}")
         if parse_size(self.segment_memory) <= 0:
             raise ConfigError("segment_memory: must be > 0")
         if self.ssd_dir and parse_size(self.ssd_bytes) <= 0:
@@ -60,7 +71,11 @@ class StoreNode(Service):
     def __init__(self, cfg: StoreNodeConfig) -> None:
         super().__init__(cfg)
         self.te = TransferEngine(
-            cfg.secret.encode(), host=cfg.host, port=cfg.data_port, poll_us=cfg.te_poll_us
+            cfg.secret.encode(),
+            host=cfg.host,
+            port=cfg.data_port,
+            poll_us=cfg.te_poll_us,
+            max_conns=cfg.te_max_conns,
         )
         self.host = SegmentHost(
             self.te,

@@ -55,6 +55,8 @@ class StoreMasterConfig(ServiceConfig):
             raise ConfigError("max_replicas: must be >= 1")
         if self.hot_reads <= 0 or self.hot_window_s <= 0:
             raise ConfigError("hot_reads and hot_window_s: must be > 0")
+        if not 0 <= self.fast_port < 65536:
+            raise ConfigError(f"fast_port: {self.fast_port} is not a TCP port (0-65535)")
         if not 0 <= self.fast_poll_us <= 5000:
             raise ConfigError(
                 f"fast_poll_us: {self.fast_poll_us} must be between 0 and 5000 "

@@ -84,6 +84,15 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+def _peer(t: Transport) -> str:
+    sock: Any = getattr(t, "sock", None)
+    try:
+        host, port = sock.getpeername()[:2]
+    except (OSError, AttributeError):  # gone already, or no socket to ask
+        return "a client"
+    return f"{host}:{port}"
+
+
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
@@ -138,7 +147,13 @@ class FastPathProtocol:
         if out and self.t is not None:
             self.t.write(out[0] if len(out) == 1 else b"".join(out))
         if oversized and self.t is not None:
-            log.warning("fast path: oversized frame; closing")
+            log.warning(
+                "fast path: a frame from %s declares %d bytes, past the protocol's maximum "
+                "of %d; refused at its header, closing that connection",
+                _peer(self.t),
+                oversized,
+                wire.MAX_FRAME,
+            )
             self.t.close()
 
     async def _later(self, rid: int, coro: Coroutine[Any, Any, _Answer]) -> None:

@@ -8,8 +8,9 @@ answered inside ``data_received``, without a task; one that must first promote a
 from SSD or spill victims to make room runs as a task, and its answer may overtake
 earlier ones (responses carry the request id). When gRPC runs TLS the path does too,
 with the same certificate and CA (:func:`kvmesh.services.common.channels.ssl_server_context`:
-mutual TLS when a CA is set), so a secure cluster keeps it; without TLS it has no
-authentication of its own, like plaintext gRPC.
+mutual TLS when a CA is set, and then only for certificates whose role may make the
+store's data calls: :data:`FAST_RPCS`), so a secure cluster keeps it; without TLS it has
+no authentication of its own, like plaintext gRPC.
 
 The loop drives the connections' non-blocking sockets itself (not asyncio transports)
 so that, after answering, it can busy-poll for the next call (``fast_poll_us``; see
@@ -29,10 +30,15 @@ import time
 from kvmesh.rdma.wire import PollBackoff
 from kvmesh.services.common.channels import ssl_handshake
 from kvmesh.services.common.metrics import STORE_FAST_OVER_LIMIT, STORE_FAST_REFUSED
+from kvmesh.services.common.roles import may_call, refusal_message, roles_of_peercert
+from kvmesh.services.store_master import wire
 from kvmesh.services.store_master.fastcalls import Backend, FastPathProtocol
 
 log = logging.getLogger(__name__)
 _RECV_BYTES = 256 << 10
+# reads of one connection per readable callback: a client that keeps its socket full (one
+# huge frame, or frames without end) yields the loop to the others between batches
+_READS_PER_TURN = 16
 POLL_BACKOFF = 16  # most answers that start no spin after spins in which no call came
 # After a call that placed or located this many block bytes the client is busy copying
 # or transferring them for longer than a poll window: answering it starts no spin.
@@ -40,6 +46,12 @@ QUIET_BYTES = 1 << 20
 HANDSHAKE_S = 10.0  # a TLS client that has not finished its handshake by then is dropped
 MAX_CONNS = 1024  # connections served or in their handshake at once; more are closed
 MAX_HANDSHAKES = 64  # TLS handshakes pending at once (each may hold HANDSHAKE_S); more closed
+# the gRPC methods the path's calls stand for: under mutual TLS a connection is served only
+# when its certificate's roles may call every one of them (services/common/roles.py)
+FAST_RPCS = tuple(
+    f"/kvmesh.v1.StoreMaster/{m}"
+    for m in ("GetReplicas", "Exists", "PutLocal", "Remove", *wire.PB_METHODS)
+)
 # a non-blocking socket, plain or TLS, that has nothing more to give or take now
 _WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
@@ -202,6 +214,16 @@ class FastPathServer:
         except BaseException:
             sock.close()
             raise
+        if self.ssl is not None and self.ssl.verify_mode == ssl.CERT_REQUIRED:
+            roles = roles_of_peercert(sock.getpeercert())
+            denied = [m for m in FAST_RPCS if not may_call(m, roles)]
+            if denied:  # its client then tries gRPC, and is refused there too
+                STORE_FAST_REFUSED.inc()
+                log.warning(
+                    "fast path: refused a connection: %s", refusal_message(denied[0], roles)
+                )
+                sock.close()
+                return
         self._serve(sock)
 
     def _serve(self, sock: socket.socket) -> None:
@@ -228,7 +250,9 @@ class FastPathServer:
             return False
         shim, proto = item
         got = False
-        while not shim.closed:
+        for _ in range(_READS_PER_TURN):
+            if shim.closed:
+                break
             try:
                 data = shim.sock.recv(_RECV_BYTES)
             except _WOULD_BLOCK:
@@ -241,6 +265,10 @@ class FastPathServer:
                 break
             got = True
             proto.data_received(data)
+        else:  # the turn's reads are used up; a TLS socket may hold decrypted bytes that
+            # no readable event announces: come back for them after the others' turn
+            if isinstance(shim.sock, ssl.SSLSocket) and not shim.closed and shim.sock.pending():
+                self.loop.call_soon(self._drain, fd)
         return got
 
     def _readable(self, fd: int) -> None:
