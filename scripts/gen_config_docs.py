@@ -170,12 +170,14 @@ def _own_fields(cls: type, bases: list[type]) -> list[dataclasses.Field]:
 
 
 def table(cls: type, fields: list[dataclasses.Field]) -> list[str]:
+    from kvmesh.services.common.config import env_name
+
     lines = ["| flag | environment | default | what |", "| --- | --- | --- | --- |"]
     for f in fields:
         flag = "--" + f.name.replace("_", "-")
         flag_cell = f"`{flag}` / `--no-{flag[2:]}`" if _is_bool(cls, f) else f"`{flag}`"
         lines.append(
-            f"| {flag_cell} | `KVMESH_{f.name.upper()}` | {_fmt_default(_default(f))} "
+            f"| {flag_cell} | `{env_name(f)}` | {_fmt_default(_default(f))} "
             f"| {_cell(f.metadata.get('help', ''))} |"
         )
     return lines

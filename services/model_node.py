@@ -114,7 +114,8 @@ class ModelNode(Service):
             threads = threads_for(cfg.cpus)
         if threads > 0:
             torch.set_num_threads(threads)
-        self.dtype = resolve_dtype(cfg.dtype)
+        # auto and float16 depend on where the model computes (float16: CUDA only)
+        self.dtype = resolve_dtype(cfg.dtype, cuda=resolve_device(cfg.device).type == "cuda")
         # Set by setup() from load_model(cfg.model): a preset or a Hugging Face directory.
         self.loaded: LoadedModel | None = None
         self.model_config: ModelConfig | None = None
@@ -185,7 +186,7 @@ class ModelNode(Service):
         mc = self.model_config
         return {
             **super().node_info(),
-            "data": self.te.address,
+            "data": self.cfg.advertise(self.te.address),
             "model": self.cfg.model,
             "model_path": self.loaded.path,
             "eos_ids": sorted(self.tokenizer.eos_ids),

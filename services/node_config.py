@@ -26,7 +26,11 @@ class NodeConfig(ServiceConfig):
         "(org/name: the snapshot in the HF_HOME cache, downloaded there first "
         "unless HF_HUB_OFFLINE=1)",
     )
-    dtype: str = option("float32", "compute dtype: float32 or bfloat16 (never float16 on CPU)")
+    dtype: str = option(
+        "float32",
+        "compute dtype, as vllm serve's --dtype: float32, bfloat16, float16 (CUDA only: a "
+        "CPU has no fast half-precision kernels) or auto (bfloat16 on CUDA, float32 on a CPU)",
+    )
     device: str = option(
         "cpu",
         "where the weights and the KV pool live and the model computes: cpu, cuda "
@@ -103,13 +107,13 @@ class NodeConfig(ServiceConfig):
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
         try:
-            resolve_dtype(self.dtype)
-        except ValueError as e:
-            raise ConfigError(f"dtype: {e}") from None
-        try:
-            resolve_device(self.device)
+            device = resolve_device(self.device)
         except ValueError as e:
             raise ConfigError(f"device: {e} (one of {', '.join(DEVICES)})") from None
+        try:
+            resolve_dtype(self.dtype, cuda=device.type == "cuda")
+        except ValueError as e:
+            raise ConfigError(f"dtype: {e}") from None
         if not 1 <= self.block_size <= 4096:
             raise ConfigError(f"block_size: {self.block_size} must be between 1 and 4096")
         if not self.block_size <= self.prefill_chunk_tokens <= 1 << 20:

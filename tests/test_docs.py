@@ -3,7 +3,7 @@
 - docs/configuration.md is generated from the config dataclasses and must equal what
   ``python scripts/gen_config_docs.py`` writes now;
 - every service config class is in it, read under the TOML table the page names;
-- every ``kvmesh_*`` metric is listed in docs/operations.md;
+- every ``kvmesh_*`` and ``vllm:*`` metric is listed in docs/operations.md;
 - repository paths quoted in the docs and the README exist, and their links resolve;
 - nothing points outside the repository;
 - the vendored trace is where ``loadtest.workload`` looks for it, unchanged.
@@ -85,10 +85,17 @@ def test_toml_tables_match_the_services(gen):
 def test_every_metric_is_documented():
     ops = (DOCS / "operations.md").read_text()
     names = set()
-    for rel in ("services/common/metrics.py", "services/conductor/model_metrics.py"):
+    for rel in (
+        "services/common/metrics.py",
+        "services/conductor/model_metrics.py",
+        "services/conductor/vllm_metrics.py",
+    ):
         text = (ROOT / rel).read_text()
         names.update(
-            re.findall(r'(?:Counter|Histogram|Gauge|Summary|MetricFamily)\(\s*"(kvmesh_\w+)"', text)
+            re.findall(
+                r'(?:Counter|Histogram|Gauge|Summary|MetricFamily)\(\s*"((?:kvmesh_|vllm:)[\w:]+)"',
+                text,
+            )
         )
     assert len(names) > 10, "the metric scan found too little; update this test"
     missing = sorted(n for n in names if f"`{n}" not in ops)

@@ -312,7 +312,12 @@ def test_dtype_and_tokenizer():
     assert resolve_dtype("float32") is torch.float32 and resolve_dtype("bfloat16") is torch.bfloat16
     for bad in ("float16", torch.float16, "int8"):
         with pytest.raises(ValueError):
-            resolve_dtype(bad)
+            resolve_dtype(bad, cuda=False)
+    with pytest.raises(ValueError, match="CUDA only"):
+        resolve_dtype("float16", cuda=False)
+    assert resolve_dtype("float16", cuda=True) is torch.float16
+    assert resolve_dtype("auto", cuda=False) is torch.float32
+    assert resolve_dtype("auto", cuda=True) is torch.bfloat16
     tok = ByteTokenizer()
     ids = tok.encode("héllo")
     assert ids[0] == tok.bos_id and tok.decode(ids + [tok.eos_id]) == "héllo"

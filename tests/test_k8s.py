@@ -460,3 +460,19 @@ def test_gpu_overlay_requests_gpus_and_cpu_does_not():
     # the optional RDMA device resource is there to uncomment
     text = (K8S / "overlays" / "gpu" / "gpu.yaml").read_text()
     assert re.search(r"^\s*# rdma/\S+: 1$", text, re.M)
+
+
+@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
+def test_conductor_and_nodes_read_models_from_a_model_volume(overlay: str):
+    """The conductor loads its tokenizer by the model's name from the Hugging Face cache
+    on a volume of its own (no node's path), as the nodes load the model: HF_HOME lies on
+    the `models` volume in each."""
+    docs = render(overlay)
+    containers = kvmesh_containers(docs)
+    for role in ("conductor", "prefill", "decode"):
+        w, c = containers[role]
+        home = {e["name"]: e.get("value") for e in c.get("env", [])}.get("HF_HOME")
+        mounts = {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
+        volumes = {v["name"] for v in w["spec"]["template"]["spec"]["volumes"]}
+        assert "models" in mounts and "models" in volumes, f"{role}: no models volume"
+        assert home and home.startswith(mounts["models"] + "/"), f"{role}: HF_HOME {home}"

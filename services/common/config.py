@@ -129,6 +129,12 @@ def _coerce(name: str, tp: Any, raw: Any) -> Any:
         raise ConfigError(f"{name}: cannot read {raw!r} as {getattr(tp, '__name__', tp)}") from None
 
 
+def env_name(f: dataclasses.Field) -> str:
+    """The environment variable of config field ``f``: ``KVMESH_<NAME>``, unless the field
+    names its own (``option(..., env=...)``, where ``KVMESH_<NAME>`` means something else)."""
+    return f.metadata.get("env") or f"KVMESH_{f.name.upper()}"
+
+
 def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
     """Adds one flag per field of ``cls``; defaults stay unset so other sources can win."""
     parser.add_argument(
@@ -145,9 +151,7 @@ def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
             default = f.default_factory()
         else:
             default = None
-        help_text = (
-            f"{f.metadata.get('help', '')} (default: {default!r}; env KVMESH_{f.name.upper()})"
-        )
+        help_text = f"{f.metadata.get('help', '')} (default: {default!r}; env {env_name(f)})"
         help_text = help_text.replace("%", "%%")  # argparse formats help with %
         tp = _base_type(hints[f.name])
         if tp is bool:
@@ -197,7 +201,7 @@ def from_sources(
     for f in dataclasses.fields(cls):
         raw = getattr(args, f.name, None)
         if raw is None:
-            raw = env.get(f"KVMESH_{f.name.upper()}")
+            raw = env.get(env_name(f))
         if raw is None:
             raw = toml_values.get(f.name)
         if raw is not None:

@@ -118,7 +118,7 @@ class Service:
     async def start(self) -> None:
         # the port first: a port in use fails the start before a model loads
         port = channels.add_server_port(self.server, f"{self.cfg.host}:{self.cfg.port}")
-        self.grpc_address = f"{self.cfg.host}:{port}"
+        self.grpc_address = self.cfg.advertise(f"{self.cfg.host}:{port}")
         await self.setup()
         self._start_metrics()
         await self.server.start()
@@ -144,7 +144,7 @@ class Service:
             raise channels.bind_error(
                 f"{self.cfg.host}:{self.cfg.metrics_port}", "/metrics", "--metrics-port"
             ) from None
-        self.metrics_address = f"{self.cfg.host}:{port}"
+        self.metrics_address = self.cfg.advertise(f"{self.cfg.host}:{port}")
         metrics.track(self)
 
     def _info_bytes(self) -> bytes:

@@ -30,6 +30,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether binding ``host`` takes every address of the machine (0.0.0.0, ::, empty)."""
+    return host.strip("[]") in ("0.0.0.0", "::", "")
+
+
 def check_data_plane_secret(secret: str, host: str) -> None:
     """Refuses (ConfigError) a data-plane secret from :data:`KNOWN_SECRETS` on a node that
     binds and advertises ``host`` off loopback: whoever reaches its data port could read
@@ -84,7 +89,17 @@ class ServiceConfig:
         "name to check in peers' server certificates instead of "
         "their address (empty = the address)",
     )
-    host: str = option("127.0.0.1", "address to bind and to advertise to peers")
+    host: str = option(
+        "127.0.0.1",
+        "address to bind (0.0.0.0 or :: = every address); advertised to peers too unless "
+        "--advertise-host is set",
+    )
+    advertise_host: str = option(
+        "",
+        "address registered in etcd for peers and clients to reach this service's ports "
+        "(empty = --host; give it with --host 0.0.0.0 or ::, which only this machine "
+        "can dial)",
+    )
     port: int = option(0, "gRPC port (0 = any free port)")
     node_id: str = option(
         "", "unique id of this process in the cluster (default: <role>-<host>-<pid>)"
@@ -108,6 +123,18 @@ class ServiceConfig:
         for ep in self.etcd_endpoints:
             if ":" not in ep:
                 raise ConfigError(f"etcd: endpoint {ep!r} must be host:port")
+        if is_wildcard(self.host) and not self.advertise_host:
+            log.warning(
+                "--host %s binds every address and, without --advertise-host, is what "
+                "peers are told: only processes on this machine can dial it; give "
+                "--advertise-host with the address others reach this machine at",
+                self.host,
+            )
+        if self.advertise_host and is_wildcard(self.advertise_host):
+            raise ConfigError(
+                f"advertise_host: {self.advertise_host} is a wildcard; give an address "
+                f"peers can dial"
+            )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port (0-65535)")
         if not -1 <= self.metrics_port < 65536:
@@ -127,6 +154,18 @@ class ServiceConfig:
                 "(mutual TLS: it is a server and a client of its peers)"
             )
         TlsFiles(self.etcd_cert, self.etcd_key, self.etcd_ca).validate("etcd")
+
+    @property
+    def advertised_host(self) -> str:
+        """The address peers are told: ``advertise_host``, else ``host``."""
+        return self.advertise_host or self.host
+
+    def advertise(self, address: str) -> str:
+        """``address`` (``host:port``, as bound) with its host replaced by
+        :attr:`advertised_host`."""
+        if not address:
+            return address
+        return f"{self.advertised_host}:{address.rpartition(':')[2]}"
 
     @property
     def etcd_endpoints(self) -> list[str]:

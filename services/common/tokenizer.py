@@ -7,7 +7,8 @@ Two implementations of one interface (:class:`Tokenizer`):
   the ``tokenizers`` library, BOS/EOS from ``tokenizer_config.json``, ``config.json``
   and ``generation_config.json``).
 
-:func:`load_tokenizer` picks one from a model spec (preset name or directory). This
+:func:`load_tokenizer` picks one from a model spec (preset name, shipped model, directory,
+or a Hugging Face hub id from the HF cache). This
 module must stay torch-free: the conductor imports it.
 """
 
@@ -205,15 +206,70 @@ class HFTokenizer:
         return f"HFTokenizer({self.path!r}, name={self.name!r})"
 
 
-def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
-    """Tokenizer of a model spec: a directory -> :class:`HFTokenizer`, else (a preset name,
-    e.g. ``tiny``/``small``: every preset uses bytes) -> :class:`ByteTokenizer`.
+# the files a tokenizer needs from a Hugging Face hub snapshot
+HUB_TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+]
+# models shipped inside kvmesh (engine.config.SHIPPED_MODELS), found without importing the
+# engine: their folders beside the engine's modules
+SHIPPED_TOKENIZERS = ("demo",)
 
-    A spec that looks like a path (contains a path separator) but is not a directory
-    raises :class:`TokenizerError`.
+
+def shipped_dir(name: str) -> str:
+    """The folder of the shipped model ``name`` (package data of ``services/engine``)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", name)
+
+
+def hub_tokenizer_dir(repo_id: str) -> str:
+    """The local snapshot folder holding hub id ``repo_id``'s tokenizer files, from the
+    Hugging Face cache (``HF_HOME``/``HF_HUB_CACHE``; the nodes' download of the model put
+    them there), downloaded there first unless ``HF_HUB_OFFLINE=1``. A clear
+    :class:`TokenizerError` when it cannot be had."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:
+        raise TokenizerError(
+            f"{repo_id}: a Hugging Face hub id needs huggingface_hub (pip install "
+            f"huggingface_hub, or give a model directory)"
+        ) from None
+    offline = bool(constants.HF_HUB_OFFLINE)
+    try:
+        return str(
+            snapshot_download(repo_id, allow_patterns=HUB_TOKENIZER_FILES, local_files_only=offline)
+        )
+    except LocalEntryNotFoundError:
+        raise TokenizerError(
+            f"{repo_id}: not in the Hugging Face cache {constants.HF_HUB_CACHE}"
+            + (" (HF_HUB_OFFLINE is set: nothing is downloaded)" if offline else "")
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise TokenizerError(f"{repo_id}: cannot get it from the Hugging Face hub: {e}") from None
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    org, _, name = spec.partition("/")
+    return bool(org and name) and "/" not in name and not spec.startswith((".", "~"))
+
+
+def load_tokenizer(spec: str, hub: bool = False) -> ByteTokenizer | HFTokenizer:
+    """Tokenizer of a model spec: a directory -> :class:`HFTokenizer`; a shipped model's
+    name (``demo``) -> its folder's; with ``hub``, a Hugging Face hub id (``org/name``)
+    -> its snapshot's (:func:`hub_tokenizer_dir`); else (a preset name, e.g.
+    ``tiny``/``small``: every preset uses bytes) -> :class:`ByteTokenizer`.
+
+    A spec that looks like a path (contains a path separator) but is not a directory (nor,
+    with ``hub``, a hub id) raises :class:`TokenizerError`.
     """
     if os.path.isdir(spec):
         return HFTokenizer(spec)
+    if spec in SHIPPED_TOKENIZERS and os.path.isdir(shipped_dir(spec)):
+        return HFTokenizer(shipped_dir(spec))
+    if hub and _looks_like_hub_id(spec) and not os.path.exists(spec):
+        return HFTokenizer(hub_tokenizer_dir(spec))
     if os.sep in spec or "/" in spec or os.path.exists(spec):
         raise TokenizerError(f"{spec}: not a model directory")
     return ByteTokenizer()

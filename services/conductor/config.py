@@ -85,10 +85,42 @@ class ConductorConfig(ServiceConfig):
         "(and no --api-keys-file) = open API",
     )
     api_keys_file: str = option("", "file with one API key entry per line (# comments)")
+    api_key: str = option(
+        "",
+        "one client API key, as vllm serve's --api-key: an --api-keys entry (KEY, the "
+        "default tenant), added to those of --api-keys and --api-keys-file (its "
+        "environment variable is not KVMESH_API_KEY, the key the command line sends)",
+        env="KVMESH_CONDUCTOR_API_KEY",
+    )
+    served_model_name: str = option(
+        "",
+        "names clients may call the model by, comma-separated, as vllm serve's "
+        "--served-model-name, for a cluster serving one model: requests may name any of "
+        "them (or the model's own name); the first is the name /v1/models lists first and "
+        "the vllm: metrics' model_name label (empty = the model's own name)",
+    )
+    max_model_len: int = option(
+        0,
+        "longest context a request may use, prompt plus max_tokens, in tokens, as vllm "
+        "serve's --max-model-len (0 = the model's own context)",
+    )
+    tokenizer: str = option(
+        "",
+        "the tokenizer the conductor loads, as vllm serve's --tokenizer: a Hugging Face hub "
+        "id (from the HF_HOME cache; downloaded there first unless HF_HUB_OFFLINE=1), a "
+        "model directory or a preset name; it must be the nodes' own (checked by name). "
+        "Empty = each model's own: the nodes' model directory where this conductor sees "
+        "it, else the model's name (a shipped model, or a hub id in the cache)",
+    )
 
     def validate(self) -> None:
         super().validate()
-        ApiKeys.from_config(self.api_keys, self.api_keys_file)  # ConfigError on a bad entry
+        ApiKeys.from_config(self.api_key_entries, self.api_keys_file)  # ConfigError if bad
+        if self.max_model_len < 0:
+            raise ConfigError(f"max_model_len: {self.max_model_len} must be >= 0 (0 = the model's)")
+        names = self.served_model_names
+        if len(set(names)) != len(names):
+            raise ConfigError(f"served_model_name: {self.served_model_name!r} repeats a name")
         if not -1 <= self.http_port < 65536:
             raise ConfigError(f"http_port: {self.http_port} is not a TCP port (or -1 = off)")
         if not self.http_idle_timeout_s > 0:
@@ -103,6 +135,15 @@ class ConductorConfig(ServiceConfig):
             raise ConfigError("slo_margin must be in (0, 1]")
         if self.colocate_below_tokens < 0 or not 0 < self.direct_share <= 1:
             raise ConfigError("colocate_below_tokens must be >= 0 and direct_share in (0, 1]")
+
+    @property
+    def api_key_entries(self) -> str:
+        """``api_keys`` with ``api_key`` added: the table's entries, comma-separated."""
+        return ",".join(e for e in (self.api_keys, self.api_key) if e.strip())
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.served_model_name.split(",") if n.strip())
 
     def policy_config(self) -> PolicyConfig:
         """The scheduler's configuration: this service's routing options, the rest at

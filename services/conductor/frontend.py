@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -66,6 +66,21 @@ class ConductorApi(Protocol):
 
     @property
     def health(self) -> Health: ...
+
+    @property
+    def input(self) -> Any:
+        """The request checks (``request_input.RequestInput``: served names, context)."""
+        ...
+
+    def model_info(self, requested: str) -> tuple[str, dict, Any]:
+        """(model, a node's registration, tokenizer) of the model ``requested`` names
+        (empty: the only one); raises :class:`Rejected`."""
+        ...
+
+    def model_label(self, requested: str) -> str:
+        """The name a request for model ``requested`` (empty: the only one) is reported
+        under: the first --served-model-name, else the model's own."""
+        ...
 
     def generate(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """The request's life; raises :class:`Rejected`."""

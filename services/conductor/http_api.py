@@ -9,6 +9,8 @@ with the service's ``--tls-cert``/``--tls-key``, no client certificate asked for
                                list of either; stream (SSE) or not
   POST /v1/chat/completions    messages rendered by the chat template (below); stream or not
   GET  /health                 200 when the conductor is SERVING, 503 otherwise
+  GET  /metrics, GET /version, POST /tokenize, POST /detokenize
+                               as ``vllm serve`` has them (``http_vllm``)
 
 Every request calls ``Conductor.generate`` directly (no gRPC hop), through the same
 metrics wrapper as the gRPC API. Every field is implemented or refused with a 400 naming
@@ -78,6 +80,7 @@ from kvmesh.services.conductor.frontend import ConductorApi, Rejected, client_id
 from kvmesh.services.conductor.http_body import close_unread, read_body
 from kvmesh.services.conductor.http_choices import FanOut, Shape
 from kvmesh.services.conductor.http_request import MAX_BODY_BYTES, ApiError, build
+from kvmesh.services.conductor.http_vllm import PATHS, VllmEndpoints, model_cards
 
 try:
     import jinja2
@@ -213,6 +216,20 @@ class QuietClientErrors(logging.LoggerAdapter):
         self.logger.exception(msg, *args, exc_info=exc_info, **kw)
 
 
+# the request's key for when it arrived (perf_counter); a typed key where aiohttp has them
+ARRIVAL: Any = (
+    web.RequestKey("kvmesh_arrival", float) if hasattr(web, "RequestKey") else "kvmesh_arrival"
+)
+
+
+@web.middleware
+async def stamp_arrival(request: web.Request, handler) -> web.StreamResponse:
+    """Notes when a request arrived (its headers read, before its body): its TTFT counts
+    from there, the conductor's reading and parsing of the body included."""
+    request[ARRIVAL] = time.perf_counter()
+    return await handler(request)
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
     """aiohttp's own refusals (unknown path, wrong method, a body over the limit) in
@@ -227,7 +244,8 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         elif e.status in (404, 405):
             msg = (
                 f"no {request.method} {request.path}: this API serves GET /v1/models, "
-                f"POST /v1/completions, POST /v1/chat/completions and GET /health"
+                f"POST /v1/completions, POST /v1/chat/completions, GET /health, "
+                f"{', '.join(PATHS)}"
             )
         else:
             msg = e.text or e.reason
@@ -272,12 +290,20 @@ class HttpApi:
 
     async def start(self) -> str:
         app = web.Application(
-            client_max_size=MAX_BODY_BYTES, middlewares=[close_unread, openai_errors]
+            client_max_size=MAX_BODY_BYTES,
+            middlewares=[stamp_arrival, close_unread, openai_errors],
         )
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
+        VllmEndpoints(
+            self.c,
+            self._authenticate,
+            lambda r: read_body(r, self._largest_context),
+            self._render,
+            from_rejected,
+        ).add_routes(app)
         runner = self._runner = web.AppRunner(
             app,
             access_log=None,
@@ -340,11 +366,7 @@ class HttpApi:
             self._authenticate(request)
         except ApiError as e:
             return e.response()
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh"}
-            for name in sorted(self.c.view.models())
-        ]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": model_cards(self.c)})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -420,7 +442,7 @@ class HttpApi:
         created = int(time.time())
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         model = opts["model"] or self._model_name()
-        fan = FanOut(self.c, req, opts["n"])
+        fan = FanOut(self.c, req, opts["n"], request.get(ARRIVAL))
         try:
             try:
                 await fan.start()
@@ -434,8 +456,7 @@ class HttpApi:
             await fan.aclose()
 
     def _model_name(self) -> str:
-        models = self.c.view.models()
-        return next(iter(models)) if len(models) == 1 else ""
+        return self.c.model_label("")
 
     def _token_texts(self, model: str, opts: dict):
         """``ids -> [text of each token]`` for logprobs (None when none are asked for):

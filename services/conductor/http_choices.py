@@ -113,8 +113,11 @@ class FanOut:
     choice ``i`` samples with seed + i (reproducible, and the choices differ); without,
     each gets its own from the conductor."""
 
-    def __init__(self, c: ConductorApi, req: pb.GenerateRequest, n: int) -> None:
+    def __init__(
+        self, c: ConductorApi, req: pb.GenerateRequest, n: int, t_arrival: float | None = None
+    ) -> None:
         self.c, self.req, self.n = c, req, n
+        self.t_arrival = t_arrival  # when the request arrived (its choices' TTFT counts from it)
         self.gens: list = []
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
@@ -133,7 +136,7 @@ class FanOut:
 
     async def start(self) -> None:
         """Waits for choice 0's first response (raises its Rejected), then starts the rest."""
-        g = observed(self.c, self._request(0))
+        g = observed(self.c, self._request(0), self.t_arrival)
         self.gens.append(g)
         try:
             self.first = await g.__anext__()
@@ -141,7 +144,7 @@ class FanOut:
             raise ApiError(500, "the conductor returned no tokens", "server_error") from None
         self.tasks.append(asyncio.ensure_future(self._pump(0, g, self.first)))
         for i in range(1, self.n):
-            gi = observed(self.c, self._request(i))
+            gi = observed(self.c, self._request(i), self.t_arrival)
             self.gens.append(gi)
             self.tasks.append(asyncio.ensure_future(self._pump(i, gi, None)))
 

@@ -1,7 +1,8 @@
 """Request-level observability of the conductor, wrapped around ``Conductor.generate``
 (used by both the gRPC servicer and the HTTP API, so every request is counted once):
 TTFT and TBT histograms, SLO attainment, acceptance and rejection counts by reason,
-routes, estimate error, token usage, and the request span's attributes."""
+routes, estimate error, token usage, vLLM's series (:mod:`.vllm_metrics`), and the
+request span's attributes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvmesh.services.common import metrics as m
 from kvmesh.services.common import telemetry
 from kvmesh.services.conductor.cluster import NodeInfo
 from kvmesh.services.conductor.frontend import ConductorApi, Rejected
+from kvmesh.services.conductor.vllm_metrics import RequestSeries
 
 
 def rejection_reason(code: grpc.StatusCode, metadata) -> str:
@@ -62,24 +64,28 @@ def admission_attributes(r: Any, d: Any) -> dict[str, Any]:
 
 
 async def observed(
-    conductor: ConductorApi, req: pb.GenerateRequest
+    conductor: ConductorApi, req: pb.GenerateRequest, t_arrival: float | None = None
 ) -> AsyncGenerator[pb.GenerateResponse, None]:
-    """``conductor.generate(req)`` with its metrics recorded on the way through."""
+    """``conductor.generate(req)`` with its metrics recorded on the way through; TTFT and
+    end-to-end latency count from ``t_arrival`` (``time.perf_counter()`` when the request
+    arrived: the HTTP API's before it reads and parses the body), else from now."""
     stats: m.RequestStats = conductor.request_stats
     cfg = conductor.cfg
     ttft_slo = cfg.ttft_slo_ms if req.slo.ttft_ms <= 0 else min(req.slo.ttft_ms, cfg.ttft_slo_ms)
     tbt_slo = cfg.tbt_slo_ms if req.slo.tbt_ms <= 0 else min(req.slo.tbt_ms, cfg.tbt_slo_ms)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t_arrival is None else t_arrival
     last = t0
     ttft = None
     gaps: list[float] = []
     finish = "cancelled"
+    series = RequestSeries(conductor.model_label(req.model), t0)  # the vllm: series
     try:
         async for resp in conductor.generate(req):
             now = time.perf_counter()
             if ttft is None:
                 ttft = now - t0
                 m.TTFT.observe(ttft)
+                series.first_token(ttft)
                 stats.add_ttft(ttft)
                 m.REQUESTS_ACCEPTED.inc()
                 stats.accepted += 1
@@ -101,6 +107,7 @@ async def observed(
                 )
             elif resp.token_ids:
                 gap = (now - last) / len(resp.token_ids)
+                series.gaps(gap, len(resp.token_ids))
                 for _ in resp.token_ids:
                     m.TBT.observe(gap)
                     stats.add_tbt(gap)
@@ -112,6 +119,7 @@ async def observed(
                 m.PROMPT_TOKENS.labels("computed").inc(u.computed_tokens)
                 m.PROMPT_TOKENS.labels("cached").inc(u.cached_tokens)
                 m.GENERATED.inc(u.completion_tokens)
+                series.usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
                 telemetry.set_attributes(
                     {
                         "kvmesh.prompt_tokens": u.prompt_tokens,
@@ -133,6 +141,7 @@ async def observed(
             finish = "error"
         raise
     finally:
+        series.finish(time.perf_counter())
         if finish:
             m.REQUESTS_FINISHED.labels(finish).inc()
         if ttft is not None and finish in ("stop", "length"):

@@ -31,6 +31,7 @@ import secrets
 import time
 import uuid
 from collections import deque
+from typing import Any
 
 import grpc
 
@@ -72,6 +73,7 @@ from kvmesh.services.conductor.policy import (
 )
 from kvmesh.services.conductor.request_input import RequestInput
 from kvmesh.services.conductor.text import TextStream, generate_response
+from kvmesh.services.conductor.vllm_metrics import KvUsageCollector
 from kvmesh.services.conductor.warm import Warmer
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ class Conductor(Service):
     api_keys: ApiKeys  # set by server_interceptors, during Service.__init__
 
     def server_interceptors(self) -> list:
-        self.api_keys = ApiKeys.from_config(self.cfg.api_keys, self.cfg.api_keys_file)
+        self.api_keys = ApiKeys.from_config(self.cfg.api_key_entries, self.cfg.api_keys_file)
         return [
             StrictDecoding(),
             *([ApiKeyInterceptor(self.api_keys)] if self.api_keys.enabled else []),
@@ -120,7 +122,7 @@ class Conductor(Service):
         self.view = ClusterView(self.membership)
         self.sched = Scheduler(cfg.policy_config())
         self.feeds = NodeFeeds(self.view, self.sched, cfg.report_interval_ms)
-        self.input = RequestInput(self.view, cfg.max_tokens_limit, cfg.max_prompt_tokens)
+        self.input = RequestInput.of(self.view, cfg)
         self.request_stats = RequestStats()
         self.http: HttpApi | None = None
         self.decisions: deque[dict] = deque(maxlen=1024)
@@ -149,11 +151,13 @@ class Conductor(Service):
                 channels.current(),
                 idle_timeout_s=self.cfg.http_idle_timeout_s,
             )
-            self.http_address = await self.http.start()
+            self.http_address = self.cfg.advertise(await self.http.start())
             self.membership.add_listener(self.http.on_member)
         self.membership.add_listener(self.feeds.on_member)
         self._model_metrics = ModelErrorCollector(self.sched)
         METRICS_REGISTRY.register(self._model_metrics)
+        self._kv_usage = KvUsageCollector(self.sched, self.view, self.input.public_name)
+        METRICS_REGISTRY.register(self._kv_usage)
         await self.membership.start()
 
     async def register(self) -> None:
@@ -175,6 +179,7 @@ class Conductor(Service):
         if self.http is not None:
             await self.http.stop()
         METRICS_REGISTRY.unregister(self._model_metrics)
+        METRICS_REGISTRY.unregister(self._kv_usage)
         if self.calls.background:  # reservations being released
             await asyncio.wait(self.calls.background, timeout=5)
         try:  # the decode nodes free what this incarnation still holds
@@ -185,6 +190,13 @@ class Conductor(Service):
         await self.feeds.close()
         await self.membership.stop()
         await self.view.close()
+
+    def model_label(self, requested: str) -> str:
+        return self.input.label(requested)
+
+    def model_info(self, requested: str) -> tuple[str, dict, Any]:
+        model, info = self.input.lookup(requested)
+        return model, info, self.input.tokenizer(info)
 
     # -- admission -----------------------------------------------------------------------
     async def _store_prefix(self, hashes: list[bytes]) -> int | None:

@@ -1,43 +1,45 @@
-"""Incremental detokenization: token ids in, the new text out, for any tokenizer with
-``decode(ids) -> str``. A trailing U+FFFD (an incomplete UTF-8 sequence so far) is held
-back until the next tokens complete it or the stream ends; so is a tail that could be the
-start of a stop string. When a stop string appears, the text ends just before it. And the
-``GenerateResponse`` each step of a stream sends (:func:`generate_response`)."""
+"""A stream's text: token ids in, the new text out (:class:`TextStream`, over the
+incremental decoders of :mod:`.detok`). A trailing U+FFFD (an incomplete UTF-8 sequence
+so far) is held back until the next tokens complete it or the stream ends; so is a tail
+that could be the start of a stop string. When a stop string appears, the text ends just
+before it. And the ``GenerateResponse`` each step of a stream sends (:func:`generate_response`)."""
 
 from __future__ import annotations
 
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.services.common.sampling_params import find_stop
+from kvmesh.services.conductor.detok import incremental_decoder
 
 
 class TextStream:
+    """A stream's text with its stop strings: the new text of each batch of tokens, from
+    an incremental decoder (:mod:`.detok`: the cost per token does not grow with the
+    output), less a tail as long as the longest stop string but one, held back until the
+    next tokens show it is no stop string's start."""
+
     def __init__(self, tokenizer, stops: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stops = tuple(s for s in stops if s)
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.ids: list[int] = []
-        self.emitted = 0
+        self.detok = incremental_decoder(tokenizer)
+        self.pending = ""  # decoded, not yet sent: the held-back tail
         self.stopped = False
 
     def push(self, ids: list[int], final: bool = False) -> str:
         """New text for ``ids``; sets ``stopped`` when a stop string was found."""
         if self.stopped:
             return ""
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
+        text = self.pending + self.detok.step(ids)
+        if final:
+            text += self.detok.flush()
         if self.stops:
-            cut = find_stop(text, self.stops, start=max(0, self.emitted - self.hold))
+            cut = find_stop(text, self.stops)
             if cut is not None:
-                out, self.emitted, self.stopped = text[self.emitted : cut], cut, True
-                return out
-        end = len(text)
-        if not final:
-            end -= self.hold
-            while end > self.emitted and text[end - 1] == "\ufffd":
-                end -= 1
-        out = text[self.emitted : end] if end > self.emitted else ""
-        self.emitted = max(self.emitted, end)
-        return out
+                self.pending, self.stopped = "", True
+                return text[:cut]
+        end = len(text) if final else max(0, len(text) - self.hold)
+        self.pending = text[end:]
+        return text[:end]
 
 
 def generate_response(

@@ -153,6 +153,7 @@ class LocalCluster:
         self.cluster = cluster
         self.n_prefill, self.n_decode = prefill, decode
         self.conductor_port = conductor_port  # 0 until start() reads the bound port
+        self.conductor_host = "127.0.0.1"  # start() reads the address it registered
         self.lease_ttl = lease_ttl
         self.node_args = list(node_args or [])
         self.decode_args = decode_args or []  # after node_args, for decode nodes only
@@ -237,14 +238,14 @@ class LocalCluster:
     def conductor(self) -> str:
         if not self.conductor_port:
             raise RuntimeError("the conductor's port is known once the cluster has started")
-        return f"127.0.0.1:{self.conductor_port}"
+        return f"{self.conductor_host}:{self.conductor_port}"
 
     @property
     def conductors(self) -> list[str]:
         """Every conductor's gRPC address, conductor-0's first."""
         if not self.conductor_ports:
             raise RuntimeError("the conductors' ports are known once the cluster has started")
-        return [f"127.0.0.1:{p}" for p in self.conductor_ports]
+        return [f"{self.conductor_host}:{p}" for p in self.conductor_ports]
 
     def env(self) -> dict[str, str]:
         """The environment of the cluster's processes (one started by hand too)."""
@@ -524,6 +525,7 @@ class LocalCluster:
         self.http_ports.append(http)
         if i == 0:
             self.conductor_port = port
+            self.conductor_host = info["grpc"].rsplit(":", 1)[0]
             if self.http_port == 0 and http > 0:
                 self.http_port = http
         name = f"conductor-{i}"

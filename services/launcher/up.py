@@ -130,6 +130,49 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "(KEY, KEY:TENANT, KEY:TENANT:shared=NS, "
         "comma-separated); empty = open",
     )
+    # vllm serve's habits (the conductor's and the nodes' options of the same names)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the conductor's gRPC and HTTP API ports bind (0.0.0.0 = every "
+        "address; it is registered as 127.0.0.1 then); the other services stay on loopback",
+    )
+    p.add_argument("--api-key", default="", help="one client API key (as an --api-keys entry)")
+    p.add_argument(
+        "--served-model-name",
+        default="",
+        help="names clients may call the model by, comma-separated (the conductor's option)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="longest context a request may use, prompt plus max_tokens (0 = the model's)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="",
+        help="the nodes' compute dtype: auto, bfloat16, float16 (CUDA only) or float32 "
+        "(default: the nodes' own default, float32)",
+    )
+
+
+def vllm_style_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(conductor, node) arguments for ``kvmesh up``'s vllm-style flags."""
+    from kvmesh.services.common.settings import is_wildcard
+
+    conductor: list[str] = []
+    host = getattr(args, "host", "127.0.0.1") or "127.0.0.1"
+    if host != "127.0.0.1":
+        conductor += ["--host", host]
+        if is_wildcard(host):
+            conductor += ["--advertise-host", "127.0.0.1"]
+    for flag in ("api_keys", "api_key", "served_model_name", "max_model_len"):
+        value = getattr(args, flag, "")
+        if value:
+            conductor += ["--" + flag.replace("_", "-"), str(value)]
+    dtype = getattr(args, "dtype", "")
+    return conductor, (["--dtype", dtype] if dtype else [])
 
 
 def _http_port(port: int) -> int:
@@ -215,7 +258,7 @@ def up(args: argparse.Namespace) -> int:
         args.prefill, args.decode = split
     if args.port:  # before etcd starts: a second cluster must not share the port
         try:
-            check_port(f"127.0.0.1:{args.port}")
+            check_port(f"{getattr(args, 'host', '') or '127.0.0.1'}:{args.port}")
         except PortInUse as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -231,6 +274,7 @@ def up(args: argparse.Namespace) -> int:
 
 def _cluster(args: argparse.Namespace, model: str, cpus: float) -> LocalCluster:
     """The cluster ``kvmesh up`` runs; raises WorkdirInUse when another holds --workdir."""
+    conductor_args, dtype_args = vllm_style_args(args)
     return LocalCluster(
         args.workdir,
         prefill=args.prefill,
@@ -239,10 +283,11 @@ def _cluster(args: argparse.Namespace, model: str, cpus: float) -> LocalCluster:
         conductors=getattr(args, "conductors", 1),
         conductor_port=args.port,
         http_port=_http_port(args.http_port),
-        node_args=["--model", model, "--block-size", str(args.block_size)],
+        node_args=["--model", model, "--block-size", str(args.block_size), *dtype_args],
         tls=getattr(args, "tls", False),
-        conductor_args=(["--api-keys", args.api_keys] if getattr(args, "api_keys", "") else None),
-        api_key=(getattr(args, "api_keys", "") or "").split(",")[0].split(":")[0],
+        conductor_args=conductor_args,
+        api_key=getattr(args, "api_key", "")
+        or (getattr(args, "api_keys", "") or "").split(",")[0].split(":")[0],
         max_restarts=getattr(args, "max_restarts", 5),
         restart_window_s=getattr(args, "restart_window", 60.0),
         log=lambda msg: print(msg, file=sys.stderr, flush=True),

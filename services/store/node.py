@@ -93,7 +93,11 @@ class StoreNode(Service):
         self.host.add_to_server(self.server)
 
     def node_info(self) -> dict:
-        return {**super().node_info(), "data": self.te.address, "segment": self.host.size}
+        return {
+            **super().node_info(),
+            "data": self.cfg.advertise(self.te.address),
+            "segment": self.host.size,
+        }
 
     async def after_start(self) -> None:
         self.host.grpc_address = self.grpc_address
