@@ -86,8 +86,7 @@ def render(res: dict) -> str:
         "# kvmesh capacity at equal compute",
         "",
         f"Created {res['created']}, {res.get('elapsed_s', 0) / 60:.0f} min. Command: "
-        f"`python -m kvmesh.loadtest.capacity "
-        f"{'--quick ' if a.get('quick') else ''}--out {a['out']}`.",
+        f"`python -m kvmesh.loadtest.capacity {_flags(a)}`.",
         "",
         "Budgets: "
         + "; ".join(f"{k}: {v}" for k, v in res["budgets"].items())
@@ -238,3 +237,12 @@ def write_report(out: Path) -> str:
 
 if __name__ == "__main__":
     print(write_report(Path(sys.argv[1] if len(sys.argv) > 1 else ".")))
+
+
+def _flags(a: dict) -> str:
+    """The command line's flags that select what ran (the rest: the report's figures)."""
+    out = ["--quick"] if a.get("quick") else []
+    for k in ("phases", "workloads", "configs"):
+        if a.get(k) and (k != "phases" or a[k] != "costs,plan,sweep,others,repeat"):
+            out.append(f"--{k} {a[k]}")
+    return " ".join([*out, f"--out {a['out']}"])
