@@ -17,6 +17,7 @@ import torch
 from kvmesh.protos import kvmesh_pb2 as pb
 from kvmesh.rdma import TransferError
 from kvmesh.services.common.hashing import prefix_hashes
+from kvmesh.services.common.tokenizer import ByteTokenizer
 from kvmesh.services.engine.config import ModelConfig
 from kvmesh.services.engine.kv_pool import KVPool, OutOfBlocks
 from kvmesh.services.engine.model import PrefillStopped
@@ -272,7 +273,8 @@ def make_node(num_blocks=16, model=None, te=None, store=None) -> PrefillNode:
     node.store = store
     node.pool_region = 0
     node.model_config = CFG
-    node.counters = {"computed": 0, "cached": 0, "fetched": 0, "generated": 0}
+    node.counters = {"computed": 0, "cached": 0, "fetched": 0, "generated": 0, "warmed": 0}
+    node.tokenizer = ByteTokenizer()  # (its eos ids: the first token's penalties' history)
     node.events = FakeEvents()
     node.compute = ComputeQueue()
     node.slowdown = Slowdown()
