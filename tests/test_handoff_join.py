@@ -262,6 +262,13 @@ def test_the_chunk_clock_sizes_chunks_by_time():
     assert clock.tokens(0, 512, 16, 4.0) == 16  # less than a forward's cost: one block
     clock.observe(2, 0, 5.0 + 2 * 1.001)
     assert clock.factor == pytest.approx(1.0, rel=1e-3)
+    # a context term fitted as next to nothing (least squares on a flat profile gave
+    # b = 1.7e-18 about one run in three): the same chunk as with none, not the whole
+    # prompt (the textbook root's -lin + sqrt(lin^2 + ...) cancelled to noise)
+    for b in (0.0, 1.7e-18):
+        clock = ChunkClock()
+        clock.a, clock.b = 1.0 - 1e-16, b
+        assert clock.tokens(0, 511, 4, 20.0) == 20, b
 
 
 async def test_prompt_chunks_here_leave_the_running_requests_tbt_slo_room():

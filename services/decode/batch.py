@@ -106,10 +106,10 @@ class ChunkClock:
         if budget <= 0:
             return bs
         lin, quad = self.a + self.b * pos, self.b / 2
-        if quad > 0:
-            c = (-lin + (lin * lin + 4 * quad * budget) ** 0.5) / (2 * quad)
-        else:
-            c = budget / lin
+        # the root of quad c^2 + lin c - budget, in the form that stays exact as quad
+        # goes to 0: (-lin + sqrt(...)) / (2 quad) cancels, and with a fitted b of
+        # 1.7e-18 a 20 ms budget came out as the whole prompt
+        c = 2 * budget / (lin + (lin * lin + 4 * quad * budget) ** 0.5)
         return max(bs, min(most, int(c) // bs * bs))
 
     def observe(self, tokens: int, pos: int, ms: float) -> None:
