@@ -8,7 +8,12 @@ from dataclasses import dataclass
 
 from kvmesh.rdma.tcp import MAX_CONNS
 from kvmesh.services.common.config import ConfigError, option, parse_memory, parse_size
-from kvmesh.services.common.settings import DEV_SECRET, ServiceConfig, check_data_plane_secret
+from kvmesh.services.common.settings import (
+    DEV_SECRET,
+    TE_MAX_CONNS_HELP,
+    ServiceConfig,
+    check_data_plane_secret,
+)
 from kvmesh.services.engine.checkpoint import CheckpointError, resolve_model
 from kvmesh.services.engine.config import resolve_dtype
 from kvmesh.services.engine.device import DEVICES, resolve_device
@@ -87,11 +92,7 @@ class NodeConfig(ServiceConfig):
     )
     te_max_conns: int = option(
         MAX_CONNS,
-        "most connections the transfer engine's data port holds at once, peers being "
-        "served and handshakes in progress together (each peer opens a few); at the "
-        "limit a new connection closes the oldest unfinished handshake, or is closed "
-        'itself when all are peers (kvmesh_data_port_refused_total{reason="limit"}); '
-        "a handshake not finished in 3 s is closed",
+        TE_MAX_CONNS_HELP,
     )
     checksum: bool = option(
         False,

@@ -178,3 +178,12 @@ class ServiceConfig:
 # torch threads a model node takes when nothing sets its ``threads``: a launcher's share of
 # its machine's cores (``kvmesh.services.launcher.cluster``), read by the model nodes
 THREAD_SHARE_ENV = "KVMESH_LAUNCHER_THREAD_SHARE"
+
+# --te-max-conns of every service with a data port (model nodes, store nodes)
+TE_MAX_CONNS_HELP = (
+    "most connections the transfer engine's data port holds at once, peers being "
+    "served and handshakes in progress together (each peer opens a few); at the "
+    "limit a new connection closes the oldest unfinished handshake, or is closed "
+    'itself when all are peers (kvmesh_data_port_refused_total{reason="limit"}); '
+    "a handshake not finished in 3 s is closed"
+)

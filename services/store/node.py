@@ -17,7 +17,12 @@ from kvmesh.services.common import metrics
 from kvmesh.services.common.config import ConfigError, load, option, parse_size
 from kvmesh.services.common.registry import Membership, nodes_prefix
 from kvmesh.services.common.service import Service, run, setup_logging
-from kvmesh.services.common.settings import DEV_SECRET, ServiceConfig, check_data_plane_secret
+from kvmesh.services.common.settings import (
+    DEV_SECRET,
+    TE_MAX_CONNS_HELP,
+    ServiceConfig,
+    check_data_plane_secret,
+)
 from kvmesh.services.store.segment import SegmentHost
 
 # read at scrape time, like the other node-level state (see kvmesh.services.common.metrics)
@@ -43,11 +48,7 @@ class StoreNodeConfig(ServiceConfig):
     )
     te_max_conns: int = option(
         MAX_CONNS,
-        "most connections the transfer engine's data port holds at once, peers being "
-        "served and handshakes in progress together (each peer opens a few); at the "
-        "limit a new connection closes the oldest unfinished handshake, or is closed "
-        'itself when all are peers (kvmesh_data_port_refused_total{reason="limit"}); '
-        "a handshake not finished in 3 s is closed",
+        TE_MAX_CONNS_HELP,
     )
 
     def validate(self) -> None:
